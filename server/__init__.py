@@ -1,0 +1,1 @@
+"""MTP serving daemon for DeepSeek-V3/R1-style models."""
