@@ -1,0 +1,112 @@
+"""Error shapes and the exception that carries them.
+
+Two shapes, because two kinds of client read them:
+  /v1/*  (OpenAI SDK, LangChain)  {"error": {"message", "type", "param", "code"}}
+  native endpoints (MindIE tools)  {"error": "<message>", "error_type": "<MindIE type>"}
+The openai SDK picks its exception class from the HTTP status only, so the status is
+what must be right; ``type`` uses OpenAI's categories and ``code`` the status number.
+"""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "not_implemented_error",
+    503: "service_unavailable_error",
+}
+
+# MindIE's WrapperJson status -> error_type table (reference mindie.md 4.2).
+_MINDIE_TYPES = {
+    400: "Bad Request",
+    404: "NotFoundError",
+    413: "Bad Request",
+    422: "Input Validation Error",
+    424: "Generation Error",
+    500: "Incomplete Generation",
+    503: "Service Unavailable",
+}
+
+
+class APIError(Exception):
+    """A refusal with everything a client needs: status, message, offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def openai_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message,
+                      "type": _OPENAI_TYPES.get(status, HTTPStatus(status).phrase),
+                      "param": param, "code": status}}
+
+
+def mindie_body(status: int, message: str) -> dict:
+    return {"error": message,
+            "error_type": _MINDIE_TYPES.get(status, HTTPStatus(status).phrase)}
+
+
+def error_response(status: int, message: str, param: str | None = None, *,
+                   native: bool = False, retry_after: int | None = None) -> Response:
+    body = mindie_body(status, message) if native else openai_body(status, message, param)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def _is_native(request: Request) -> bool:
+    return not request.url.path.startswith("/v1/") or request.url.path in (
+        "/v1/config", "/v1/status")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    first = errs[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    return f"{param or 'request'}: {first.get('msg', 'invalid value')}", param
+
+
+def install_error_handlers(app) -> None:
+    """Route every failure through our shapes; FastAPI's 422 never reaches a client."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc.status, exc.message, exc.param,
+                              native=_is_native(request), retry_after=exc.retry_after)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param, native=_is_native(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), native=_is_native(request))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              native=_is_native(request))
