@@ -1,0 +1,436 @@
+#!/usr/bin/env python
+"""Serving benchmark: MTP off vs MTP k=1 vs k=2, and our daemon vs transformers generate().
+
+Why ratios from one run: the machines are shared and noisy, so absolute figures drift
+between runs.  Every configuration runs in the same process lifetime, bursts alternate
+between configurations (off, k1, k2, off, k1, k2, ...) so that drift hits all of them,
+and the table reports medians over repetitions plus ratios against MTP off.
+
+Usage:
+  scripts/bench.py [--quick] [--json out.json] [--plot out.png]
+  scripts/bench.py --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027  # a running daemon
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS_FILE = ROOT / "scripts" / "bench_prompts.json"
+DEFAULT_CONFIG = ROOT / "conf" / "config.json"
+
+
+# --------------------------------------------------------------------------- daemons
+
+@dataclass
+class Target:
+    name: str                       # "off", "k1", "k2", or "url"
+    base_url: str
+    metrics_url: str
+    proc: subprocess.Popen | None = None
+    workdir: Path | None = None
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_config(base: Path, workdir: Path, spec_tokens: int) -> tuple[Path, int, int]:
+    cfg = json.loads(base.read_text())
+    port, mport = _free_port(), _free_port()
+    srv = cfg["ServerConfig"]
+    srv.update(ipAddress="127.0.0.1", managementIpAddress="127.0.0.1", port=port,
+               managementPort=mport, metricsPort=mport, httpsEnabled=False,
+               maxLinkNum=max(int(srv.get("maxLinkNum", 300)), 256))
+    mc = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    weights = Path(mc["modelWeightPath"])
+    if not weights.is_absolute():
+        mc["modelWeightPath"] = str((base.parent / weights).resolve())
+    mc["plugin_params"] = (json.dumps({"plugin_type": "mtp", "num_speculative_tokens": spec_tokens})
+                           if spec_tokens > 0 else "")
+    sched = cfg["BackendConfig"]["ScheduleConfig"]
+    sched["maxBatchSize"] = max(int(sched.get("maxBatchSize", 64)), 64)
+    sched["maxPrefillBatchSize"] = min(int(sched.get("maxPrefillBatchSize", 16)), sched["maxBatchSize"])
+    path = workdir / "config.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    return path, port, mport
+
+
+def start_daemon(name: str, base_config: Path, spec_tokens: int, timeout: float = 300.0) -> Target:
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens)
+    log = open(workdir / "daemon.log", "w")
+    env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg_path)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "Daemon start success!" in (workdir / "daemon.log").read_text(errors="replace"):
+            return Target(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", proc, workdir)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"daemon {name} did not start; log:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
+
+
+def stop_daemon(t: Target) -> None:
+    if t.proc is None:
+        return
+    try:
+        os.killpg(t.proc.pid, signal.SIGTERM)
+        t.proc.wait(timeout=30)
+    except Exception:
+        t.proc.kill()
+    if t.workdir:
+        shutil.rmtree(t.workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- load
+
+@dataclass
+class RequestResult:
+    ttft: float
+    latency: float
+    completion_tokens: int
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.completion_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.completion_tokens - 1)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
+                      max_tokens: int) -> RequestResult:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk.get("choices") or []
+            if ttft is None and choices:
+                delta = choices[0].get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content"):
+                    ttft = time.perf_counter() - t0
+    latency = time.perf_counter() - t0
+    return RequestResult(ttft if ttft is not None else latency, latency, tokens)
+
+
+async def burst(target: Target, model: str, prompts: list[list[dict]], concurrency: int,
+                num_requests: int, max_tokens: int) -> dict:
+    """`num_requests` requests with at most `concurrency` in flight; returns aggregate figures."""
+    before = await scrape(target.metrics_url)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def run(i: int) -> None:
+            async with sem:
+                results.append(await one_request(client, target.base_url, model,
+                                                 prompts[i % len(prompts)], max_tokens))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(i) for i in range(num_requests)))
+        wall = time.perf_counter() - t0
+    after = await scrape(target.metrics_url)
+    drafts = after.get("spec_decode_num_drafts_total", 0) - before.get("spec_decode_num_drafts_total", 0)
+    draft_toks = (after.get("spec_decode_num_draft_tokens_total", 0)
+                  - before.get("spec_decode_num_draft_tokens_total", 0))
+    accepted = (after.get("spec_decode_num_accepted_tokens_total", 0)
+                - before.get("spec_decode_num_accepted_tokens_total", 0))
+    tokens = sum(r.completion_tokens for r in results)
+    tpots = [r.tpot for r in results if r.tpot is not None]
+    return {
+        "output_tok_s": tokens / wall,
+        "req_s": len(results) / wall,
+        "ttft_median": statistics.median(r.ttft for r in results),
+        "ttft_p99": _pct([r.ttft for r in results], 99),
+        "tpot_median": statistics.median(tpots) if tpots else None,
+        "tpot_p99": _pct(tpots, 99) if tpots else None,
+        "acceptance_rate": accepted / draft_toks if draft_toks else None,
+        "mean_accepted_len": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    idx = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[idx]
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """Sum every sample of each metric family (labels folded) from a Prometheus page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            text = (await c.get(url)).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith(("_created", "_bucket")):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+async def model_id(target: Target) -> str:
+    async with httpx.AsyncClient(timeout=30) as c:
+        return (await c.get(target.base_url + "/v1/models")).json()["data"][0]["id"]
+
+
+# --------------------------------------------------------------------------- references
+
+def transformers_peer(weights: Path, prompts: list[list[dict]], max_tokens: int,
+                      batch_sizes: list[int], reps: int) -> dict[int, float]:
+    """tokens/s of transformers generate() (greedy) on the same checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(weights)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
+    out: dict[int, float] = {}
+    for bs in batch_sizes:
+        texts = [tok.apply_chat_template(prompts[i % len(prompts)], tokenize=False,
+                                         add_generation_prompt=True) for i in range(bs)]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                gen = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                     do_sample=False, pad_token_id=tok.pad_token_id)
+            dt = time.perf_counter() - t0
+            rates.append((gen.shape[1] - enc["input_ids"].shape[1]) * bs / dt)
+        out[bs] = statistics.median(rates)
+    return out
+
+
+def prefill_forward_seconds(weights: Path, num_tokens: int, reps: int = 5) -> float:
+    """Median wall time of one no-cache forward over `num_tokens` tokens with our model."""
+    import torch
+    from server.model.loader import load_checkpoint
+    model, _ = load_checkpoint(weights, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, num_tokens))
+    times = []
+    with torch.inference_mode():
+        model.compute_logits(model.forward_full(ids)[0, -1:])
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.compute_logits(model.forward_full(ids)[0, -1:])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def long_prompt(num_tokens: int) -> list[dict]:
+    words = ("the engine verifies each draft token against the main model and keeps the "
+             "accepted prefix before it drafts again ").split()
+    text = " ".join(words[i % len(words)] for i in range(num_tokens))
+    return [{"role": "user", "content": text}]
+
+
+# --------------------------------------------------------------------------- main
+
+class Progress:
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        el = time.monotonic() - self.t0
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{el:6.0f}s {label:<28}")
+        sys.stderr.flush()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-file", type=Path, default=DEFAULT_CONFIG)
+    ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
+    ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-peer", action="store_true", help="skip the transformers reference rows")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args(argv)
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    reps = args.reps or (1 if args.quick else 3)
+    max_tokens = 32 if args.quick and args.max_tokens == 64 else args.max_tokens
+    prompt_set = json.loads(PROMPTS_FILE.read_text())
+    prompts = prompt_set["prompts"]
+
+    base_cfg = json.loads(args.config_file.read_text())
+    mc = base_cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    weights = Path(mc["modelWeightPath"])
+    if not weights.is_absolute():
+        weights = (args.config_file.parent / weights).resolve()
+
+    targets: list[Target] = []
+    try:
+        if args.url:
+            targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
+        else:
+            for name, k in (("off", 0), ("k1", 1), ("k2", 2)):
+                print(f"starting daemon {name} ...", file=sys.stderr)
+                targets.append(start_daemon(name, args.config_file, k))
+        model = asyncio.run(model_id(targets[0]))
+        ttft_prompt = long_prompt(200)
+        total = reps * len(levels) * len(targets) + reps * len(targets)
+        prog = Progress(total)
+        raw: dict[str, dict[int, list[dict]]] = {t.name: {c: [] for c in levels} for t in targets}
+        ttft_raw: dict[str, list[float]] = {t.name: [] for t in targets}
+        for t in targets:   # warm-up: first requests pay one-off costs
+            asyncio.run(burst(t, model, prompts, 4, 4, 8))
+        for _ in range(reps):
+            for c in levels:
+                n = max(c * (2 if args.quick else 3), 4)
+                for t in targets:        # alternate so drift hits every configuration
+                    raw[t.name][c].append(asyncio.run(burst(t, model, prompts, c, n, max_tokens)))
+                    prog.step(f"{t.name} c={c}")
+            for t in targets:
+                r = asyncio.run(burst(t, model, [ttft_prompt], 1, 3, 4))
+                ttft_raw[t.name].append(r["ttft_median"])
+                prog.step(f"{t.name} ttft200")
+    finally:
+        for t in targets:
+            stop_daemon(t)
+
+    table = {name: {c: _median_dict(runs) for c, runs in per.items()} for name, per in raw.items()}
+    ttft200 = {name: statistics.median(v) for name, v in ttft_raw.items()}
+    peer = {}
+    prefill_s = None
+    if not args.url and not args.no_peer:
+        print("transformers reference ...", file=sys.stderr)
+        peer_bs = [1, 16] if 16 in levels or not args.quick else [1]
+        peer = transformers_peer(weights, prompts, max_tokens, peer_bs, reps)
+        prefill_s = prefill_forward_seconds(weights, 200)
+
+    report = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "reps": reps,
+              "results": table, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
+              "prefill_forward_200_s": prefill_s}
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def _median_dict(runs: list[dict]) -> dict:
+    out = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs if r[key] is not None]
+        out[key] = statistics.median(vals) if vals else None
+    return out
+
+
+def _machine() -> str:
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def _fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rep: dict) -> None:
+    res = rep["results"]
+    base = res.get("off")
+    print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
+          f"max_tokens: {rep['max_tokens']}   reps: {rep['reps']} (medians)")
+    print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x off':>6} {'req/s':>6} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}")
+    for name, per in res.items():
+        for c, r in per.items():
+            ratio = r["output_tok_s"] / base[c]["output_tok_s"] if base and base[c]["output_tok_s"] else None
+            print(f"{name:<6} {c:>4} {_fmt(r['output_tok_s']):>8} {_fmt(ratio, '.2f'):>6} "
+                  f"{_fmt(r['req_s'], '.2f'):>6} {_fmt(r['ttft_median'] * 1e3, '.0f'):>7}ms "
+                  f"{_fmt(r['ttft_p99'] * 1e3, '.0f'):>7}ms "
+                  f"{_fmt(r['tpot_median'] and r['tpot_median'] * 1e3, '.1f'):>7}ms "
+                  f"{_fmt(r['tpot_p99'] and r['tpot_p99'] * 1e3, '.1f'):>7}ms "
+                  f"{_fmt(r['acceptance_rate'], '.2f'):>7} {_fmt(r['mean_accepted_len'], '.2f'):>7}")
+    for bs, rate in rep["transformers_tok_s"].items():
+        ours = [r for n, per in res.items() if n == "k1" for c, r in per.items() if c == bs]
+        ratio = f"  ours(k1, conc {bs}) / transformers: {ours[0]['output_tok_s'] / rate:.2f}x" if ours else ""
+        print(f"transformers generate() batch {bs}: {rate:.1f} tok/s{ratio}")
+    if rep["prefill_forward_200_s"]:
+        p = rep["prefill_forward_200_s"]
+        for name, t in rep["ttft_200_prompt_s"].items():
+            print(f"TTFT 200-token prompt ({name}): {t * 1e3:.0f} ms = {t / p:.2f}x one prefill forward "
+                  f"({p * 1e3:.0f} ms)")
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, per in rep["results"].items():
+        cs = sorted(per)
+        a1.plot(cs, [per[c]["output_tok_s"] for c in cs], marker="o", label=name)
+        a2.plot(cs, [(per[c]["tpot_median"] or 0) * 1e3 for c in cs], marker="o", label=name)
+    for a, title in ((a1, "output tokens/s"), (a2, "TPOT median (ms)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrency")
+        a.set_title(title)
+        a.grid(True, alpha=0.3)
+        a.legend()
+    fig.suptitle(f"{rep['machine']} - {rep['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
