@@ -43,12 +43,13 @@ class APIError(Exception):
     """A refusal with everything a client needs: status, message, offending parameter."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, retry: bool | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.retry = retry            # x-should-retry for the openai SDK; None: its default
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -67,9 +68,14 @@ def mindie_body(status: int, message: str) -> dict:
 
 
 def error_response(status: int, message: str, param: str | None = None, *,
-                   native: bool = False, retry_after: int | None = None) -> Response:
+                   native: bool = False, retry_after: int | None = None,
+                   retry: bool | None = None) -> Response:
     body = mindie_body(status, message) if native else openai_body(status, message, param)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    if retry is not None:
+        headers["x-should-retry"] = "true" if retry else "false"
     return Response(orjson.dumps(body), status_code=status, media_type="application/json",
                     headers=headers)
 
@@ -95,7 +101,8 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc.status, exc.message, exc.param,
-                              native=_is_native(request), retry_after=exc.retry_after)
+                              native=_is_native(request), retry_after=exc.retry_after,
+                              retry=exc.retry)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

@@ -1,0 +1,139 @@
+"""Request rules shared by chat and completions: model name, MTP rules, lengths, sampling.
+
+Every refusal is a 400 (404 for the model) that names the parameter and says what is
+allowed.  MTP rules follow MindIE's endpoint (infer_param.cpp): ``n``/``best_of`` > 1 and
+beam search cannot be used with the mtp plugin; ``response_format`` needs structured
+output, which this server does not implement yet.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from server.api.errors import APIError, bad_request
+from server.api.protocol import SamplingFields
+from server.api.settings import ApiSettings
+from server.engine.protocol import SamplingParams
+
+log = logging.getLogger("server.api")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(req: SamplingFields, settings: ApiSettings) -> None:
+    if req.model is not None and req.model != settings.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "model")
+
+
+def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
+    """MTP rules, unsupported features and field combinations, before any tokenizing."""
+    plugin = "mtp" if settings.mtp else None
+    if req.n > 1:
+        if plugin:
+            raise bad_request(f"n > 1 cannot be used with plugin {plugin} "
+                              f"(speculative decoding); got n={req.n}, allowed: 1", "n")
+        raise bad_request(f"n > 1 is not supported by this server; got n={req.n}", "n")
+    if req.best_of is not None and req.best_of > 1:
+        what = f"plugin {plugin}" if plugin else "this server"
+        raise bad_request(f"best_of > 1 cannot be used with {what}; got best_of={req.best_of}, "
+                          "allowed: 1", "best_of")
+    if req.use_beam_search:
+        what = f"plugin {plugin}" if plugin else "this server"
+        raise bad_request(f"beam search cannot be used with {what}; "
+                          "set use_beam_search to false", "use_beam_search")
+    rf = req.response_format
+    if rf is not None:
+        rtype = rf.get("type")
+        if rtype in ("json_object", "json_schema", "structural_tag"):
+            raise bad_request(f"response_format type {rtype!r} needs structured output, which "
+                              "this server does not implement yet (MindIE also refuses it "
+                              "with mtp); allowed: 'text'", "response_format")
+        if rtype not in (None, "text"):
+            raise bad_request(f"response_format type {rtype!r} is unknown; allowed: 'text'",
+                              "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
+                          f"({req.max_tokens})", "min_tokens")
+
+
+def fit_prompt(ids: list[int], settings: ApiSettings, param: str) -> list[int]:
+    """Apply the input limit: refuse (truncation 0) or cut right (-1) / left (1)."""
+    limit = settings.max_input_len
+    if not ids:
+        raise bad_request("the prompt is empty", param)
+    if len(ids) <= limit:
+        return ids
+    if settings.truncation == 0:
+        raise bad_request(
+            f"This model's maximum context length is {settings.max_seq_len} tokens and the "
+            f"input limit is {limit} tokens. However, your request has {len(ids)} input "
+            "tokens. Please reduce the length of the input messages (or enable truncation).",
+            param)
+    return ids[:limit] if settings.truncation < 0 else ids[-limit:]
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, settings: ApiSettings) -> int:
+    """min(max_tokens, maxIterTimes, maxSeqLen - prompt) as MindIE does; None = the rest."""
+    room = settings.max_seq_len - prompt_len
+    if room <= 0:
+        raise bad_request(f"the prompt ({prompt_len} tokens) leaves no room for output in "
+                          f"maxSeqLen {settings.max_seq_len}", "max_tokens")
+    value = room if requested is None else requested
+    return max(0, min(value, settings.max_iter_times, room))
+
+
+def _default(value: Any, defaults: dict, key: str, fallback: Any) -> Any:
+    if value is not None:
+        return value
+    got = defaults.get(key)
+    return fallback if got is None else got
+
+
+def build_sampling(req: SamplingFields, *, max_tokens: int, defaults: dict, vocab_size: int,
+                   logprobs: bool, top_logprobs: int) -> SamplingParams:
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            tid = int(key)
+            if not 0 <= tid < vocab_size:
+                raise bad_request(f"logit_bias token id {tid} is outside the vocabulary "
+                                  f"[0, {vocab_size})", "logit_bias")
+            bias[tid] = float(value)
+    for tid in req.stop_token_ids or ():
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"stop_token_ids holds {tid}, outside the vocabulary "
+                              f"[0, {vocab_size})", "stop_token_ids")
+    top_k = _default(req.top_k, defaults, "top_k", -1)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(req.min_tokens, max_tokens),
+        temperature=float(_default(req.temperature, defaults, "temperature", 1.0)),
+        top_p=float(_default(req.top_p, defaults, "top_p", 1.0)),
+        top_k=int(top_k) if top_k and top_k > 0 else -1,
+        min_p=float(req.min_p or 0.0),
+        repetition_penalty=float(_default(req.repetition_penalty, defaults,
+                                          "repetition_penalty", 1.0)),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        logit_bias=bias,
+        seed=req.seed,
+        stop=req.stop_list(),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def warn_ignored(kind: str, fields: list[str]) -> None:
+    if fields:
+        log.warning("The following fields were present in the %s request but ignored: %s",
+                    kind, fields)
