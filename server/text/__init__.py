@@ -1,0 +1,1 @@
+"""Text handling: tokenizer, chat template, incremental detokenizer, reasoning and tool-call parsing."""
