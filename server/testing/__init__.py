@@ -1,0 +1,1 @@
+"""Factories for tests and demos: tiny checkpoints and tokenizers."""

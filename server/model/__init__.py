@@ -1,0 +1,1 @@
+"""DeepSeek-V3 model, MTP layer and checkpoint loading (see docs/interfaces.md)."""

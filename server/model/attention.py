@@ -1,0 +1,204 @@
+"""Multi-head Latent Attention over a paged latent cache.
+
+Per token the cache row is ``[kv_a_layernorm(latent) (kv_lora_rank) | roped k_pe (rope_dim)]``;
+full keys/values are never stored. Two ways to attend, same maths:
+
+* decompressed: expand the context's latents through ``kv_b_proj`` into per-head
+  k_nope / v and run ordinary attention. Cheap when many queries share one context (prefill).
+* absorbed: fold ``W_UK`` into the query (q_nope @ W_UK -> latent space) and ``W_UV`` into
+  the output, so each query reads only the ``kv_cache_dim``-wide cache rows, shared by all
+  heads (multi-query). Cheap when few queries read a long context (decode, verification).
+
+Batching: every sequence's context is gathered through its block table into a padded
+[num_seqs, max_seq_len, kv_cache_dim] tensor, queries are padded to [num_seqs, max_query_len]
+and one masked SDPA call covers the batch. ``AttentionPlan`` holds the index tensors and
+mask, built once per forward and shared by all layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.model.batch import BatchMetadata
+from server.model.config import DeepseekConfig
+from server.model.layers import RMSNorm, RotaryEmbedding
+
+# Steps whose longest query is at most this many tokens use the absorbed form.
+DEFAULT_ABSORB_MAX_QUERY_LEN = 16
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Per-step gather/pad indices and masks (built by ``build_plan``, read by every layer)."""
+
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    pad_index: torch.Tensor       # [num_tokens] int64: flat token -> seq * max_query_len + i
+    block_tables: torch.Tensor    # [num_seqs, blocks covering max_seq_len] int64
+    key_valid: torch.Tensor       # [num_seqs, max_seq_len, 1] bool: key inside the sequence
+    mask: torch.Tensor            # [num_seqs, 1, max_query_len, max_seq_len] bool: causal + length
+    absorbed: bool
+    head_mask: torch.Tensor | None  # absorbed form: mask with heads as rows [B, 1, Lq * nH, S]
+    cos: torch.Tensor             # [num_tokens, 1, rope_dim // 2]
+    sin: torch.Tensor
+
+
+def build_plan(
+    meta: BatchMetadata, rope: RotaryEmbedding, num_heads: int, absorb_max_query_len: int
+) -> AttentionPlan:
+    """Worked example (block_size 4): seq A query_len 2, seq_len 7; seq B query_len 3, seq_len 3.
+
+    max_query_len 3, max_seq_len 7. Token 0,1 (A) -> padded rows 0,1; tokens 2..4 (B) -> rows 3..5.
+    A's query row i sits at position 5 + i and sees keys 0..5+i; B's row i sees keys 0..i.
+    """
+    device = meta.positions.device
+    num_seqs = meta.num_seqs
+    max_q = max(meta.query_lens_cpu)
+    max_s = max(meta.seq_lens_cpu)
+    num_tokens = meta.positions.shape[0]
+    qsl = meta.query_start_loc.to(torch.int64)
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_ids = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
+    )
+    within = torch.arange(num_tokens, device=device) - qsl[seq_ids]
+    pad_index = seq_ids * max_q + within
+    seq_lens = meta.seq_lens.to(torch.int64)
+    # Absolute position of padded query row i of each sequence (rows past query_len are
+    # discarded later; they still see key 0, so no row is fully masked).
+    q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
+    keys = torch.arange(max_s, device=device)
+    mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
+    key_valid = (keys[None, :] < seq_lens[:, None])[..., None]
+    num_blocks = -(-max_s // meta.block_size)
+    cos, sin = rope.cos_sin(meta.positions)
+    absorbed = max_q <= absorb_max_query_len
+    head_mask = None
+    if absorbed:
+        # Row q * nH + h of the absorbed query is query q, head h: repeat each mask row nH times.
+        head_mask = mask if max_q == 1 else mask.repeat_interleave(num_heads, dim=2)
+    return AttentionPlan(
+        num_seqs=num_seqs,
+        max_query_len=max_q,
+        max_seq_len=max_s,
+        pad_index=pad_index,
+        block_tables=meta.block_tables[:, :num_blocks].to(torch.int64),
+        key_valid=key_valid,
+        mask=mask,
+        absorbed=absorbed,
+        head_mask=head_mask,
+        cos=cos[:, None, :],
+        sin=sin[:, None, :],
+    )
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.scale = cfg.softmax_scale
+        self.rope = rope
+        h, qk = cfg.hidden_size, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+
+    # -- shared pieces -------------------------------------------------------------------
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., H] -> q_nope [..., nH, dn], q_pe [..., nH, dr], latent [..., kvr], k_pe [..., dr]."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe = self.rope.apply(q_pe, cos, sin)
+        k_pe = self.rope.apply(k_pe[..., None, :], cos, sin)[..., 0, :]
+        return q_nope, q_pe, latent, k_pe
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, S, kvr] -> k_nope [B, nH, S, dn], v [B, nH, S, dv]."""
+        kv = self.kv_b_proj(latent).unflatten(-1, (self.num_heads, self.nope_dim + self.v_dim))
+        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
+        return k_nope, v
+
+    def _attend_decompressed(self, q_nope, q_pe, latent, k_pe, mask=None, is_causal=False):
+        """q_* [B, L, nH, d]; latent [B, S, kvr]; k_pe [B, S, dr] -> [B, L, nH * dv]."""
+        k_nope, v = self._expand(latent)
+        s = latent.shape[1]
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.num_heads, s, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale)
+        return out.transpose(1, 2).flatten(2)
+
+    # -- full sequence, no cache (training / references) ----------------------------------
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, L, H], cos/sin [L, 1, dr/2] -> [B, L, H], causal over positions 0..L-1."""
+        q_nope, q_pe, latent, k_pe = self._project(x, cos, sin)
+        return self.o_proj(self._attend_decompressed(q_nope, q_pe, latent, k_pe, is_causal=True))
+
+    # -- paged cache ---------------------------------------------------------------------
+    def forward(
+        self, x: torch.Tensor, plan: AttentionPlan, slot_mapping: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]. Writes this step's cache rows first, then attends."""
+        q_nope, q_pe, latent, k_pe = self._project(x, plan.cos, plan.sin)
+        num_blocks, block_size, dim = cache.shape
+        cache.view(-1, dim).index_copy_(0, slot_mapping, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
+        b, mq, ms = plan.num_seqs, plan.max_query_len, plan.max_seq_len
+        ctx = cache[plan.block_tables].flatten(1, 2)[:, :ms]           # [B, S, D]
+        # Slots past a sequence's end may hold anything (even NaN): zero them so masked
+        # scores stay finite.
+        ctx = ctx.to(x.dtype).masked_fill(~plan.key_valid, 0.0)
+        if plan.absorbed:
+            out = self._attend_absorbed(q_nope, q_pe, ctx, plan)
+        else:
+            qn = _pad(q_nope, plan.pad_index, b * mq).unflatten(0, (b, mq))
+            qp = _pad(q_pe, plan.pad_index, b * mq).unflatten(0, (b, mq))
+            lat, kp = ctx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            out = self._attend_decompressed(qn, qp, lat, kp, mask=plan.mask)   # [B, Lq, nH*dv]
+            out = out.flatten(0, 1).index_select(0, plan.pad_index)
+        return self.o_proj(out)
+
+    def _attend_absorbed(self, q_nope, q_pe, ctx, plan: AttentionPlan) -> torch.Tensor:
+        """Attend in latent space; all heads share one key/value row per token (MQA)."""
+        nh, dn, dv, kvr = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(nh, dn + dv, kvr)
+        w_uk, w_uv = w[:, :dn], w[:, dn:]                               # [nH, dn, kvr], [nH, dv, kvr]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nH, kvr]
+        q = torch.cat([q_lat, q_pe], dim=-1)                             # [T, nH, kvr + dr]
+        b, mq = plan.num_seqs, plan.max_query_len
+        q = _pad(q, plan.pad_index, b * mq)                              # [B*Lq, nH, D]
+        # Heads become extra query rows: [B, 1, Lq * nH, D] against keys [B, 1, S, D].
+        q = q.view(b, 1, mq * nh, -1)
+        k = ctx[:, None]
+        v = ctx[:, None, :, :kvr]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.head_mask, scale=self.scale)  # [B, 1, Lq*nH, kvr]
+        o = o.view(b * mq, nh, kvr).index_select(0, plan.pad_index)                    # [T, nH, kvr]
+        out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)       # [T, nH, dv]
+        return out.flatten(1)
+
+
+def _pad(x: torch.Tensor, pad_index: torch.Tensor, rows: int) -> torch.Tensor:
+    """Scatter flat tokens [T, ...] into zero-padded rows [rows, ...]."""
+    out = x.new_zeros((rows,) + tuple(x.shape[1:]))
+    return out.index_copy_(0, pad_index, x)

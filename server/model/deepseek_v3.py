@@ -1,0 +1,157 @@
+"""DeepSeek-V3 (and V2) causal LM with its Multi-Token Prediction layer(s).
+
+Module tree mirrors the Hugging Face names (``model.embed_tokens``, ``model.layers.{i}``,
+``model.norm``, ``lm_head``); MTP layer j lives at ``model.layers.{num_hidden_layers + j}``
+with ``enorm``, ``hnorm``, ``eh_proj``, the usual block names and ``shared_head``.
+
+One paged interface serves prefill, decode and k+1-token verification (see BatchMetadata);
+``forward_full`` / ``mtp_forward_full`` are the cache-free, autograd-friendly paths.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from server.model.attention import DEFAULT_ABSORB_MAX_QUERY_LEN, MLA, AttentionPlan, build_plan
+from server.model.batch import BatchMetadata
+from server.model.config import DeepseekConfig
+from server.model.layers import MLP, MoE, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = MLA(cfg, rope)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, slot_mapping: torch.Tensor,
+                cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), plan, slot_mapping, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_full(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> one decoder block (pre-norm output)."""
+
+    def __init__(self, cfg: DeepseekConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__(cfg, layer_idx, rope)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def combine(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        # Embedding first, then hidden: the order every engine feeds the released eh_proj.
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, num_mtp_layers: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        n = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, rope) for i in range(n)]
+            + [MTPLayer(cfg, n + j, rope) for j in range(num_mtp_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Paged-cache DeepSeek-V3; see docs/interfaces.md (server.model) for the contract."""
+
+    def __init__(self, config: DeepseekConfig, num_mtp_layers: int | None = None) -> None:
+        super().__init__()
+        if num_mtp_layers is None:
+            num_mtp_layers = config.num_nextn_predict_layers
+        self.config = config
+        self.num_mtp_layers = num_mtp_layers
+        self.rope = RotaryEmbedding(config)
+        self.model = DeepseekV3Model(config, num_mtp_layers, self.rope)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Longest query (tokens per sequence in a step) that still uses the absorbed MLA form.
+        self.absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
+
+    # -- contract properties ---------------------------------------------------------------
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.config.kv_cache_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.config.num_hidden_layers + self.num_mtp_layers
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_mtp_layers > 0
+
+    def _mtp(self, layer: int) -> MTPLayer:
+        if not 0 <= layer < self.num_mtp_layers:
+            raise ValueError(f"MTP layer {layer} does not exist (model has {self.num_mtp_layers})")
+        return self.model.layers[self.config.num_hidden_layers + layer]  # type: ignore[return-value]
+
+    def _plan(self, meta: BatchMetadata) -> AttentionPlan:
+        return build_plan(meta, self.rope, self.config.num_attention_heads, self.absorb_max_query_len)
+
+    # -- paged path ------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids [T] -> final-norm hidden [T, H]; writes main-layer KV at meta.slot_mapping."""
+        plan = self._plan(meta)
+        x = self.model.embed_tokens(input_ids)
+        for i in range(self.config.num_hidden_layers):
+            x = self.model.layers[i](x, plan, meta.slot_mapping, kv_caches[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32."""
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMetadata,
+                    kv_caches: list[torch.Tensor], layer: int = 0) -> torch.Tensor:
+        """input_ids[i] is the token at positions[i] + 1, prev_hidden[i] the main hidden at positions[i].
+
+        Writes MTP KV at positions[i]; returns the block output before shared_head.norm [T, H].
+        """
+        mtp = self._mtp(layer)
+        plan = self._plan(meta)
+        x = mtp.combine(self.model.embed_tokens(input_ids), prev_hidden)
+        return mtp(x, plan, meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
+
+    def mtp_compute_logits(self, h_mtp: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        mtp = self._mtp(layer)
+        return mtp.shared_head.head(mtp.shared_head.norm(h_mtp)).float()
+
+    # -- full-sequence path (no cache) -----------------------------------------------------
+    def _cos_sin_full(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rope.cos_sin(torch.arange(length, device=device))
+        return cos[:, None, :], sin[:, None, :]
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] -> final-norm hidden [B, L, H], causal, positions 0..L-1."""
+        cos, sin = self._cos_sin_full(input_ids.shape[1], input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        for i in range(self.config.num_hidden_layers):
+            x = self.model.layers[i].forward_full(x, cos, sin)
+        return self.model.norm(x)
+
+    def mtp_forward_full(self, next_ids: torch.Tensor, hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """next_ids[b, i] = token i + 1, hidden = forward_full output -> pre-norm MTP hidden [B, L, H]."""
+        mtp = self._mtp(layer)
+        cos, sin = self._cos_sin_full(next_ids.shape[1], next_ids.device)
+        x = mtp.combine(self.model.embed_tokens(next_ids), hidden)
+        return mtp.forward_full(x, cos, sin)

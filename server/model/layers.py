@@ -1,0 +1,209 @@
+"""Reusable DeepSeek layers: RMSNorm, rotary embedding (with YaRN), dense MLP, routed MoE.
+
+Parameter names mirror the Hugging Face checkpoint (``gate_proj``, ``experts.N.up_proj``,
+``gate.e_score_correction_bias``...) so loading is a name-for-name copy.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.model.config import DeepseekConfig, yarn_get_mscale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the input dtype (as the reference implementations do).
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _yarn_inv_freq(cfg: DeepseekConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN frequencies: interpolate low frequencies by ``factor``, keep high ones, ramp between."""
+    y = cfg.rope_scaling
+    assert y is not None
+    base = cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (y.factor * pos_freqs)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(y.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low = max(math.floor(correction_dim(y.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
+    inv_freq = interpolation * (1 - keep) + extrapolation * keep
+    # cos/sin amplitude correction (1.0 when mscale == mscale_all_dim, as in DeepSeek-V3).
+    attention_factor = yarn_get_mscale(y.factor, y.mscale) / yarn_get_mscale(y.factor, y.mscale_all_dim)
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding:
+    """cos/sin for the rope part of q and k; not a module so ``.to(dtype)`` never touches it.
+
+    DeepSeek checkpoints store the rope dims as interleaved pairs (x0, x1), (x2, x3), ...
+    (``rope_interleave``, default true). The rotated output is written de-interleaved,
+    [even dims rotated | odd dims rotated], exactly as transformers does; q and k get the
+    same permutation, so q.k (and therefore attention) equals the interleaved original.
+    """
+
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        dim = cfg.qk_rope_head_dim
+        if cfg.rope_scaling is None:
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+            self.attention_factor = 1.0
+        else:
+            inv_freq, self.attention_factor = _yarn_inv_freq(cfg, dim)
+        self.interleave = cfg.rope_interleave
+        self._inv_freq = {torch.device("cpu"): inv_freq}
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] int -> cos, sin [..., rope_dim // 2] float32."""
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            inv = self._inv_freq[torch.device("cpu")].to(positions.device)
+            self._inv_freq[positions.device] = inv
+        freqs = positions.float()[..., None] * inv
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, rope_dim] (cos/sin broadcast over heads as [..., 1, rope_dim // 2])."""
+        dtype = x.dtype
+        xf = x.float()
+        if self.interleave:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        else:
+            half = xf.shape[-1] // 2
+            x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Module):
+    """Router: scores every routed expert, keeps ``num_experts_per_tok`` per token.
+
+    Variants (``topk_method``): ``greedy`` plain top-k; ``group_limited_greedy`` keeps the
+    ``topk_group`` groups with the best single expert (V2); ``noaux_tc`` adds
+    ``e_score_correction_bias`` for the choice only and ranks groups by the sum of their
+    best two (V3). Weights always come from the unbiased scores. Routing runs in float32.
+    """
+
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        n = cfg.n_routed_experts
+        assert n is not None
+        self.num_experts = n
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.topk_method = cfg.topk_method
+        self.scoring_func = cfg.scoring_func
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.scale_after_norm = cfg.scale_after_norm
+        self.weight = nn.Parameter(torch.empty(n, cfg.hidden_size, dtype=torch.float32))
+        if self.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias.float()
+        if self.topk_method != "greedy" and self.topk_group < self.n_group:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            if self.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        normalised = self.norm_topk_prob and self.top_k > 1
+        if normalised:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scale_after_norm or not normalised:
+            weights = weights * self.routed_scaling_factor
+        return weights, idx
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts; only the chosen experts run.
+
+    Assignments (token, slot) are sorted by expert so each active expert runs once on a
+    contiguous slice of its tokens. The per-expert counts come to the host once per layer
+    (``tolist``): that is the only way to size the slices in plain PyTorch, and on CPU it is
+    not a device sync.
+    """
+
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        self.num_experts = cfg.n_routed_experts
+        self.gate = MoEGate(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                       # [T, H]
+        weights, idx = self.gate(x)                         # [T, k]
+        k = idx.shape[1]
+        flat = idx.reshape(-1)                              # [T * k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // k                               # token of each sorted assignment
+        xs = x.index_select(0, token_of)
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.experts[e](xs[start:start + n]))
+                start += n
+        ys = torch.cat(outs) * weights.reshape(-1)[order, None]   # float32 weighting
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, ys.float())
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)
