@@ -1,0 +1,68 @@
+"""Business plane (ipAddress:port): OpenAI routes and /health."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from server.api.body import read_json
+from server.api.errors import APIError, install_error_handlers
+from server.api.serving_chat import create_chat_completion
+from server.api.serving_completions import create_completion
+from server.api.sse import json_response
+from server.api.state import ServerState
+
+
+def model_card(state: ServerState) -> dict:
+    s = state.settings
+    return {"id": s.model_name, "object": "model", "created": state.created,
+            "owned_by": "mtp-serve", "root": s.model_path, "parent": None,
+            "max_model_len": s.max_seq_len}
+
+
+def build_business_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="mtp-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+
+    async def _run(request: Request, handler) -> Response:
+        state.admission.acquire()
+        try:
+            raw = await read_json(request, state.settings.max_request_bytes)
+        except BaseException:
+            state.admission.release()
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                state.admission.release()
+
+        return await handler(state, raw, request.is_disconnected, release)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _run(request, create_chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _run(request, create_completion)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card(state)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != state.settings.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return json_response(model_card(state))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.admission.accepting:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    return app

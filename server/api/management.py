@@ -1,0 +1,140 @@
+"""Management plane (managementIpAddress:managementPort) and the metrics route.
+
+Native MindIE endpoints answer errors as {"error": ..., "error_type": ...}.
+/health/timed[-N] runs a one-token dummy inference and waits at most N seconds
+(default 10, N in 1..600): 200 {"status": "healthy"} on success, 500 on timeout or
+failure, 503 with no body while the service is stopping, 404 for an invalid N.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from server.api.errors import APIError, error_response, install_error_handlers
+from server.api.settings import pick
+from server.api.sse import json_response
+from server.api.state import ServerState
+from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
+
+DEFAULT_TIMED_WAIT_S = 10
+MAX_TIMED_WAIT_S = 600
+_TIMED = re.compile(r"/health/timed((-[0-9]+)?)")
+
+
+def stats_view(stats: Any) -> dict:
+    """EngineStats as plain JSON, with the KV pool summarised under fixed keys."""
+    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(
+        getattr(stats, "__dict__", {}) or {})
+    total = pick(stats, "num_total_blocks", "total_blocks", "num_blocks", default=None)
+    free = pick(stats, "num_free_blocks", "free_blocks", default=None)
+    usage = pick(stats, "kv_usage", "kv_cache_usage", "kv_cache_usage_perc", default=None)
+    if usage is None and total:
+        usage = (total - (free or 0)) / total
+    raw["kv_cache"] = {"total_blocks": total, "free_blocks": free,
+                       "usage": float(usage) if usage is not None else None}
+    raw["num_requests_running"] = pick(stats, "num_running", "running", "num_requests_running",
+                                       default=0)
+    raw["num_requests_waiting"] = pick(stats, "num_waiting", "waiting", "num_requests_waiting",
+                                       default=0)
+    return raw
+
+
+async def timed_health(state: ServerState, wait_s: float) -> Response:
+    if not state.admission.accepting:
+        return Response(status_code=503)
+    tok = state.tokenizer
+    first = tok.bos_token_id if tok.bos_token_id is not None else 0
+    req = EngineRequest(f"health-{time.monotonic_ns()}", [first],
+                        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                        arrival_time=time.monotonic())
+
+    async def run() -> Any:
+        last = None
+        async for out in state.engine.submit(req):
+            last = out
+        return last
+
+    try:
+        last = await asyncio.wait_for(run(), timeout=wait_s)
+    except asyncio.TimeoutError:
+        state.engine.abort(req.request_id)
+        return error_response(500, f"health check inference did not finish in {wait_s:g} s",
+                              native=True)
+    except Exception as exc:
+        return error_response(500, f"health check inference failed: {exc}", native=True)
+    if last is None or last.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+        return error_response(500, "health check inference failed", native=True)
+    return json_response({"status": "healthy"})
+
+
+def build_management_app(state: ServerState, *, management: bool = True,
+                         metrics: bool = True) -> FastAPI:
+    app = FastAPI(title="mtp-serve management", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    if management:
+        _management_routes(app, state)
+    if metrics:
+        _metrics_route(app, state)
+    return app
+
+
+def _management_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.admission.accepting else 503)
+
+    @app.get("/health/{rest:path}")
+    async def health_timed(request: Request, rest: str) -> Response:
+        m = _TIMED.fullmatch(request.url.path)
+        if m is None:
+            raise APIError(404, f"unknown health endpoint {request.url.path}")
+        n = m.group(1)
+        if n and (len(n) - 1 > 3 or not 1 <= int(n[1:]) <= MAX_TIMED_WAIT_S):
+            raise APIError(404, f"Max wait time is {MAX_TIMED_WAIT_S}, input is invalid or too long")
+        return await timed_health(state, int(n[1:]) if n else DEFAULT_TIMED_WAIT_S)
+
+    @app.get("/v1/config")
+    async def config() -> Response:
+        return json_response(state.settings.raw)
+
+    @app.get("/v1/status")
+    async def status() -> Response:
+        stats = stats_view(state.engine.stats())
+        s = state.settings
+        return json_response({
+            "status": "running" if state.admission.accepting else "stopping",
+            "model_name": s.model_name,
+            "in_flight": state.admission.in_flight,
+            "max_link_num": s.max_link_num,
+            "mtp": {"enabled": s.mtp, "num_speculative_tokens": s.num_speculative_tokens},
+            "engine": stats,
+            "kv_cache": stats["kv_cache"],
+        })
+
+    @app.api_route("/stopService", methods=["GET", "POST"])
+    async def stop_service() -> Response:
+        state.request_stop()
+        return json_response({"status": "stopping",
+                              "in_flight": state.admission.in_flight})
+
+
+def _metrics_route(app: FastAPI, state: ServerState) -> None:
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if not state.metrics.enabled:
+            raise APIError(500, "Metrics are off: MIES_SERVICE_MONITOR_MODE is 0.")
+        st = stats_view(state.engine.stats())
+        state.metrics.refresh(int(st["num_requests_running"] or 0),
+                              int(st["num_requests_waiting"] or 0),
+                              int(st.get("num_swapped", 0) or 0),
+                              float(st["kv_cache"]["usage"] or 0.0))
+        return Response(state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,298 @@
+"""POST /v1/chat/completions: messages -> prompt ids -> engine -> JSON or SSE chunks."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.responses import Response, StreamingResponse
+
+from server.api.chat_output import ChatOutputParser
+from server.api.engine_call import ClientDisconnected, EngineCall
+from server.api.errors import APIError, bad_request, openai_body
+from server.api.protocol import ChatCompletionRequest, ignored_fields, parse_request
+from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
+                                  usage)
+from server.api.serving_common import (build_sampling, check_model, check_request_rules,
+                                       fit_prompt, max_new_tokens, new_id, warn_ignored)
+from server.api.sse import DONE, SSE_HEADERS, event, json_response
+from server.api.state import ServerState
+from server.api.tool_text import forced_opening, normalize_format
+from server.engine.protocol import EngineRequest, FinishReason
+from server.text.special_tokens import THINK_END, THINK_START
+
+
+class ChatPlan:
+    """Everything decided before generation: prompt, sampling and how to read the output."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest) -> None:
+        self.req = req
+        self.state = state
+        s = state.settings
+        self.request_id = new_id("chatcmpl")
+        self.created = int(time.time())
+        self.tool_choice, self.named = _tool_choice(req)
+        use_tools = req.tools and self.tool_choice != "none"
+        self.tool_format = normalize_format(s.options.tool_call_parser) if use_tools else None
+        kwargs = _template_kwargs(req)
+        try:
+            prompt = state.tokenizer.apply_chat_template(
+                _template_messages(req), tools=_template_tools(req) if use_tools else None,
+                add_generation_prompt=req.add_generation_prompt, **kwargs)
+        except APIError:
+            raise
+        except Exception as exc:     # template errors are the request's fault
+            raise bad_request(f"chat template failed: {exc}", "messages") from None
+        tail = prompt.rstrip()
+        self.reasoning = s.options.enable_reasoning and (
+            tail.endswith(THINK_START) or bool(kwargs.get("thinking") or kwargs.get("enable_thinking")))
+        self.forced = ""
+        if self.tool_format and self.tool_choice in ("required", "named"):
+            # Force the model's own tool-call opening instead of guided decoding.
+            self.forced = (THINK_END if self.reasoning else "") + \
+                forced_opening(self.tool_format, self.named)
+        ids = state.tokenizer.encode(prompt + self.forced, add_special_tokens=False)
+        self.prompt_ids = fit_prompt(ids, s, "messages")
+        requested = req.max_completion_tokens or req.max_tokens
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        self.sampling = build_sampling(
+            req, max_tokens=max_new_tokens(requested, len(self.prompt_ids), s),
+            defaults=state.generation_defaults, vocab_size=state.tokenizer.vocab_size,
+            logprobs=req.logprobs, top_logprobs=top)
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(reasoning=self.reasoning, tool_format=self.tool_format,
+                                forced_prefix=self.forced,
+                                parallel_tool_calls=self.req.parallel_tool_calls)
+
+    def engine_request(self) -> EngineRequest:
+        return EngineRequest(self.request_id, list(self.prompt_ids), self.sampling,
+                             arrival_time=time.monotonic())
+
+    def finish(self, engine_reason: str | None, has_calls: bool) -> str | None:
+        if has_calls:
+            return "stop" if self.tool_choice == "named" else "tool_calls"
+        return engine_reason
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        if not self.reasoning:
+            return 0
+        end = self.state.think_end_id
+        if end is not None and end in token_ids:
+            return token_ids.index(end)
+        return len(token_ids)
+
+    def usage(self, out: Any, token_ids: list[int]) -> dict:
+        c = out.counters if out is not None else None
+        prompt = (c.prompt_tokens if c and c.prompt_tokens else len(self.prompt_ids))
+        completion = c.completion_tokens if c and c.completion_tokens else len(token_ids)
+        return usage(prompt, completion, c.cached_tokens if c else 0,
+                     self.reasoning_tokens(token_ids))
+
+    def chunk(self, choices: list, **extra: Any) -> dict:
+        return {"id": self.request_id, "object": "chat.completion.chunk",
+                "created": self.created, "model": self.state.settings.model_name,
+                "choices": choices, **extra}
+
+
+def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
+    choice = req.tool_choice
+    tools = req.tools or []
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice != "none" and req.tools is None:
+            raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
+        if choice == "required" and not tools:
+            return "none", None       # OpenAI downgrades required with no tools
+        return choice, None
+    name = choice.function.name
+    if req.tools is None:
+        raise bad_request("a named tool_choice needs tools", "tool_choice")
+    if name not in {t.function.name for t in tools}:
+        raise bad_request(f"tool_choice names function {name!r}, which is not in tools",
+                          "tool_choice")
+    return "named", name
+
+
+def _text(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content part type {part.type!r} is not supported; this model "
+                              "reads text parts only", "messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _template_messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for m in req.messages:
+        msg: dict = {"role": m.role, "content": _text(m.content) or ""}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content or m.reasoning
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if m.tool_calls:
+            msg["tool_calls"] = [{
+                "id": tc.id or "", "type": "function",
+                "function": {"name": tc.function.name,
+                             "arguments": tc.function.arguments if isinstance(
+                                 tc.function.arguments, str) else json.dumps(
+                                 tc.function.arguments, ensure_ascii=False)}}
+                for tc in m.tool_calls]
+        out.append(msg)
+    return out
+
+
+def _template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    if not req.tools:
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict:
+    kwargs: dict = {}
+    if req.thinking and isinstance(req.thinking, dict) and "type" in req.thinking:
+        on = req.thinking.get("type") == "enabled"
+        kwargs.update(thinking=on, enable_thinking=on)
+    if req.reasoning_effort:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    kwargs.update(req.chat_template_kwargs or {})
+    for key in ("messages", "tools", "add_generation_prompt"):
+        kwargs.pop(key, None)
+    return kwargs
+
+
+def _engine_failure(out: Any) -> APIError | None:
+    if out.finish_reason == FinishReason.ERROR:
+        return APIError(500, f"generation failed: {out.error or 'engine error'}")
+    if out.finish_reason == FinishReason.ABORT:
+        return APIError(503, f"request aborted by the server: {out.error or 'shutting down'}")
+    return None
+
+
+async def create_chat_completion(state: ServerState, raw: Any,
+                                 is_disconnected: Callable[[], Awaitable[bool]],
+                                 release: Callable[[], None]) -> Response:
+    """Validate, plan and run one chat request; ``release`` frees its admission slot."""
+    try:
+        req = parse_request(ChatCompletionRequest, raw)
+        warn_ignored("chat", ignored_fields(req))
+        check_model(req, state.settings)
+        check_request_rules(req, state.settings)
+        plan = ChatPlan(state, req)
+    except BaseException:
+        release()
+        raise
+    state.metrics.on_received()
+    s = state.settings
+    call = EngineCall(state.engine, plan.engine_request(), state.metrics,
+                      token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
+                      is_disconnected=None if req.stream else is_disconnected)
+    if req.stream:
+        return StreamingResponse(_stream(plan, call, release), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        return json_response(await _complete(plan, call))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        release()
+
+
+async def _complete(plan: ChatPlan, call: EngineCall) -> dict:
+    token_ids: list[int] = []
+    text = []
+    logprobs = None
+    last = None
+    async for out in call:
+        token_ids.extend(out.token_ids)
+        text.append(out.text)
+        logprobs = merge_logprobs(logprobs, chat_logprobs(out.logprobs, plan.state.text_of))
+        last = out
+    failure = _engine_failure(last)
+    if failure:
+        raise failure
+    parser = plan.parser()
+    parser.text += "".join(text)
+    msg = parser.parse_full()
+    message: dict = {"role": "assistant", "content": msg.content, "refusal": None,
+                     "tool_calls": msg.tool_calls}
+    if plan.reasoning:
+        message["reasoning_content"] = msg.reasoning
+        message["reasoning"] = msg.reasoning
+    choice = {"index": 0, "message": message, "logprobs": logprobs,
+              "finish_reason": plan.finish(finish_reason(last), bool(msg.tool_calls)),
+              "stop_reason": stop_reason(last)}
+    return {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
+            "model": plan.state.settings.model_name, "choices": [choice],
+            "system_fingerprint": None, "usage": plan.usage(last, token_ids)}
+
+
+def _mirror(delta: dict) -> dict:
+    if "reasoning_content" in delta:
+        delta["reasoning"] = delta["reasoning_content"]
+    return delta
+
+
+async def _stream(plan: ChatPlan, call: EngineCall, release: Callable[[], None]
+                  ) -> AsyncIterator[bytes]:
+    req = plan.req
+    full_text = plan.state.settings.full_text
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    parser = plan.parser()
+    token_ids: list[int] = []
+    shown = {"content": "", "reasoning_content": ""}
+    last = None
+    try:
+        async for out in call:
+            if last is None:
+                yield event(plan.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]))
+            last = out
+            token_ids.extend(out.token_ids)
+            failure = _engine_failure(out)
+            if failure:
+                raise failure
+            delta = parser.feed(out.text)
+            final_delta, message = parser.finish() if out.finished else ({}, None)
+            for key, value in final_delta.items():
+                if key == "tool_calls":
+                    delta.setdefault("tool_calls", []).extend(value)
+                else:
+                    delta[key] = delta.get(key, "") + value
+            if full_text:
+                for key in shown:
+                    if key in delta:
+                        shown[key] += delta[key]
+                        delta[key] = shown[key]
+            lp = chat_logprobs(out.logprobs, plan.state.text_of)
+            extra = {"usage": plan.usage(out, token_ids)} if continuous else {}
+            if out.finished:
+                reason = plan.finish(finish_reason(out), bool(message and message.tool_calls))
+                yield event(plan.chunk([{"index": 0, "delta": _mirror(delta), "logprobs": lp,
+                                         "finish_reason": reason,
+                                         "stop_reason": stop_reason(out)}], **extra))
+            elif delta or lp:
+                yield event(plan.chunk([{"index": 0, "delta": _mirror(delta), "logprobs": lp,
+                                         "finish_reason": None}], **extra))
+        if include_usage:
+            yield event(plan.chunk([], usage=plan.usage(last, token_ids)))
+    except APIError as exc:
+        yield event(openai_body(exc.status, exc.message, exc.param))
+    except ClientDisconnected:
+        return
+    except Exception as exc:  # a bug must still end the stream in the documented shape
+        yield event(openai_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+    finally:
+        release()
+    yield DONE

@@ -1,0 +1,32 @@
+"""What every route needs, built once by the daemon and stored on each app's ``state``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from server.api.limits import Admission
+from server.api.responses import TokenText
+from server.api.settings import ApiSettings
+
+
+@dataclass
+class ServerState:
+    settings: ApiSettings
+    tokenizer: Any                 # server.text.tokenizer.Tokenizer
+    engine: Any                    # server.engine.engine.AsyncEngine
+    metrics: Any                   # server.metrics.ServingMetrics | NullMetrics
+    admission: Admission
+    generation_defaults: dict = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+    request_stop: Callable[[], None] = lambda: None   # POST /stopService -> daemon drain
+    text_of: TokenText = None      # type: ignore[assignment]
+    think_end_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self.text_of = TokenText(self.tokenizer)
+        try:
+            ids = self.tokenizer.encode("</think>", add_special_tokens=False)
+            self.think_end_id = ids[0] if len(ids) == 1 else None
+        except Exception:
+            self.think_end_id = None
