@@ -1,0 +1,145 @@
+"""``AppConfig``: the validated file plus the values derived from it at load.
+
+The pydantic tree (``document``) mirrors config.json; what components actually ask
+("is MTP on, with how many drafts?", "where are the weights?", "how long may an input
+be?") is answered by the properties here, computed from it once and never mutated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.config.plugins import MtpSettings, PluginParams
+from server.config.rules import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
+from server.config.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
+                                    ModelDeployConfig, ModelTypeOptions, ScheduleConfig,
+                                    ServerConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class AppConfig:
+    document: MindIEConfig                  # the file, validated, env overrides applied
+    model_weight_path: Path                 # ModelConfig[0].modelWeightPath, absolute
+    source: Path | None = None              # the file it came from (None: built in memory)
+    checkpoint_model_type: str | None = None  # from <weights>/config.json; None if not read
+    model_options_key: str | None = None    # which ModelConfig[0].models key configured us
+    model_options: ModelTypeOptions = ModelTypeOptions()
+    chat_template_path: Path | None = None  # models.<key>.chat_template, absolute
+    async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE == 1
+    metrics_enabled: bool = True            # $MIES_SERVICE_MONITOR_MODE (default on)
+    warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
+
+    # ---- sections -------------------------------------------------------------------
+    @property
+    def server(self) -> ServerConfig:
+        return self.document.server
+
+    @property
+    def backend(self) -> BackendConfig:
+        return self.document.backend
+
+    @property
+    def log(self) -> LogConfig:
+        return self.document.log
+
+    @property
+    def model_deploy(self) -> ModelDeployConfig:
+        return self.document.backend.model_deploy
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's entry (the loader guarantees exactly one)."""
+        return self.document.backend.model_deploy.model_configs[0]
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        return self.document.backend.schedule
+
+    # ---- features -------------------------------------------------------------------
+    @property
+    def plugins(self) -> PluginParams:
+        return self.model_config.plugin_params
+
+    @property
+    def mtp(self) -> MtpSettings | None:
+        """None: plain decoding (no mtp plugin, or num_speculative_tokens 0)."""
+        return self.plugins.mtp
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.mtp.num_speculative_tokens if self.mtp else 0
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        return self.plugins.prefix_cache
+
+    @property
+    def reasoning_enabled(self) -> bool:
+        return self.model_options.enable_reasoning
+
+    @property
+    def tool_call_parser(self) -> str:
+        """``deepseek_v3`` or ``deepseek_v31`` (MindIE aliases normalised)."""
+        name = self.model_options.tool_call_options.tool_call_parser
+        return TOOL_CALL_PARSERS[name] if name else DEFAULT_TOOL_CALL_PARSER
+
+    # ---- names and limits -----------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.model_config.model_name or ""
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model_deploy.max_seq_len
+
+    @property
+    def max_input_len(self) -> int:
+        """Longest accepted prompt: ``min(maxInputTokenLen, maxSeqLen - 1)``."""
+        return self.model_deploy.effective_max_input_len
+
+    @property
+    def truncation(self) -> int:
+        """0 reject over-long input, -1 keep its head (cut right), 1 keep its tail (cut left)."""
+        return self.model_deploy.truncation
+
+    @property
+    def max_prefill_batch_size(self) -> int:
+        return self.schedule.effective_max_prefill_batch_size
+
+    @property
+    def management_ip(self) -> str:
+        return self.server.effective_management_ip
+
+    def derived(self) -> dict[str, Any]:
+        """Values computed at load, as printed under ``Derived`` by ``--check``."""
+        return {
+            "sourceFile": str(self.source) if self.source else None,
+            "modelWeightPath": str(self.model_weight_path),
+            "checkpointModelType": self.checkpoint_model_type,
+            "effectiveMaxInputTokenLen": self.max_input_len,
+            "effectiveMaxPrefillBatchSize": self.max_prefill_batch_size,
+            "managementIpAddress": self.management_ip,
+            "mtp": {"num_speculative_tokens": self.mtp.num_speculative_tokens} if self.mtp else None,
+            "prefixCache": self.prefix_cache_enabled,
+            "reasoningEnabled": self.reasoning_enabled,
+            "toolCallParser": self.tool_call_parser,
+            "chatTemplatePath": str(self.chat_template_path) if self.chat_template_path else None,
+            "modelOptionsKey": self.model_options_key,
+            "asyncScheduling": self.async_scheduling,
+            "metricsEnabled": self.metrics_enabled,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config: MindIE-shaped, defaults filled, plugin_params as an object,
+        modelWeightPath absolute, plus a ``Derived`` section.  JSON-serialisable."""
+        out = self.document.model_dump(mode="json", by_alias=True, exclude_none=True)
+        server = out["ServerConfig"]
+        server["managementIpAddress"] = self.management_ip
+        for entry in out["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]:
+            if entry.get("plugin_params") == {"plugin_type": ""}:
+                del entry["plugin_params"]       # MindIE: no plugin = no key
+        out["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = \
+            str(self.model_weight_path)
+        out["Derived"] = self.derived()
+        return out

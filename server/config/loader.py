@@ -1,0 +1,261 @@
+"""Reading config.json: env overrides, validation, every rule, filesystem checks, warnings.
+
+Validation reports everything in one pass.  Pydantic stops checking a section's
+cross-field rules when one of its fields is broken, so we validate, note each broken
+field, drop it (its default stands in), validate again, run the cross-field rules on that
+repaired tree and discard rule verdicts that read a dropped field.  The operator sees
+each broken field once, and every other rule that is broken independently of it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ValidationError
+
+from server.config.app import AppConfig
+from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
+from server.config.plugins import decode_plugin_params
+from server.config.rules import check_rules, mc_path, model_options
+from server.config.sections import MindIEConfig
+
+log = logging.getLogger("server.config")
+
+DEFAULT_CONFIG_PATH = Path("conf/config.json")
+MAX_FILE_BYTES = 10 * 1024 * 1024           # MindIE: the file must be in (0, 10 MB]
+SERVED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+_IP_ENV = {"MIES_CONTAINER_IP": "ipAddress", "MIES_CONTAINER_MANAGEMENT_IP": "managementIpAddress"}
+_ON = {"1", "true", "on", "yes"}
+_OFF = {"0", "false", "off", "no"}
+
+
+def default_config_path(env: Mapping[str, str]) -> Path:
+    """``$MIES_CONFIG_JSON_PATH`` if set, else conf/config.json (relative to the cwd)."""
+    return Path(env.get("MIES_CONFIG_JSON_PATH") or DEFAULT_CONFIG_PATH)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] = os.environ,
+                *, check_files: bool = True) -> AppConfig:
+    """Read, validate and freeze a MindIE config.json.  Raises ConfigError listing every
+    violation.  ``env`` is passed in (not read here) so callers and tests control it."""
+    file = Path(path) if path is not None else default_config_path(env)
+    where = str(file)
+    try:
+        size = file.stat().st_size
+        if not 0 < size <= MAX_FILE_BYTES:
+            raise ConfigError([ConfigIssue("<file>", f"{size} bytes", "(0, 10 MB]",
+                                           "config file size out of range")], where)
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([ConfigIssue("<file>", str(file), "a readable JSON file",
+                                       f"cannot read config file: {exc.strerror or exc}")], where) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([ConfigIssue("<file>", str(file), "UTF-8 JSON", str(exc))], where) from None
+    return parse_config(text, base_dir=file.resolve().parent, env=env, check_files=check_files,
+                        source=file.resolve())
+
+
+def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.PathLike[str] | None = None,
+                 env: Mapping[str, str] | None = None, check_files: bool = True,
+                 source: Path | None = None) -> AppConfig:
+    """Validate a config given as JSON text or a dict.  ``base_dir`` anchors a relative
+    modelWeightPath (default: the cwd).  ``check_files=False`` skips every filesystem
+    check (weights folder, chat template) and validates everything else."""
+    env = env or {}
+    where = str(source) if source else None
+    raw = _decode(data, where)
+    overridden = _apply_env_overrides(raw, env)
+    async_on, metrics_on, issues = _env_switches(env)
+
+    doc, field_issues, dropped = _validate_with_repair(raw, where)
+    issues += field_issues
+    issues += [i for i in check_rules(doc, async_scheduling=async_on)
+               if not any(i.involves(d) for d in dropped)]
+
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    key, options, _ = (model_options(doc.backend.model_deploy.model_configs[0], 0)
+                       if doc.backend.model_deploy.model_configs else (None, None, []))
+    weights = template = model_type = None
+    if doc.backend.model_deploy.model_configs:
+        mc = doc.backend.model_deploy.model_configs[0]
+        if mc.model_weight_path:
+            weights = (base / mc.model_weight_path).resolve()
+            if check_files:
+                model_type, more = check_weight_dir(weights, f"{mc_path(0)}.modelWeightPath")
+                issues += more
+        if options is not None and options.chat_template:
+            template = (base / options.chat_template).resolve()
+            if check_files and not template.is_file():
+                issues.append(ConfigIssue(f"{mc_path(0)}.models.{key}.chat_template",
+                                          options.chat_template, "a readable .jinja file",
+                                          f"chat template not found: {template}"))
+    if issues:
+        raise ConfigError([_mention_env(i, overridden) for i in issues], where)
+
+    warnings = tuple(collect_warnings(doc))
+    for w in warnings:
+        log.warning("config: %s", w)
+    return AppConfig(document=doc, model_weight_path=weights, source=source,
+                     checkpoint_model_type=model_type, model_options_key=key,
+                     model_options=options, chat_template_path=template,
+                     async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings)
+
+
+def _decode(data: str | bytes | Mapping[str, Any], where: str | None) -> dict[str, Any]:
+    if isinstance(data, (str, bytes)):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([ConfigIssue("<file>", f"line {exc.lineno} column {exc.colno}",
+                                           "a JSON object", f"not valid JSON: {exc.msg}")], where) from None
+    if not isinstance(data, Mapping):
+        raise ConfigError([ConfigIssue("<root>", type(data).__name__, "a JSON object",
+                                       "the config must be a JSON object")], where)
+    raw = copy.deepcopy(dict(data))
+    # Decode string plugin_params up front so errors inside it get their own paths and a
+    # bad num_speculative_tokens does not hide the other MTP rules.
+    models = raw.get("BackendConfig", {}).get("ModelDeployConfig", {}).get("ModelConfig") \
+        if isinstance(raw.get("BackendConfig"), dict) and isinstance(
+            raw["BackendConfig"].get("ModelDeployConfig"), dict) else None
+    for entry in models if isinstance(models, list) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("plugin_params"), str):
+            try:
+                entry["plugin_params"] = decode_plugin_params(entry["plugin_params"])
+            except Exception:               # noqa: BLE001 - reported by validation below
+                pass
+    return raw
+
+
+def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """MIES_CONTAINER_IP / MIES_CONTAINER_MANAGEMENT_IP replace the bind IPs.  Returns
+    {json path: env var name} so issues about those values can say where they came from."""
+    done = {}
+    for var, key in _IP_ENV.items():
+        value = env.get(var)
+        if value:
+            server = raw.setdefault("ServerConfig", {})
+            if isinstance(server, dict):
+                server[key] = value
+                done[f"ServerConfig.{key}"] = var
+    return done
+
+
+def _env_switches(env: Mapping[str, str]) -> tuple[bool, bool, list[ConfigIssue]]:
+    # MindIE: async scheduling is on only for "1"; anything else is off.
+    async_on = env.get("MINDIE_ASYNC_SCHEDULING_ENABLE", "").strip().lower() in _ON
+    # MindIE defaults metrics off; this daemon defaults them on (a demo should be observable).
+    mode = env.get("MIES_SERVICE_MONITOR_MODE", "").strip().lower()
+    issues = []
+    if mode and mode not in _ON | _OFF:
+        issues.append(ConfigIssue("$MIES_SERVICE_MONITOR_MODE", mode, "1 (metrics on) or 0 (off)",
+                                  "unrecognised value"))
+    return async_on, mode not in _OFF, issues
+
+
+def _validate_with_repair(raw: dict[str, Any], where: str | None
+                          ) -> tuple[MindIEConfig, list[ConfigIssue], list[str]]:
+    issues: list[ConfigIssue] = []
+    dropped: list[str] = []
+    for _ in range(10):
+        try:
+            return MindIEConfig.model_validate_json(json.dumps(raw)), issues, dropped
+        except ValidationError as err:
+            issues += issues_from_validation(err, MindIEConfig)
+            progress = False
+            for e in err.errors():
+                loc = _drop(raw, e["loc"])
+                if loc is not None:
+                    dropped.append(join_path(loc))
+                    progress = True
+            if not progress:
+                break
+    raise ConfigError(issues, where)
+
+
+def _drop(raw: Any, loc: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Delete the deepest dict key on ``loc`` (so its default applies); return its loc."""
+    node, best = raw, None
+    for depth, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            best = (node, part, loc[:depth + 1])
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            break
+    if best is None:
+        return None
+    parent, key, where = best
+    del parent[key]
+    return where
+
+
+def _mention_env(issue: ConfigIssue, overridden: dict[str, str]) -> ConfigIssue:
+    var = overridden.get(issue.path)
+    if var is None:
+        return issue
+    return ConfigIssue(issue.path, issue.value, issue.allowed,
+                       f"{issue.message} (value from ${var})", issue.related)
+
+
+def check_weight_dir(folder: Path, path: str) -> tuple[str | None, list[ConfigIssue]]:
+    """The weights folder must exist and hold a config.json whose model_type we serve."""
+    allowed = "a folder holding config.json with model_type " + " or ".join(SERVED_MODEL_TYPES)
+    if not folder.exists():
+        return None, [ConfigIssue(path, str(folder), allowed, f"folder does not exist: {folder}")]
+    if not folder.is_dir():
+        return None, [ConfigIssue(path, str(folder), allowed, f"not a folder: {folder}")]
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        return None, [ConfigIssue(path, str(folder), allowed, f"missing file: {cfg_file}")]
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, [ConfigIssue(path, str(cfg_file), allowed, f"cannot read {cfg_file}: {exc}")]
+    model_type = hf.get("model_type") if isinstance(hf, dict) else None
+    if model_type not in SERVED_MODEL_TYPES:
+        return None, [ConfigIssue(path, model_type, "model_type " + " or ".join(SERVED_MODEL_TYPES),
+                                  f"{cfg_file} has model_type {model_type!r}, which this daemon does not serve")]
+    return model_type, []
+
+
+def collect_warnings(doc: MindIEConfig) -> list[str]:
+    """Keys we keep but do not understand, deprecated switches, modes we do not implement."""
+    out = [f"{path}: unknown key, kept and ignored" for path in _unknown_keys(doc, ())]
+    sched = doc.backend.schedule
+    for key, value in (("enablePrefixCache", sched.enable_prefix_cache), ("enableSplit", sched.enable_split)):
+        if value is not None:
+            out.append(f"BackendConfig.ScheduleConfig.{key}: deprecated and ignored; "
+                       "use ModelConfig[].plugin_params")
+    if doc.server.infer_mode == "dmi":
+        out.append("ServerConfig.inferMode: 'dmi' (PD disaggregation) is not implemented; "
+                   "serving PD co-located")
+    for i, mc in enumerate(doc.backend.model_deploy.model_configs):
+        if mc.model_instance_type != "Standard":
+            out.append(f"{mc_path(i)}.modelInstanceType: {mc.model_instance_type!r} treated as 'Standard'")
+        key, opts, _ = model_options(mc, i)
+        present = [k for k in mc.models if k != key and k.startswith("deepseek")]
+        for other in present:
+            out.append(f"{mc_path(i)}.models.{other}: ignored; models.{key} takes precedence")
+        if key is not None:
+            out += [f"{p}: unknown key, kept and ignored"
+                    for p in _unknown_keys(opts, (*mc_path(i).split("."), "models", key))]
+    return out
+
+
+def _unknown_keys(node: BaseModel, loc: tuple[Any, ...]) -> list[str]:
+    found = [join_path((*loc, key)) for key in (node.model_extra or {})]
+    for name, info in type(node).model_fields.items():
+        value = getattr(node, name)
+        alias = info.alias or name
+        if isinstance(value, BaseModel):
+            found += _unknown_keys(value, (*loc, alias))
+        elif isinstance(value, tuple):
+            for j, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    found += _unknown_keys(item, (*loc, alias, j))
+    return found

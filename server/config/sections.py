@@ -1,0 +1,356 @@
+"""Pydantic models of MindIE's ``config.json``, one class per section, keyed by MindIE's names.
+
+Field-local checks (types, ranges, enums, patterns) live here as pydantic constraints;
+rules that read several fields live in ``rules.py`` so they still run, and are all
+reported, when some single field is broken.  Defaults and ranges are MindIE's
+(shared/reference/mindie.md section 1).  Validation is strict (``"1025"`` is not a port),
+as MindIE's C++ param checker is.  Unknown keys are kept (``extra="allow"``) and the loader
+warns about them.  Every model is frozen: config is read once and never mutated.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from server.config.plugins import PluginParams, decode_plugin_params
+
+U32 = 2**32 - 1
+I32 = 2**31 - 1
+MODEL_NAME_RULE = "1-256 of [A-Za-z0-9._-], not starting or ending with '-', '.' or '_'"
+_MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?")
+_BACKEND_NAME = re.compile(r"[a-z_]{1,50}")
+
+
+def F(alias: str, default: Any = None, *, lo: int | None = None, hi: int | None = None,
+      doc: str | None = None) -> Any:
+    """A field under MindIE's key ``alias`` with an inclusive range [lo, hi]."""
+    return Field(default, alias=alias, ge=lo, le=hi, description=doc)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow",
+                              protected_namespaces=(), populate_by_name=False)
+
+
+def _check_ip(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise PydanticCustomError("ip_address", "not an IP address",
+                                  {"allowed": "an IPv4 or IPv6 address"}) from None
+    return value
+
+
+class HealthCheckConfig(Section):
+    npu_usage_threshold: StrictInt = F("npuUsageThreshold", 0, lo=0, hi=100)
+
+
+class ServerConfig(Section):
+    ip_address: StrictStr = F("ipAddress", "127.0.0.1", doc="Business-plane bind IP")
+    management_ip_address: StrictStr | None = F("managementIpAddress", None,
+                                          doc="Management/metrics bind IP; absent: ipAddress")
+    port: StrictInt = F("port", 1025, lo=1024, hi=65535)
+    management_port: StrictInt = F("managementPort", 1026, lo=1024, hi=65535)
+    metrics_port: StrictInt = F("metricsPort", 1027, lo=1024, hi=65535)
+    allow_all_zero_ip_listening: StrictBool = F("allowAllZeroIpListening", False)
+    max_link_num: StrictInt = F("maxLinkNum", 1000, lo=1, hi=4096)
+    https_enabled: StrictBool = F("httpsEnabled", True)
+    full_text_enabled: StrictBool = F("fullTextEnabled", False)
+    tls_ca_path: StrictStr = F("tlsCaPath", "security/ca/")
+    tls_ca_file: tuple[StrictStr, ...] = F("tlsCaFile", ("ca.pem",))
+    tls_cert: StrictStr = F("tlsCert", "security/certs/server.pem")
+    tls_pk: StrictStr = F("tlsPk", "security/keys/server.key.pem")
+    tls_pk_pwd: StrictStr = F("tlsPkPwd", "security/pass/key_pwd.txt")
+    tls_crl_path: StrictStr = F("tlsCrlPath", "security/certs/")
+    tls_crl_files: tuple[StrictStr, ...] = F("tlsCrlFiles", ("server_crl.pem",))
+    management_tls_ca_file: tuple[StrictStr, ...] = F("managementTlsCaFile", ("management_ca.pem",))
+    management_tls_cert: StrictStr = F("managementTlsCert", "security/certs/management/server.pem")
+    management_tls_pk: StrictStr = F("managementTlsPk", "security/keys/management/server.key.pem")
+    management_tls_pk_pwd: StrictStr | None = F("managementTlsPkPwd")
+    management_tls_crl_path: StrictStr = F("managementTlsCrlPath", "security/management/certs/")
+    management_tls_crl_files: tuple[StrictStr, ...] = F("managementTlsCrlFiles", ("server_crl.pem",))
+    metrics_tls_ca_file: tuple[StrictStr, ...] = F("metricsTlsCaFile", ("metrics_ca.pem",))
+    metrics_tls_cert: StrictStr = F("metricsTlsCert", "security/certs/metrics/server.pem")
+    metrics_tls_pk: StrictStr = F("metricsTlsPk", "security/keys/metrics/server.key.pem")
+    metrics_tls_pk_pwd: StrictStr | None = F("metricsTlsPkPwd")
+    metrics_tls_crl_path: StrictStr = F("metricsTlsCrlPath", "security/metrics/certs/")
+    metrics_tls_crl_files: tuple[StrictStr, ...] = F("metricsTlsCrlFiles", ("server_crl.pem",))
+    kmc_ksf_master: StrictStr = F("kmcKsfMaster", "tools/pmt/master/ksfa")
+    kmc_ksf_standby: StrictStr = F("kmcKsfStandby", "tools/pmt/standby/ksfb")
+    infer_mode: Literal["standard", "dmi"] = F("inferMode", "standard")
+    inter_comm_tls_enabled: StrictBool = F("interCommTLSEnabled", True)
+    inter_comm_port: StrictInt = F("interCommPort", 1121, lo=1024, hi=65535)
+    inter_comm_tls_ca_path: StrictStr = F("interCommTlsCaPath", "security/grpc/ca/")
+    inter_comm_tls_ca_files: tuple[StrictStr, ...] = F("interCommTlsCaFiles", ("ca.pem",))
+    inter_comm_tls_cert: StrictStr = F("interCommTlsCert", "security/grpc/certs/server.pem")
+    inter_comm_pk: StrictStr = F("interCommPk", "security/grpc/keys/server.key.pem")
+    inter_comm_pk_pwd: StrictStr | None = F("interCommPkPwd")
+    inter_comm_tls_crl_path: StrictStr = F("interCommTlsCrlPath", "security/grpc/certs/")
+    inter_comm_tls_crl_files: tuple[StrictStr, ...] = F("interCommTlsCrlFiles", ("server_crl.pem",))
+    open_ai_support: StrictStr = F("openAiSupport", "vllm")
+    token_timeout: StrictInt = F("tokenTimeout", 600, lo=1, hi=3600, doc="seconds")
+    e2e_timeout: StrictInt = F("e2eTimeout", 600, lo=1, hi=65535, doc="seconds")
+    max_request_length: StrictInt = F("maxRequestLength", 40, lo=1, hi=100, doc="MB")
+    max_json_depth: StrictInt | None = F("maxJsonDepth", None, lo=1)
+    dist_dp_server_enabled: StrictBool = F("distDPServerEnabled", False)
+    layerwise_disaggregated: StrictBool = F("layerwiseDisaggregated", False)
+    layerwise_disaggregated_role_type: StrictStr = F("layerwiseDisaggregatedRoleType", "")
+    layerwise_disaggregated_master_ip_address: StrictStr | None = F("layerwiseDisaggregatedMasterIpAddress")
+    layerwise_disaggregated_slave_ip_address: tuple[StrictStr, ...] = F("layerwiseDisaggregatedSlaveIpAddress", ())
+    layerwise_disaggregated_data_port: StrictInt | None = F("layerwiseDisaggregatedDataPort")
+    layerwise_disaggregated_crtl_port: tuple[StrictInt, ...] = F("layerwiseDisaggregatedCrtlPort", ())
+    health_check: HealthCheckConfig = F("HealthCheckConfig", HealthCheckConfig())
+
+    @field_validator("ip_address", "management_ip_address")
+    @classmethod
+    def _ips(cls, value: str | None) -> str | None:
+        return value if value is None else _check_ip(value)
+
+    @property
+    def effective_management_ip(self) -> str:
+        """Bind IP of the management and metrics planes (MindIE: ipAddress when absent)."""
+        return self.management_ip_address or self.ip_address
+
+
+class KvPoolConfig(Section):
+    backend: StrictStr = F("backend", "")
+    config_path: StrictStr = F("configPath", "")
+
+
+class LoraModule(Section):
+    name: StrictStr | None = F("name")
+    path: StrictStr | None = F("path")
+    base_model_name: StrictStr | None = F("baseModelName")
+
+
+def _truncation(value: Any) -> int:
+    # bool first: True is an int in Python.  MindIE: true/-1 right, false/0 reject, 1 left.
+    if isinstance(value, bool):
+        return -1 if value else 0
+    if isinstance(value, int) and value in (-1, 0, 1):
+        return value
+    raise PydanticCustomError("truncation", "invalid truncation mode",
+                              {"allowed": "false/0 (reject), true/-1 (truncate right), 1 (truncate left)"})
+
+
+class ModelConfig(Section):
+    model_instance_type: Literal["Standard", "StandardMock", "TargetModel", "AssistantModel"] = F(
+        "modelInstanceType", "Standard")
+    model_name: StrictStr | None = F("modelName", None, doc=MODEL_NAME_RULE)
+    model_weight_path: StrictStr | None = F("modelWeightPath", None,
+                                      doc="relative paths resolve against the config file's folder")
+    world_size: StrictInt = F("worldSize", 4, lo=1, hi=U32)
+    cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of CPU swap space for KV")
+    npu_mem_size: StrictInt = F("npuMemSize", -1, doc="GB for the KV cache; -1 = auto")
+    backend_type: Literal["atb", "ms", "torch"] = F("backendType", "atb")
+    trust_remote_code: StrictBool = F("trustRemoteCode", False)
+    plugin_params: PluginParams = F("plugin_params", PluginParams())
+    models: dict[StrictStr, Any] = F("models", {}, doc="per-model-type options, e.g. deepseekv2")
+    async_scheduler_wait_time: StrictInt = F("async_scheduler_wait_time", 120, lo=1, hi=3600)
+    kv_trans_timeout: StrictInt = F("kv_trans_timeout", 10, lo=-I32 - 1, hi=I32)
+    kv_link_timeout: StrictInt = F("kv_link_timeout", 1080, lo=-I32 - 1, hi=I32)
+    tp: StrictInt | None = F("tp", None, lo=1, hi=I32)
+    dp: StrictInt = F("dp", -1, lo=-1, hi=I32, doc="-1 (unset) or >= 1")
+    cp: StrictInt = F("cp", 1, lo=1, hi=2)
+    sp: StrictInt = F("sp", 1, lo=1, hi=I32)
+    moe_tp: StrictInt | None = F("moe_tp", None, lo=1, hi=I32)
+    moe_ep: StrictInt | None = F("moe_ep", None, lo=1, hi=I32)
+    pp: StrictInt | None = F("pp", None, lo=1, hi=I32)
+
+    @field_validator("plugin_params", mode="before")
+    @classmethod
+    def _plugins(cls, value: Any) -> Any:
+        return decode_plugin_params(value)
+
+    @field_validator("model_name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not _MODEL_NAME.fullmatch(value):
+            raise PydanticCustomError("model_name", "invalid model name", {"allowed": MODEL_NAME_RULE})
+        return value
+
+    @field_validator("npu_mem_size")
+    @classmethod
+    def _npu_mem(cls, value: int) -> int:
+        if value != -1 and not 0 < value <= I32:
+            raise PydanticCustomError("npu_mem_size", "invalid npuMemSize",
+                                      {"allowed": f"-1 (auto) or [1, {I32}]"})
+        return value
+
+    @field_validator("dp")
+    @classmethod
+    def _dp(cls, value: int) -> int:
+        if value == 0:
+            raise PydanticCustomError("dp", "dp must not be 0", {"allowed": "-1 (unset) or >= 1"})
+        return value
+
+
+class ModelDeployConfig(Section):
+    max_seq_len: StrictInt = F("maxSeqLen", 2560, lo=1, hi=U32, doc="input + output tokens")
+    max_input_token_len: StrictInt = F("maxInputTokenLen", 2048, lo=1, hi=4194304)
+    truncation: StrictInt = F("truncation", 0, doc="0 reject, -1 truncate right, 1 truncate left")
+    max_loras: StrictInt | None = F("maxLoras", None, lo=0, hi=U32)
+    max_lora_rank: StrictInt | None = F("maxLoraRank", None, lo=0, hi=U32)
+    lora_modules: tuple[LoraModule, ...] = F("LoraModules", ())
+    model_configs: tuple[ModelConfig, ...] = F("ModelConfig", ())
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _trunc(cls, value: Any) -> int:
+        return _truncation(value)
+
+    @property
+    def effective_max_input_len(self) -> int:
+        """MindIE: ``min(maxInputTokenLen, maxSeqLen - 1)`` (at least one output token)."""
+        return max(1, min(self.max_input_token_len, self.max_seq_len - 1))
+
+
+class ScheduleConfig(Section):
+    template_type: Literal["Standard", "Mix"] = F("templateType", "Standard")
+    template_name: Literal["Standard_LLM"] = F("templateName", "Standard_LLM")
+    cache_block_size: StrictInt = F("cacheBlockSize", 128, lo=1, hi=128, doc="tokens per KV block")
+    max_prefill_batch_size: StrictInt = F("maxPrefillBatchSize", 50, lo=0, hi=819200,
+                                    doc="0 = maxBatchSize")
+    max_prefill_tokens: StrictInt = F("maxPrefillTokens", 8192, lo=1, hi=4194304)
+    prefill_time_ms_per_req: StrictInt = F("prefillTimeMsPerReq", 150, lo=0, hi=1000)
+    prefill_policy_type: StrictInt = F("prefillPolicyType", 0, lo=0, hi=3)
+    decode_time_ms_per_req: StrictInt = F("decodeTimeMsPerReq", 50, lo=0, hi=1000)
+    decode_policy_type: StrictInt = F("decodePolicyType", 0, lo=0, hi=3)
+    max_batch_size: StrictInt = F("maxBatchSize", 200, lo=1, hi=819200)
+    max_iter_times: StrictInt = F("maxIterTimes", 512, lo=1, hi=U32, doc="<= maxSeqLen")
+    max_preempt_count: StrictInt = F("maxPreemptCount", 0, lo=0, hi=U32)
+    support_select_batch: StrictBool = F("supportSelectBatch", False)
+    max_queue_delay_microseconds: StrictInt = F("maxQueueDelayMicroseconds", 5000, lo=500, hi=1000000)
+    max_first_token_wait_time: StrictInt = F("maxFirstTokenWaitTime", 2500, lo=0, hi=3600000)
+    max_n: StrictInt = F("maxN", 128, lo=1, hi=8192)
+    prefill_chunk_size: StrictInt | None = F("prefillChunkSize", None, lo=1, hi=4194304)
+    max_num_partial_prefills: StrictInt = F("maxNumPartialPrefills", 64, lo=1, hi=64)
+    long_prefill_token_threshold: StrictInt = F("longPrefillTokenThreshold", 1024, lo=1, hi=8192)
+    max_long_partial_prefills: StrictInt = F("maxLongPartialPrefills", 8, lo=1, hi=64)
+    enable_prefix_cache: StrictBool | None = F("enablePrefixCache", None, doc="deprecated")
+    enable_split: StrictBool | None = F("enableSplit", None, doc="deprecated")
+    split_type: Any = F("splitType", None)
+    split_start_type: StrictBool | None = F("splitStartType", None)
+    split_chunk_tokens: StrictInt = F("splitChunkTokens", 512, lo=0, hi=U32)
+    split_start_batch_size: StrictInt = F("splitStartBatchSize", 16, lo=0, hi=U32)
+    policy_type: StrictInt = F("policyType", 0, lo=0, hi=U32)
+    stage_select_policy: StrictInt = F("stageSelectPolicy", 0, lo=0, hi=2)
+    dynamic_batch_size_enable: StrictBool = F("dynamicBatchSizeEnable", False)
+    prefill_expected_time: StrictInt = F("prefillExpectedTime", 1500, lo=1, hi=10000)
+    decode_expected_time: StrictInt = F("decodeExpectedTime", 50, lo=1, hi=10000)
+    buffer_response_enabled: StrictBool = F("bufferResponseEnabled", False)
+    distributed_enable: StrictBool = F("distributedEnable", False)
+    layerwise_disaggregated: Any = F("layerwiseDisaggregated", None)
+
+    @property
+    def effective_max_prefill_batch_size(self) -> int:
+        """MindIE treats 0 as 'same as maxBatchSize'."""
+        return self.max_prefill_batch_size or self.max_batch_size
+
+
+class BackendConfig(Section):
+    backend_name: StrictStr = F("backendName", "mindieservice_llm_engine")
+    model_instance_number: StrictInt = F("modelInstanceNumber", 1, lo=1, hi=10)
+    npu_device_ids: tuple[tuple[StrictInt, ...], ...] = F("npuDeviceIds", ((0, 1, 2, 3),))
+    tokenizer_process_number: StrictInt = F("tokenizerProcessNumber", 8, lo=1, hi=32)
+    multi_nodes_infer_enabled: StrictBool = F("multiNodesInferEnabled", False)
+    multi_nodes_infer_port: StrictInt = F("multiNodesInferPort", 1120, lo=1024, hi=65535)
+    inter_node_tls_enabled: StrictBool = F("interNodeTLSEnabled", True)
+    inter_node_tls_ca_path: StrictStr = F("interNodeTlsCaPath", "security/grpc/ca/")
+    inter_node_tls_ca_files: tuple[StrictStr, ...] = F("interNodeTlsCaFiles", ("ca.pem",))
+    inter_node_tls_cert: StrictStr = F("interNodeTlsCert", "security/grpc/certs/server.pem")
+    inter_node_tls_pk: StrictStr = F("interNodeTlsPk", "security/grpc/keys/server.key.pem")
+    inter_node_tls_pk_pwd: StrictStr | None = F("interNodeTlsPkPwd")
+    inter_node_tls_crl_path: StrictStr = F("interNodeTlsCrlPath", "security/grpc/certs/")
+    inter_node_tls_crl_files: tuple[StrictStr, ...] = F("interNodeTlsCrlFiles", ("server_crl.pem",))
+    inter_node_kmc_ksf_master: StrictStr | None = F("interNodeKmcKsfMaster")
+    inter_node_kmc_ksf_standby: StrictStr | None = F("interNodeKmcKsfStandby")
+    kv_pool_config: KvPoolConfig = F("kvPoolConfig", KvPoolConfig())
+    model_deploy: ModelDeployConfig = F("ModelDeployConfig", ModelDeployConfig())
+    schedule: ScheduleConfig = F("ScheduleConfig", ScheduleConfig())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clamp_dependent_defaults(cls, data: Any) -> Any:
+        """Defaults that must respect another field are clamped to it when left out.
+
+        MindIE's fixed defaults (maxPrefillBatchSize 50, maxN 128, maxIterTimes 512, ...)
+        would make a config that only sets maxBatchSize 16 or maxSeqLen 256 invalid
+        through keys the operator never wrote; an explicitly written value is still checked.
+        """
+        if not isinstance(data, dict):
+            return data
+        sched, deploy = data.get("ScheduleConfig", {}), data.get("ModelDeployConfig", {})
+        if not isinstance(sched, dict) or not isinstance(deploy, dict):
+            return data
+
+        def num(section: dict, key: str, default: int) -> int | None:
+            v = section.get(key, default)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+        batch = num(sched, "maxBatchSize", 200)
+        seq = num(deploy, "maxSeqLen", 2560)
+        inp = num(deploy, "maxInputTokenLen", 2048)
+        partial = num(sched, "maxNumPartialPrefills", 64)
+        derived = {
+            "maxPrefillBatchSize": batch and min(50, batch),
+            "maxN": batch and min(128, batch),
+            "maxIterTimes": seq and min(512, seq),
+            "maxPrefillTokens": seq and inp and max(8192, min(inp, seq - 1)),
+            "maxLongPartialPrefills": partial and min(8, partial),
+        }
+        missing = {k: v for k, v in derived.items() if k not in sched and v}
+        if missing:
+            data = {**data, "ScheduleConfig": {**sched, **missing}}
+        return data
+
+    @field_validator("backend_name")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if not _BACKEND_NAME.fullmatch(value):
+            raise PydanticCustomError("backend_name", "invalid backendName",
+                                      {"allowed": "1-50 lower-case letters or '_'"})
+        return value
+
+
+class LogConfig(Section):
+    dynamic_log_level: StrictStr = F("dynamicLogLevel", "")
+    dynamic_log_level_valid_hours: StrictInt = F("dynamicLogLevelValidHours", 2, lo=1, hi=168)
+    dynamic_log_level_valid_time: StrictStr = F("dynamicLogLevelValidTime", "")
+    # MindIE <= 1.0.x keys; kept for old files.
+    log_level: Literal["Verbose", "Info", "Warning", "Error", "None"] | None = F("logLevel")
+    log_file_size: StrictInt | None = F("logFileSize", None, lo=0, hi=500)
+    log_file_num: StrictInt | None = F("logFileNum", None, lo=0, hi=64)
+    log_path: StrictStr | None = F("logPath")
+
+
+class MindIEConfig(Section):
+    """The whole file."""
+    version: StrictStr = F("Version", "1.0.0")
+    server: ServerConfig = F("ServerConfig", ServerConfig())
+    backend: BackendConfig = F("BackendConfig", BackendConfig())
+    log: LogConfig = F("LogConfig", LogConfig())
+    enable_dynamic_adjust_timeout_config: StrictBool = F("EnableDynamicAdjustTimeoutConfig", False)
+
+
+class ToolCallOptions(Section):
+    tool_call_parser: StrictStr | None = F("tool_call_parser")
+
+
+class KvCacheOptions(Section):
+    enable_nz: StrictBool = F("enable_nz", False)
+
+
+class ModelTypeOptions(Section):
+    """One ``ModelConfig[i].models.<model_type>`` object (e.g. ``models.deepseekv2``)."""
+    enable_reasoning: StrictBool = F("enable_reasoning", False)
+    tool_call_options: ToolCallOptions = F("tool_call_options", ToolCallOptions())
+    chat_template: StrictStr | None = F("chat_template")
+    early_stopping_text: StrictStr | None = F("early_stopping_text")
+    kv_cache_options: KvCacheOptions = F("kv_cache_options", KvCacheOptions())
+    ep_level: StrictInt | None = F("ep_level")
