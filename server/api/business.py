@@ -5,7 +5,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from server.api.body import read_json
-from server.api.errors import APIError, install_error_handlers
+from server.api.errors import APIError
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completions import create_completion
 from server.api.sse import json_response
@@ -19,11 +19,7 @@ def model_card(state: ServerState) -> dict:
             "max_model_len": s.max_seq_len}
 
 
-def build_business_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="mtp-serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = state
-    install_error_handlers(app)
-
+def add_business_routes(app: FastAPI, state: ServerState) -> None:
     async def _run(request: Request, handler) -> Response:
         state.admission.acquire()
         try:
@@ -64,5 +60,3 @@ def build_business_app(state: ServerState) -> FastAPI:
         if not state.admission.accepting:
             return Response(status_code=503)
         return Response(status_code=200)
-
-    return app

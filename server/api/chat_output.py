@@ -1,26 +1,40 @@
 """Turn generated text into chat deltas: reasoning, content and tool calls.
 
-One object per choice, fed the text delta of every engine output.  It keeps the whole
-text so far and re-derives what is visible, so every delta it returns is a suffix of
-what a full-text parse would give; ``finish`` flushes the rest and decides whether the
-tool-call text was well formed.
+One object per choice.  The generated text first goes through the reasoning splitter
+(when thinking is on), and what comes out as content goes through the tool-call stream
+(when tools are on); both come from ``server.text`` and hold back partial markers, so
+the deltas always add up to the full-text parse.  Tool-call text that does not parse
+comes back as content, never as an error.
 
-Stages of the generated text (``R`` = reasoning on, ``T`` = tool calls parsed):
-    [R: reasoning ... </think>] content [T: <｜tool▁calls▁begin｜> calls ... <｜tool▁calls▁end｜>]
-Tool-call text that does not parse comes back as content (never an error); a missing
-``</think>`` means everything is reasoning, as DeepSeek-R1's parser does.
+``forced_prefix`` is text the server appended to the prompt to force a tool call
+(``tool_choice`` required or named): the model continues it, so the parser reads
+prefix + output, and whatever the prefix produces (a call's id and name) goes out with
+the first real delta.
 """
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
-from server.api.tool_text import ToolCallText
-from server.text.special_tokens import THINK_END, THINK_START, TOOL_CALLS_BEGIN
+from server.text.reasoning import ReasoningParser
+from server.text.special_tokens import (TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_SEP)
+from server.text.tool_calls import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+
+_PARSERS = {"deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV31ToolParser}
 
 
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def normalize_format(name: str | None) -> str:
+    """MindIE parser names (deepseekv3, deepseek_v2, deepseekv31, ...) -> a parser key."""
+    key = (name or "deepseek_v3").lower().replace("_", "").replace("-", "")
+    return "deepseek_v31" if key in ("deepseekv31", "deepseekv32") else "deepseek_v3"
+
+
+def forced_opening(fmt: str, name: str | None) -> str:
+    """Generated-text prefix that forces a call in the model's own format (None: any name)."""
+    if fmt == "deepseek_v31":
+        head = TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN
+        return head if name is None else head + name + TOOL_SEP
+    head = TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP
+    return head if name is None else head + name + "\n```json\n"
 
 
 @dataclass
@@ -33,124 +47,93 @@ class ParsedMessage:
 class ChatOutputParser:
     def __init__(self, *, reasoning: bool, tool_format: str | None,
                  forced_prefix: str = "", parallel_tool_calls: bool = True) -> None:
-        """``tool_format``: None (tools off), "deepseek_v3" or "deepseek_v31".
-
-        ``forced_prefix`` is generated-text the server placed at the end of the prompt
-        (a forced tool-call opening for ``tool_choice`` required/named); the model's
-        output continues it, so the parser sees prefix + output.
-        """
-        self.reasoning_on = reasoning
-        self.tools = ToolCallText(tool_format) if tool_format else None
+        self.reasoning = ReasoningParser().stream() if reasoning else None
+        self.tools = _PARSERS[normalize_format(tool_format)]().stream() if tool_format else None
         self.parallel = parallel_tool_calls
-        self.text = forced_prefix
-        self._sent_reasoning = 0
-        self._sent_content = 0
-        self._sent_calls: list[tuple[str, int]] = []   # (id, argument chars sent) per call
+        self._reasoning_text: list[str] = []
+        self._content_text: list[str] = []
+        self._pending = self._step(forced_prefix, final=False) if forced_prefix else {}
 
-    # -- splitting -------------------------------------------------------------------
-    def _split(self, final: bool) -> tuple[str, str, str]:
-        """(reasoning, content, tool text) of the text so far."""
-        text = self.text
-        reasoning = ""
-        if self.reasoning_on:
-            if text.startswith(THINK_START):
-                text = text[len(THINK_START):]
-            head, sep, rest = text.partition(THINK_END)
-            if not sep:
-                # Hold back a partial "</think>" only while streaming.
-                return head if final else _hold_back(head, THINK_END), "", ""
-            reasoning, text = head, rest
-        if self.tools is not None:
-            content, sep, tool_text = text.partition(TOOL_CALLS_BEGIN)
-            if sep:
-                return reasoning, content, sep + tool_text
-            return reasoning, content if final else _hold_back(content, TOOL_CALLS_BEGIN), ""
-        return reasoning, text, ""
-
-    # -- streaming -------------------------------------------------------------------
-    def feed(self, delta: str) -> dict:
-        """Add generated text; returns a (possibly empty) delta message."""
-        self.text += delta
-        return self._delta(final=False)
-
-    def _delta(self, final: bool) -> dict:
-        reasoning, content, tool_text = self._split(final)
+    def _step(self, delta: str, final: bool) -> dict:
         out: dict = {}
-        if len(reasoning) > self._sent_reasoning:
-            out["reasoning_content"] = reasoning[self._sent_reasoning:]
-            self._sent_reasoning = len(reasoning)
-        if len(content) > self._sent_content:
-            out["content"] = content[self._sent_content:]
-            self._sent_content = len(content)
-        if tool_text:
-            calls = self.tools.parse_partial(tool_text)
-            deltas = self._tool_deltas(calls)
-            if deltas:
-                out["tool_calls"] = deltas
+        if self.reasoning is not None:
+            r, c = self.reasoning.finish() if final else self.reasoning.feed(delta)
+            if r:
+                out["reasoning_content"] = r
+                self._reasoning_text.append(r)
+        else:
+            c = "" if final else delta
+        if self.tools is not None:
+            td = self.tools.feed(c) if c else None
+            parts = [td] if td else []
+            if final:
+                parts.append(self.tools.finish())
+            content = "".join(p.content for p in parts)
+            calls = [tc for p in parts for tc in p.tool_calls
+                     if self.parallel or tc.get("index", 0) == 0]
+            if calls:
+                out["tool_calls"] = calls
+        else:
+            content = c
+        if content:
+            out["content"] = content
+            self._content_text.append(content)
         return out
 
-    def _tool_deltas(self, calls: list[tuple[str, str | None]]) -> list[dict]:
-        deltas = []
-        for index, (name, args) in enumerate(calls):
-            if not self.parallel and index > 0:
-                break
-            if index >= len(self._sent_calls):
-                call_id = tool_call_id()
-                self._sent_calls.append((call_id, 0))
-                deltas.append({"index": index, "id": call_id, "type": "function",
-                               "function": {"name": name, "arguments": ""}})
-            call_id, sent = self._sent_calls[index]
-            if args is not None and len(args) > sent:
-                deltas.append({"index": index, "function": {"arguments": args[sent:]}})
-                self._sent_calls[index] = (call_id, len(args))
-        return deltas
+    def feed(self, delta: str) -> dict:
+        """Add generated text; returns a (possibly empty) delta message."""
+        out = self._step(delta, final=False)
+        if self._pending:
+            out = _join(self._pending, out)
+            self._pending = {}
+        return out
 
     def finish(self) -> tuple[dict, ParsedMessage]:
-        """Flush what is left; returns (last delta, full parse of the whole text)."""
-        last = self._delta(final=True)
-        message = self.parse_full()
-        if self.tools is not None and not message.tool_calls and self._sent_calls:
-            # Streamed tool deltas turned out malformed: give the raw text back as content.
-            last.pop("tool_calls", None)
-        elif message.tool_calls and self._sent_calls:
-            # Make sure the streamed arguments add up to the final ones.
-            extra = []
-            for index, call in enumerate(message.tool_calls):
-                if index < len(self._sent_calls):
-                    call["id"] = self._sent_calls[index][0]
-                    sent = self._sent_calls[index][1]
-                    args = call["function"]["arguments"]
-                    if len(args) > sent:
-                        extra.append({"index": index, "function": {"arguments": args[sent:]}})
-            if extra:
-                last.setdefault("tool_calls", []).extend(extra)
-        if self.tools is not None and not message.tool_calls:
-            _, content, tool_text = self._split(final=True)
-            if tool_text:   # malformed calls: unsent raw text becomes content
-                last["content"] = last.get("content", "") + tool_text
-        return last, message
-
-    # -- whole text --------------------------------------------------------------------
-    def parse_full(self) -> ParsedMessage:
-        reasoning, content, tool_text = self._split(final=True)
+        """Flush held-back text; returns (last delta, the whole message)."""
+        out = _join(self._pending, self._step("", final=True))
+        self._pending = {}
+        reasoning = "".join(self._reasoning_text) if self.reasoning is not None else None
+        content = "".join(self._content_text)
         calls: list[dict] = []
-        if tool_text:
-            parsed = self.tools.parse_full(tool_text)
-            if parsed is None:
-                content += tool_text            # malformed: return the text as content
-            else:
+        if self.tools is not None:
+            result = self.tools.result()
+            if result.tool_calls:
+                calls = [c.to_openai() for c in result.tool_calls]
                 if not self.parallel:
-                    parsed = parsed[:1]
-                calls = [{"id": tool_call_id(), "type": "function",
-                          "function": {"name": n, "arguments": a}} for n, a in parsed]
-        return ParsedMessage(reasoning=reasoning if self.reasoning_on else None,
-                             content=content if (content or not calls) else None,
-                             tool_calls=calls)
+                    calls = calls[:1]
+                content = result.content or ""
+            else:
+                content = result.content or content
+        message = ParsedMessage(reasoning=reasoning if reasoning is not None else None,
+                                content=content or (None if calls else ""), tool_calls=calls)
+        return out, message
 
 
-def _hold_back(text: str, marker: str) -> str:
-    """Drop a trailing partial ``marker`` so it is not streamed as text by mistake."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return text[:-n]
-    return text
+def _join(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, value in b.items():
+        if key == "tool_calls":
+            out["tool_calls"] = out.get("tool_calls", []) + value
+        else:
+            out[key] = out.get(key, "") + value
+    return out
+
+
+def parse_full_text(text: str, *, reasoning: bool, tool_format: str | None,
+                    forced_prefix: str = "", parallel_tool_calls: bool = True) -> ParsedMessage:
+    """Non-streaming parse of a whole output (strict: malformed tool text is content)."""
+    text = forced_prefix + text
+    thought = None
+    if reasoning:
+        thought, text = ReasoningParser().extract(text)
+        thought, text = thought or "", text or ""
+    calls: list[dict] = []
+    if tool_format:
+        result = _PARSERS[normalize_format(tool_format)]().extract(text)
+        if result.tool_calls:
+            calls = [c.to_openai() for c in result.tool_calls]
+            if not parallel_tool_calls:
+                calls = calls[:1]
+            text = result.content or ""
+    return ParsedMessage(reasoning=thought, content=text or (None if calls else ""),
+                         tool_calls=calls)

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from server.api.errors import APIError, error_response, install_error_handlers
+from server.api.errors import APIError, error_response
 from server.api.settings import pick
 from server.api.sse import json_response
 from server.api.state import ServerState
@@ -73,23 +73,11 @@ async def timed_health(state: ServerState, wait_s: float) -> Response:
     return json_response({"status": "healthy"})
 
 
-def build_management_app(state: ServerState, *, management: bool = True,
-                         metrics: bool = True) -> FastAPI:
-    app = FastAPI(title="mtp-serve management", docs_url=None, redoc_url=None,
-                  openapi_url=None)
-    app.state.server = state
-    install_error_handlers(app)
-    if management:
-        _management_routes(app, state)
-    if metrics:
-        _metrics_route(app, state)
-    return app
-
-
-def _management_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if state.admission.accepting else 503)
+def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = True) -> None:
+    if with_health:
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200 if state.admission.accepting else 503)
 
     @app.get("/health/{rest:path}")
     async def health_timed(request: Request, rest: str) -> Response:
@@ -126,7 +114,7 @@ def _management_routes(app: FastAPI, state: ServerState) -> None:
                               "in_flight": state.admission.in_flight})
 
 
-def _metrics_route(app: FastAPI, state: ServerState) -> None:
+def add_metrics_route(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         if not state.metrics.enabled:

@@ -7,7 +7,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response, StreamingResponse
 
-from server.api.chat_output import ChatOutputParser
+from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_format,
+                                     parse_full_text)
 from server.api.engine_call import ClientDisconnected, EngineCall
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.protocol import ChatCompletionRequest, ignored_fields, parse_request
@@ -17,8 +18,8 @@ from server.api.serving_common import (build_sampling, check_model, check_reques
                                        fit_prompt, max_new_tokens, new_id, warn_ignored)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
-from server.api.tool_text import forced_opening, normalize_format
 from server.engine.protocol import EngineRequest, FinishReason
+from server.text.reasoning import count_reasoning_tokens
 from server.text.special_tokens import THINK_END, THINK_START
 
 
@@ -33,7 +34,7 @@ class ChatPlan:
         self.created = int(time.time())
         self.tool_choice, self.named = _tool_choice(req)
         use_tools = req.tools and self.tool_choice != "none"
-        self.tool_format = normalize_format(s.options.tool_call_parser) if use_tools else None
+        self.tool_format = normalize_format(s.tool_call_parser) if use_tools else None
         kwargs = _template_kwargs(req)
         try:
             prompt = state.tokenizer.apply_chat_template(
@@ -44,7 +45,7 @@ class ChatPlan:
         except Exception as exc:     # template errors are the request's fault
             raise bad_request(f"chat template failed: {exc}", "messages") from None
         tail = prompt.rstrip()
-        self.reasoning = s.options.enable_reasoning and (
+        self.reasoning = s.enable_reasoning and (
             tail.endswith(THINK_START) or bool(kwargs.get("thinking") or kwargs.get("enable_thinking")))
         self.forced = ""
         if self.tool_format and self.tool_choice in ("required", "named"):
@@ -80,9 +81,7 @@ class ChatPlan:
         if not self.reasoning:
             return 0
         end = self.state.think_end_id
-        if end is not None and end in token_ids:
-            return token_ids.index(end)
-        return len(token_ids)
+        return count_reasoning_tokens(token_ids, end) if end is not None else len(token_ids)
 
     def usage(self, out: Any, token_ids: list[int]) -> dict:
         c = out.counters if out is not None else None
@@ -221,9 +220,9 @@ async def _complete(plan: ChatPlan, call: EngineCall) -> dict:
     failure = _engine_failure(last)
     if failure:
         raise failure
-    parser = plan.parser()
-    parser.text += "".join(text)
-    msg = parser.parse_full()
+    msg = parse_full_text("".join(text), reasoning=plan.reasoning, tool_format=plan.tool_format,
+                          forced_prefix=plan.forced,
+                          parallel_tool_calls=plan.req.parallel_tool_calls)
     message: dict = {"role": "assistant", "content": msg.content, "refusal": None,
                      "tool_calls": msg.tool_calls}
     if plan.reasoning:
