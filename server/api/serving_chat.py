@@ -39,7 +39,8 @@ class ChatPlan:
         try:
             prompt = state.tokenizer.apply_chat_template(
                 _template_messages(req), tools=_template_tools(req) if use_tools else None,
-                add_generation_prompt=req.add_generation_prompt, **kwargs)
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=state.chat_template, **kwargs)
         except APIError:
             raise
         except Exception as exc:     # template errors are the request's fault

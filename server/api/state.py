@@ -18,6 +18,7 @@ class ServerState:
     metrics: Any                   # server.metrics.ServingMetrics | NullMetrics
     admission: Admission
     generation_defaults: dict = field(default_factory=dict)
+    chat_template: str | None = None   # models.<type>.chat_template file text; None: tokenizer's
     created: int = field(default_factory=lambda: int(time.time()))
     request_stop: Callable[[], None] = lambda: None   # POST /stopService -> daemon drain
     text_of: TokenText = None      # type: ignore[assignment]

@@ -1,0 +1,204 @@
+"""The daemon: engine plus three HTTP planes (business, management, metrics) in one loop.
+
+Start-up order, so that every failure is clear and early:
+  1. TLS files (httpsEnabled) must exist, relative paths resolved from the config folder;
+  2. every listening socket is bound (an occupied port fails before the model loads);
+  3. tokenizer, model and engine load; the engine thread starts;
+  4. uvicorn serves each address; once all listen: ``Daemon start success!``.
+Stop (SIGTERM, SIGINT, POST /stopService): refuse new requests with 503, let in-flight
+ones finish, shut the engine down, close the servers, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from server.api.app import build_app
+from server.api.limits import Admission
+from server.api.settings import resolve_relative, settings_from_config
+from server.api.state import ServerState
+from server.metrics import make_metrics
+
+log = logging.getLogger("server.daemon")
+READY_LINE = "Daemon start success!"
+EXIT_OK, EXIT_FAIL = 0, 1
+
+
+class DaemonError(RuntimeError):
+    """A start-up failure with a message meant for the operator."""
+
+
+@dataclass
+class Listener:
+    host: str
+    port: int
+    planes: set[str]
+    sock: socket.socket | None = None
+
+
+def plan_listeners(cfg: Any) -> list[Listener]:
+    """Group planes by address: planes on the same ip:port share one server (MindIE rule)."""
+    s = cfg.server
+    wanted = [("business", s.ip_address, s.port),
+              ("management", cfg.management_ip, s.management_port),
+              ("metrics", cfg.management_ip, s.metrics_port)]
+    groups: dict[tuple[str, int], Listener] = {}
+    for plane, host, port in wanted:
+        groups.setdefault((host, port), Listener(host, port, set())).planes.add(plane)
+    by_port: dict[int, list[str]] = {}
+    for (host, port) in groups:
+        by_port.setdefault(port, []).append(host)
+    return list(groups.values())
+
+
+def bind(listener: Listener) -> socket.socket:
+    family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((listener.host, listener.port))
+    except OSError as exc:
+        sock.close()
+        raise DaemonError(f"{'+'.join(sorted(listener.planes))} http server cannot listen on "
+                          f"{listener.host}:{listener.port}: {exc.strerror or exc} "
+                          "(port occupied or address not local)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def tls_files(cfg: Any) -> dict[str, Any]:
+    """uvicorn ssl_* settings, or {} when httpsEnabled is false; missing files refuse start."""
+    s = cfg.server
+    if not s.https_enabled:
+        return {}
+    base = Path(cfg.source).parent if cfg.source else Path.cwd()
+    cert = resolve_relative(s.tls_cert, base)
+    key = resolve_relative(s.tls_pk, base)
+    missing = [f"{name} {path}" for name, path in (("tlsCert", cert), ("tlsPk", key))
+               if not path.is_file()]
+    if missing:
+        raise DaemonError("httpsEnabled is true but " + " and ".join(missing) + " not found "
+                          f"(relative paths are resolved from {base}); provide the files or "
+                          "set httpsEnabled to false")
+    out: dict[str, Any] = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+    pwd = resolve_relative(s.tls_pk_pwd, base) if s.tls_pk_pwd else None
+    if pwd is not None and pwd.is_file():
+        out["ssl_keyfile_password"] = pwd.read_text().strip()
+    return out
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server that leaves signals to the daemon (several servers share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def load_engine(cfg: Any) -> tuple[Any, Any]:
+    from server.engine.engine import AsyncEngine
+    from server.text.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(cfg.model_weight_path)
+    engine = AsyncEngine.from_config(cfg, tokenizer=tokenizer)
+    return tokenizer, engine
+
+
+class Daemon:
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.stop = asyncio.Event()
+        self.servers: list[_Server] = []
+
+    def request_stop(self) -> None:
+        if not self.stop.is_set():
+            log.info("stop requested: draining")
+            self.stop.set()
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        settings = settings_from_config(cfg)
+        ssl = tls_files(cfg)
+        listeners = plan_listeners(cfg)
+        try:
+            for lst in listeners:
+                lst.sock = bind(lst)
+            tokenizer, engine = await asyncio.to_thread(load_engine, cfg)
+        except BaseException:
+            for lst in listeners:
+                if lst.sock is not None:
+                    lst.sock.close()
+            raise
+        await engine.start()
+        chat_template = None
+        if getattr(cfg, "chat_template_path", None):
+            chat_template = Path(cfg.chat_template_path).read_text()
+        state = ServerState(
+            settings=settings, tokenizer=tokenizer, engine=engine,
+            metrics=make_metrics(settings.model_name, settings.num_speculative_tokens,
+                                 bool(getattr(cfg, "metrics_enabled", True))),
+            admission=Admission(settings.max_link_num),
+            generation_defaults=dict(getattr(tokenizer, "generation_defaults", {}) or {}),
+            chat_template=chat_template, request_stop=self.request_stop)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        tasks = []
+        for lst in listeners:
+            config = uvicorn.Config(build_app(state, lst.planes), log_level="warning",
+                                    access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5, **ssl)
+            server = _Server(config)
+            self.servers.append(server)
+            tasks.append(asyncio.create_task(server.serve(sockets=[lst.sock])))
+        while not all(s.started for s in self.servers):
+            done = [t for t in tasks if t.done()]
+            if done:
+                await self._close(tasks, engine, drain=False)
+                raise DaemonError("an http server failed to start")
+            await asyncio.sleep(0.01)
+        for lst in listeners:
+            log.info("%s plane(s) on %s://%s:%d", "+".join(sorted(lst.planes)),
+                     "https" if ssl else "http", lst.host, lst.port)
+        print(READY_LINE, flush=True)
+        stop_wait = asyncio.create_task(self.stop.wait())
+        await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        state.admission.stop_accepting()
+        await self._drain(state, settings.e2e_timeout_s)
+        await self._close(tasks, engine, drain=True)
+        return EXIT_OK
+
+    async def _drain(self, state: ServerState, limit_s: float) -> None:
+        try:
+            await asyncio.wait_for(state.admission.wait_idle(), timeout=limit_s)
+        except asyncio.TimeoutError:
+            log.warning("drain: %d request(s) still in flight after %gs; stopping anyway",
+                        state.admission.in_flight, limit_s)
+
+    async def _close(self, tasks: list, engine: Any, drain: bool) -> None:
+        # Let the last responses flush before closing the sockets.
+        await asyncio.sleep(0.05)
+        for server in self.servers:
+            server.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await engine.shutdown(drain=drain)
+
+
+def run_daemon(cfg: Any) -> int:
+    """Serve until stopped; returns the process exit code (0 after a clean drain)."""
+    try:
+        return asyncio.run(Daemon(cfg).run())
+    except DaemonError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        log.error("%s", exc)
+        return EXIT_FAIL
