@@ -1,0 +1,79 @@
+"""A scripted stand-in for AsyncEngine, for unit tests of the serving path only.
+
+It answers every request with a fixed text, tokenized with the real tokenizer and
+emitted ``tokens_per_step`` tokens per output (MTP-like steps), with counters that move
+as a verifier's would.  The end-to-end tests use the real engine.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from server.engine.protocol import (EngineOutput, EngineRequest, FinishReason, RequestCounters,
+                                    TokenLogprob)
+from server.text.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_total_blocks: int = 64
+    num_free_blocks: int = 64
+
+
+class FakeEngine:
+    def __init__(self, tokenizer, script: str = "Hello there.", tokens_per_step: int = 2,
+                 step_delay_s: float = 0.0) -> None:
+        self.tok = tokenizer
+        self.script = script
+        self.tokens_per_step = tokens_per_step
+        self.step_delay_s = step_delay_s
+        self.aborted: set[str] = set()
+        self.requests: list[EngineRequest] = []
+        self.running = 0
+
+    def stats(self) -> FakeStats:
+        return FakeStats(num_running=self.running,
+                         num_free_blocks=64 - 4 * self.running)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    async def submit(self, req: EngineRequest):
+        self.requests.append(req)
+        ids = self.tok.encode(self.script)[: req.sampling.max_tokens]
+        detok = IncrementalDetokenizer(self.tok, req.prompt_token_ids)
+        counters = RequestCounters(prompt_tokens=len(req.prompt_token_ids))
+        self.running += 1
+        try:
+            pos = 0
+            while pos < len(ids):
+                await asyncio.sleep(self.step_delay_s)
+                if req.request_id in self.aborted:
+                    yield EngineOutput(req.request_id, [], "", True, FinishReason.ABORT,
+                                       counters=counters)
+                    return
+                n = 1 if pos == 0 else self.tokens_per_step
+                step = ids[pos:pos + n]
+                if pos > 0:
+                    counters.num_drafts += 1
+                    counters.num_draft_tokens += self.tokens_per_step - 1
+                    counters.num_accepted_tokens += len(step) - 1
+                pos += len(step)
+                counters.completion_tokens = pos
+                done = pos >= len(ids)
+                lps = [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in step] \
+                    if req.sampling.logprobs else None
+                reason = None
+                if done:
+                    reason = FinishReason.LENGTH if len(ids) == req.sampling.max_tokens \
+                        else FinishReason.STOP
+                yield EngineOutput(req.request_id, step, detok.step(step), done, reason,
+                                   logprobs=lps, counters=RequestCounters(**{
+                                       k: getattr(counters, k) for k in counters.__slots__}))
+        finally:
+            self.running -= 1
+
+    async def shutdown(self, drain: bool = True) -> None:
+        pass

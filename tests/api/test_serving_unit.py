@@ -1,0 +1,244 @@
+"""Serving path with a scripted engine: parsing of fixed outputs into OpenAI shapes.
+
+A random tiny model cannot be made to call tools or think, so these tests pin the
+reasoning / tool-call / SSE logic on fixed engine outputs; test_daemon_*.py drive the
+real daemon.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from server.api.app import build_app
+from server.api.limits import Admission
+from server.api.settings import ApiSettings
+from server.api.state import ServerState
+from server.metrics import ServingMetrics
+from server.testing.tiny_tokenizer import write_tiny_tokenizer
+from server.text.special_tokens import (THINK_END, TOOL_CALL_BEGIN, TOOL_CALL_END,
+                                        TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP)
+from server.text.tokenizer import Tokenizer
+from tests.api.fake_engine import FakeEngine
+
+MODEL = "tiny"
+CALL = (TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP + "get_weather\n```json\n"
+        '{"city": "Paris"}\n```' + TOOL_CALL_END + "\n" + TOOL_CALL_BEGIN + "function" +
+        TOOL_SEP + "get_time\n```json\n{}\n```" + TOOL_CALL_END + TOOL_CALLS_END)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(d, 512)
+    return Tokenizer.from_dir(d)
+
+
+def settings(**over) -> ApiSettings:
+    base = dict(model_name=MODEL, model_path="/x", max_seq_len=2048, max_input_len=1800,
+                truncation=0, max_iter_times=64, max_link_num=4, token_timeout_s=5,
+                e2e_timeout_s=10, max_request_bytes=4096, full_text=False,
+                num_speculative_tokens=1, enable_reasoning=True,
+                tool_call_parser="deepseek_v3", raw={})
+    base.update(over)
+    return ApiSettings(**base)
+
+
+def make_client(tokenizer, script: str, **over):
+    engine = FakeEngine(tokenizer, script)
+    s = settings(**over)
+    state = ServerState(settings=s, tokenizer=tokenizer, engine=engine,
+                        metrics=ServingMetrics(MODEL, 1), admission=Admission(s.max_link_num))
+    app = build_app(state, {"business", "management", "metrics"})
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return client, engine, state
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = []
+    for block in text.split("\n\n"):
+        if block:
+            assert block.startswith("data: ")
+            events.append(block[6:] if block[6:] == "[DONE]" else json.loads(block[6:]))
+    return events
+
+
+def test_tool_calls_non_streaming(tokenizer):
+    async def go():
+        client, engine, _ = make_client(tokenizer, "Sure." + CALL)
+        r = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "weather?"}],
+            "tools": TOOLS})
+        return r
+    r = run(go())
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert choice["message"]["content"] == "Sure."
+
+
+def test_tool_calls_streamed_by_index(tokenizer):
+    async def go():
+        client, _, _ = make_client(tokenizer, CALL)
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
+            "stream": True, "stream_options": {"include_usage": True}})
+    r = run(go())
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    args: dict[int, str] = {}
+    names = {}
+    for ev in events[1:-2]:
+        for tc in ev["choices"][0]["delta"].get("tool_calls", []):
+            assert "index" in tc
+            if "id" in tc:
+                names[tc["index"]] = tc["function"]["name"]
+            args[tc["index"]] = args.get(tc["index"], "") + tc["function"].get("arguments", "")
+    assert names == {0: "get_weather", 1: "get_time"}
+    assert json.loads(args[0]) == {"city": "Paris"} and json.loads(args[1]) == {}
+    assert events[-3]["choices"][0]["finish_reason"] == "tool_calls"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] > 0
+
+
+def test_parallel_tool_calls_false_keeps_first(tokenizer):
+    async def go():
+        client, _, _ = make_client(tokenizer, CALL)
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+            "parallel_tool_calls": False})
+    calls = run(go()).json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_named_tool_choice_forces_the_call(tokenizer):
+    # The prompt ends with the forced opening; the model only writes the arguments.
+    async def go():
+        client, engine, _ = make_client(tokenizer, '{"city": "Rome"}\n```' + TOOL_CALL_END +
+                                        TOOL_CALLS_END)
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+        return r, engine
+    r, engine = run(go())
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"          # OpenAI: named choice gives "stop"
+    assert choice["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Rome"}'}
+    prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith(TOOL_SEP + "get_weather\n```json\n")
+
+
+def test_malformed_tool_text_is_content(tokenizer):
+    bad = TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP + "f\n```json\n{not json"
+    async def go():
+        client, _, _ = make_client(tokenizer, bad)
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    r = run(go())
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["message"]["tool_calls"] == []
+    assert "{not json" in choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+
+
+def test_reasoning_split_and_usage(tokenizer):
+    script = "Let me think step by step." + THINK_END + "The answer is 42."
+    async def go():
+        client, _, _ = make_client(tokenizer, script)
+        body = {"messages": [{"role": "user", "content": "q"}],
+                "chat_template_kwargs": {"thinking": True}}
+        full = await client.post("/v1/chat/completions", json=body)
+        stream = await client.post("/v1/chat/completions", json={**body, "stream": True,
+                                   "stream_options": {"include_usage": True}})
+        off = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}]})
+        return full, stream, off
+    full, stream, off = run(go())
+    msg = full.json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == "Let me think step by step."
+    assert msg["content"] == "The answer is 42."
+    usage = full.json()["usage"]
+    n_reason = len(tokenizer.encode("Let me think step by step." + THINK_END))
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == n_reason
+    events = sse_events(stream.text)
+    reasoning = "".join(e["choices"][0]["delta"].get("reasoning_content", "")
+                        for e in events[:-1] if e["choices"])
+    content = "".join(e["choices"][0]["delta"].get("content", "") or ""
+                      for e in events[:-1] if e["choices"])
+    assert reasoning == "Let me think step by step." and content == "The answer is 42."
+    # Thinking off for this request: no reasoning split, all text is content.
+    off_msg = off.json()["choices"][0]["message"]
+    assert "reasoning_content" not in off_msg and THINK_END in off_msg["content"]
+
+
+def test_full_text_streaming(tokenizer):
+    async def go():
+        client, _, _ = make_client(tokenizer, "one two three four", full_text=True)
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}], "stream": True})
+    events = sse_events(run(go()).text)
+    texts = [e["choices"][0]["delta"].get("content") for e in events[1:-1]
+             if e["choices"][0]["delta"].get("content")]
+    assert texts[-1] == "one two three four"
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+
+
+def test_logprobs_shapes(tokenizer):
+    async def go():
+        client, _, _ = make_client(tokenizer, "abc def")
+        chat = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}], "logprobs": True,
+            "top_logprobs": 1})
+        comp = await client.post("/v1/completions", json={"prompt": "q", "logprobs": 1})
+        return chat, comp
+    chat, comp = run(go())
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert content and {"token", "logprob", "bytes", "top_logprobs"} <= set(content[0])
+    lp = comp.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+
+
+def test_over_capacity_503_with_retry_after(tokenizer):
+    async def go():
+        client, engine, state = make_client(tokenizer, "x " * 30, max_link_num=1)
+        engine.step_delay_s = 0.05
+        first = asyncio.create_task(client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}]}))
+        await asyncio.sleep(0.1)
+        second = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}]})
+        return await first, second
+    first, second = run(go())
+    assert first.status_code == 200
+    assert second.status_code == 503 and second.headers["retry-after"]
+    assert second.json()["error"]["code"] == 503
+
+
+def test_metrics_spec_counters_move(tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go():
+        client, _, _ = make_client(tokenizer, "one two three four five six")
+        await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}]})
+        return await client.get("/metrics")
+    text = run(go()).text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if not s.labels.get("position")}
+    assert samples["spec_decode_num_drafts_total"] > 0
+    assert samples["spec_decode_num_accepted_tokens_total"] > 0
+    assert samples["request_success_total"] == 1
