@@ -38,11 +38,16 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         prompt = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
+        prompt_text = self._decode(prompt) if prompt else ""
+        if prompt_text.endswith(_REPLACEMENT):
+            # The prompt ends inside a character (token-id prompts can): generated text is
+            # decoded on its own, as a full decode of the output would be.
+            prompt, prompt_text = [], ""
         self._ids: list[int] = prompt              # only the window's tokens are kept
         self._prefix_offset = 0                     # index into self._ids
         self._read_offset = len(prompt)
         # Characters of decode(ids[prefix:read]) and characters of the window's text emitted so far.
-        self._prefix_len = len(self._decode(prompt)) if prompt else 0
+        self._prefix_len = len(prompt_text)
         self._emitted = self._prefix_len
         self.output_text = ""                       # all text emitted so far
         self.num_tokens = 0                         # generated tokens seen
