@@ -1,0 +1,186 @@
+"""Paged KV bookkeeping: block allocation, reference counts and the prefix cache.
+
+No torch: the scheduler calls it, the tensors live in kv_cache.py.  A sequence's block
+table maps position ``j`` to slot ``table[j // block_size] * block_size + j % block_size``
+in every cache layer (main layers and the MTP layer share the table).
+
+Prefix cache.  A block is registered once all its positions are computed.  Its key chains
+the parent block's hash with the block's tokens; with MTP on it also includes the token
+*after* the block, because the MTP layer's KV at position j is computed from the main
+hidden state at j and the embedding of token j+1: the last slot of a block depends on the
+first token of the next block.  A cached block is therefore only reused when that token
+matches too, and then both its main and MTP KV are exact (never dropped, never stale).
+Free blocks that carry a hash stay findable until evicted, least recently freed first;
+free blocks without one are handed out before any cached block is evicted.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from server.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    block_ids: list[int]
+    hashes: list[int]
+    num_free_hits: int               # matched blocks currently free (leave the free pool on use)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | None) -> int:
+    return hash((parent, next_token, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = False,
+                 hash_next_token: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_cache = enable_prefix_cache
+        self.hash_next_token = hash_next_token
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_plain: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()   # LRU: oldest first
+        self._cached: dict[int, int] = {}                           # hash -> block id
+        # Metrics: prompt tokens looked up / found in the prefix cache.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    # ---- figures --------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached free blocks count: they are evictable)."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def _block_hashes(self, token_ids: list[int], num_blocks: int, start: int = 0,
+                      parent: int | None = None) -> list[int]:
+        bs = self.block_size
+        out = []
+        for b in range(start, num_blocks):
+            nxt = token_ids[(b + 1) * bs] if self.hash_next_token else None
+            parent = _chain_hash(parent, tuple(token_ids[b * bs:(b + 1) * bs]), nxt)
+            out.append(parent)
+        return out
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Longest run of cached blocks for ``seq.token_ids``, leaving >= 1 token to compute."""
+        if not self.enable_prefix_cache:
+            return PrefixMatch([], [], 0)
+        # Blocks b with (b+1)*bs <= n-1: the token after each exists and one token remains.
+        num_full = (seq.num_tokens - 1) // self.block_size
+        ids: list[int] = []
+        hashes: list[int] = []
+        free_hits = 0
+        parent = None
+        for b in range(num_full):
+            h = self._block_hashes(seq.token_ids, b + 1, b, parent)[0]
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            ids.append(bid)
+            hashes.append(h)
+            free_hits += self.blocks[bid].ref_count == 0
+            parent = h
+        return PrefixMatch(ids, hashes, free_hits)
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Hash the blocks that became fully computed (call after each step)."""
+        if not self.enable_prefix_cache:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_tokens - 1) // self.block_size
+        num_full = min(num_full, len(seq.block_table))
+        if num_full <= seq.num_hashed_blocks:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        new = self._block_hashes(seq.token_ids, num_full, seq.num_hashed_blocks, parent)
+        for b, h in enumerate(new, start=seq.num_hashed_blocks):
+            block = self.blocks[seq.block_table[b]]
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                self._cached[h] = block.block_id
+        seq.block_hashes.extend(new)
+        seq.num_hashed_blocks = num_full
+
+    # ---- allocation -----------------------------------------------------------------
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def _take_free(self) -> int:
+        if self._free_plain:
+            bid = self._free_plain.popleft()
+        else:
+            bid, _ = self._free_cached.popitem(last=False)      # evict least recently freed
+            block = self.blocks[bid]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def allocate(self, seq: Sequence, match: PrefixMatch, num_slots: int) -> None:
+        """Give a waiting ``seq`` the matched prefix blocks plus fresh ones for ``num_slots``."""
+        assert not seq.block_table, "allocate() is for sequences without blocks"
+        for bid in match.block_ids:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self._free_cached[bid]
+            block.ref_count += 1
+        seq.block_table = list(match.block_ids)
+        seq.block_hashes = list(match.hashes)
+        seq.num_hashed_blocks = match.num_blocks
+        seq.num_computed_tokens = match.num_blocks * self.block_size
+        if self.enable_prefix_cache:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_computed_tokens
+        self.append_slots(seq, num_slots)
+
+    def append_slots(self, seq: Sequence, num_slots: int) -> None:
+        """Grow ``seq.block_table`` to cover positions ``0..num_slots-1``; caller checked room."""
+        need = self.blocks_for(num_slots) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks; hashed ones stay findable until evicted."""
+        for bid in reversed(seq.block_table):       # tail first: evicted before the prefix
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self._free_cached[bid] = None
+                else:
+                    self._free_plain.append(bid)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0

@@ -1,0 +1,58 @@
+"""The engine's slice of the application config, plus the one function that builds it.
+
+The engine never reads AppConfig directly: ``engine_config_from_app`` copies the fields it
+needs once at start-up, so tests can build an ``EngineConfig`` by hand and the rest of the
+engine does not depend on how config.json is spelled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # ScheduleConfig (MindIE names in comments)
+    block_size: int = 16                    # cacheBlockSize
+    max_batch_size: int = 200               # maxBatchSize: running sequences per step
+    max_prefill_tokens: int = 8192          # maxPrefillTokens: prompt tokens per step
+    max_prefill_batch_size: int = 50        # maxPrefillBatchSize: prefills per step
+    max_queue_delay_us: int = 5000          # maxQueueDelayMicroseconds
+    support_select_batch: bool = False      # supportSelectBatch
+    prefill_time_ms_per_req: int = 150      # prefillTimeMsPerReq
+    decode_time_ms_per_req: int = 50        # decodeTimeMsPerReq
+    max_preempt_count: int = 0              # maxPreemptCount: preemptions per request; 0 = reserve instead
+    max_iter_times: int = 512               # maxIterTimes: global output-length cap
+    # ModelDeployConfig / ModelConfig
+    max_seq_len: int = 2560                 # maxSeqLen: prompt + output
+    mem_size_gb: float = -1                 # npuMemSize: KV pool size in GiB; -1 = auto
+    num_blocks: int | None = None           # explicit pool size (tests); overrides mem_size_gb
+    # plugins
+    num_speculative_tokens: int = 0         # k; 0 = MTP off
+    enable_prefix_cache: bool = False
+    kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (refused for now)
+    # execution
+    device: str = "cpu"
+    dtype: str | None = None                # None = checkpoint dtype
+
+
+def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
+    """Copy the engine's slice out of an ``AppConfig`` (server.config) once, at start-up."""
+    sched = app.schedule
+    cfg = EngineConfig(
+        block_size=sched.cache_block_size,
+        max_batch_size=sched.max_batch_size,
+        max_prefill_tokens=sched.max_prefill_tokens,
+        max_prefill_batch_size=app.max_prefill_batch_size,
+        max_queue_delay_us=sched.max_queue_delay_microseconds,
+        support_select_batch=sched.support_select_batch,
+        prefill_time_ms_per_req=sched.prefill_time_ms_per_req,
+        decode_time_ms_per_req=sched.decode_time_ms_per_req,
+        max_preempt_count=sched.max_preempt_count,
+        max_iter_times=sched.max_iter_times,
+        max_seq_len=app.max_seq_len,
+        mem_size_gb=float(app.model_config.npu_mem_size),
+        num_speculative_tokens=app.num_speculative_tokens,
+        enable_prefix_cache=app.prefix_cache_enabled,
+    )
+    return replace(cfg, **overrides) if overrides else cfg

@@ -1,0 +1,87 @@
+"""KV pool tensors: one [num_blocks, block_size, kv_cache_dim] tensor per cache layer.
+
+Cache layers are the main decoder layers followed by the MTP layer(s); all share one block
+table per sequence (bookkeeping in block_manager.py).  MLA caches the compressed latent
+plus the RoPE key per token (``kv_cache_dim``), not full K/V.
+
+Sizing (``num_blocks_for``), in order of precedence:
+  * an explicit ``num_blocks`` (tests);
+  * ``npuMemSize`` > 0: that many GiB for the whole pool;
+  * ``npuMemSize`` == -1: on an accelerator, AUTO_MEMORY_FRACTION of the memory free after
+    the model is loaded (MindIE's NPU_MEMORY_FRACTION default is 0.8); on CPU,
+    CPU_MEMORY_FRACTION of MemAvailable, at most CPU_MAX_GIB, because the host also holds
+    the model and everything else.
+  In every case the count is capped at what maxBatchSize sequences of maxSeqLen (+ draft
+  slots) can ever use, so a small model does not grab the whole device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("server.engine")
+
+AUTO_MEMORY_FRACTION = 0.8
+CPU_MEMORY_FRACTION = 0.25
+CPU_MAX_GIB = 4.0
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int          # main + MTP cache layers
+    block_size: int
+    kv_cache_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.block_size * self.kv_cache_dim * elem
+
+
+def _cpu_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GIB
+
+
+def num_blocks_for(spec: KVCacheSpec, *, mem_size_gb: float, device: torch.device | str,
+                   max_useful_blocks: int, num_blocks: int | None = None) -> int:
+    """How many blocks the pool gets (see the module docstring)."""
+    if num_blocks is not None:
+        return int(num_blocks)
+    if mem_size_gb > 0:
+        budget = int(mem_size_gb * GIB)
+        how = f"npuMemSize={mem_size_gb:g} GiB"
+    else:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            budget = int(free * AUTO_MEMORY_FRACTION)
+            how = f"{AUTO_MEMORY_FRACTION:g} of {free / GIB:.1f} GiB free on {dev}"
+        else:
+            avail = _cpu_available_bytes()
+            budget = int(min(avail * CPU_MEMORY_FRACTION, CPU_MAX_GIB * GIB))
+            how = f"min({CPU_MEMORY_FRACTION:g} of {avail / GIB:.1f} GiB available, {CPU_MAX_GIB:g} GiB)"
+    blocks = min(budget // spec.bytes_per_block, max_useful_blocks)
+    log.info("KV pool: %d blocks x %d tokens (%.1f MiB; budget %s)", blocks, spec.block_size,
+             blocks * spec.bytes_per_block / (1 << 20), how)
+    if blocks < 1:
+        raise ValueError(f"KV pool budget ({how}) is smaller than one block "
+                         f"({spec.bytes_per_block} bytes)")
+    return int(blocks)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int,
+                       device: torch.device | str) -> list[torch.Tensor]:
+    """Zeroed pool tensors, one per cache layer (zeros: padding slots never hold NaN)."""
+    return [torch.zeros(num_blocks, spec.block_size, spec.kv_cache_dim, dtype=spec.dtype,
+                        device=device) for _ in range(spec.num_layers)]

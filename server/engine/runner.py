@@ -1,0 +1,245 @@
+"""Turns a ScheduledBatch into tensors, runs the model, verifies, drafts.
+
+One step (DESIGN.md "One MTP decode step"), for every scheduled sequence at once:
+  1. one main forward over each sequence's new tokens + held drafts (varlen: prefills and
+     k+1-token verification windows side by side);
+  2. sample / verify the window rows (sampler.verify);
+  3. THE host sync of the step: emitted tokens, acceptance counts and logprobs go to the
+     host in one transfer (everything before it is queued device work);
+  4. MTP drafting for the next step from the true hidden states of the verified positions
+     (mtp.py); the drafts stay on the device until the next step feeds them.
+With MTP off (k = 0 or a checkpoint without MTP weights) step 4 is skipped and every
+window is one row: plain decoding through the same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine import mtp as M
+from server.engine import sampler as S
+from server.engine.protocol import TokenLogprob
+from server.engine.scheduler import ScheduledBatch
+from server.model.batch import BatchMetadata
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: list[list[int]]                       # per scheduled seq: accepted drafts + final token
+    num_drafts_next: list[int]                     # drafts now held for the next step
+    logprobs: list[list[TokenLogprob] | None]
+
+
+def build_metadata(starts: list[int], query_lens: list[int], tables: list[list[int]],
+                   block_size: int, device: torch.device,
+                   logits_indices: torch.Tensor | None = None) -> BatchMetadata:
+    """Metadata for sequences feeding ``query_lens[s]`` tokens from position ``starts[s]``.
+
+    Slot of a token at position p: table[p // block_size] * block_size + p % block_size
+    (worked example in server/model/batch.py).
+    """
+    n = len(starts)
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    st = torch.tensor(starts, dtype=torch.int64)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seq_of = torch.repeat_interleave(torch.arange(n), q, output_size=num_tokens)
+    positions = torch.arange(num_tokens) - cu[seq_of] + st[seq_of]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    slots = bt[seq_of, positions // block_size] * block_size + positions % block_size
+    seq_lens = [s + ql for s, ql in zip(starts, query_lens)]
+    return BatchMetadata(
+        positions=positions.to(device),
+        query_start_loc=cu.to(torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=bt.to(torch.int32).to(device),
+        slot_mapping=slots.to(device),
+        block_size=block_size,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        logits_indices=logits_indices.to(device) if logits_indices is not None else None,
+    )
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
+                 policy: M.SpecPolicy, device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.policy = policy
+        self.device = torch.device(device)
+        self.vocab_size = model.config.vocab_size
+        self.mtp_enabled = bool(model.has_mtp) and policy.num_draft_tokens(1) > 0
+        # request id -> (draft ids [k], q [k, V] or None), held between steps on the device.
+        self._drafts: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's drafts (finished, aborted or preempted)."""
+        self._drafts.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        scheds = batch.seqs
+        dev = self.device
+        seqs = [s.seq for s in scheds]
+        nd = [s.num_drafts for s in scheds]
+        K = max(nd)
+        starts = [s.start_pos for s in scheds]
+        n_new = [s.num_new_tokens for s in scheds]
+        qlens = [a + b for a, b in zip(n_new, nd)]
+        rows = [d + 1 for d in nd]
+        tables = [s.block_table for s in seqs]
+
+        # ---- inputs: known tokens from the host, drafts scattered from the device ------
+        flat: list[int] = []
+        for seq, st, n, d in zip(seqs, starts, n_new, nd):
+            flat.extend(seq.token_ids[st:st + n])
+            flat.extend([0] * d)
+        input_ids = torch.tensor(flat, dtype=torch.int64).to(dev)
+        cu = [0]
+        for ql in qlens:
+            cu.append(cu[-1] + ql)
+        last = torch.tensor(cu[1:], dtype=torch.int64)
+        nrows = torch.tensor(rows, dtype=torch.int64)
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), nrows)
+        row_start = torch.cumsum(nrows, 0) - nrows
+        row_off = torch.arange(int(nrows.sum())) - row_start[row_seq]
+        logits_indices = last[row_seq] - nrows[row_seq] + row_off      # last d+1 tokens of each seq
+        drafts = None
+        if K:
+            drafts = torch.zeros(len(seqs), K, dtype=torch.int64, device=dev)
+            for i, (seq, d) in enumerate(zip(seqs, nd)):
+                if d:
+                    drafts[i, :d] = self._drafts[seq.request_id][0][:d]
+            draft_pos = logits_indices.view(-1)[(row_off < nrows[row_seq] - 1)]  # rows with a draft after
+            cols = row_off[row_off < nrows[row_seq] - 1]
+            which = row_seq[row_off < nrows[row_seq] - 1]
+            input_ids[(draft_pos + 1).to(dev)] = drafts[which.to(dev), cols.to(dev)]
+        meta = build_metadata(starts, qlens, tables, self.block_size, dev, logits_indices)
+
+        # ---- main forward + verification --------------------------------------------
+        hidden = self.model.forward(input_ids, meta, self.kv_caches)       # [T, H]
+        logits = self.model.compute_logits(hidden[meta.logits_indices])     # [R, V]
+        samp = [S.SeqSamplingInput(seq.sampling, seq.seed, r, st + n, seq.num_output_tokens,
+                                   seq.prompt_token_ids if seq.sampling.repetition_penalty != 1.0 else [],
+                                   seq.output_token_ids, seq.stop_ids)
+                for seq, r, st, n in zip(seqs, rows, starts, n_new)]
+        smeta = S.SamplingMetadata.build(samp, self.vocab_size, dev)
+        row_seq_d, row_off_d = row_seq.to(dev), row_off.to(dev)
+        context = None
+        if K and smeta.has_penalties:
+            ctx = drafts[row_seq_d]                                          # [R, K]
+            context = torch.where(torch.arange(K, device=dev)[None] < row_off_d[:, None], ctx, -1)
+        processed = S.process_logits(logits, smeta, context)
+        pad_index = (row_seq_d * (K + 1) + row_off_d)
+        argmax_pad = torch.zeros(len(seqs) * (K + 1), dtype=torch.int64, device=dev)
+        argmax_pad[pad_index] = processed.argmax(-1)
+        argmax_pad = argmax_pad.view(len(seqs), K + 1)
+        nd_t = torch.tensor(nd, dtype=torch.int64, device=dev)
+        draft_ids = drafts if drafts is not None else torch.zeros(len(seqs), 0, dtype=torch.int64, device=dev)
+        if smeta.all_greedy:
+            tokens, num_acc = S.verify(None, argmax_pad, draft_ids, None, nd_t, None, None)
+        else:
+            probs = S.to_probs(processed, smeta)
+            probs_pad = probs.new_zeros(len(seqs) * (K + 1), probs.shape[-1])
+            probs_pad[pad_index] = probs
+            probs_pad = probs_pad.view(len(seqs), K + 1, -1)
+            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+            first = torch.tensor([st + n for st, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
+            idx = first[:, None] + torch.arange(K + 1, device=dev)[None]
+            u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
+            u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
+            q = self._draft_probs(seqs, nd, K, draft_ids) if K else None
+            tokens, num_acc = S.verify(probs_pad, argmax_pad, draft_ids, q, nd_t, u_acc, u_smp)
+        want_lp = [seq.sampling.logprobs for seq in seqs]
+        lp_host = None
+        if any(want_lp):
+            n_top = max(seq.sampling.top_logprobs for seq in seqs)
+            row_tokens = tokens[row_seq_d, row_off_d]
+            chosen, top_ids, top_lp = S.token_logprobs(logits, row_tokens, n_top)
+            lp_host = (chosen.tolist(), top_ids.tolist() if top_ids is not None else None,
+                       top_lp.tolist() if top_lp is not None else None)
+
+        # ---- the step's host sync ------------------------------------------------------
+        tokens_h = tokens.tolist()
+        acc_h = num_acc.tolist()
+        sampled = [row[:a + 1] for row, a in zip(tokens_h, acc_h)]
+        for s, d, a in zip(seqs, nd, acc_h):
+            if d:
+                self.policy.observe(d, a)
+        logprobs = self._logprobs(sampled, rows, want_lp, lp_host, [s.sampling.top_logprobs for s in seqs])
+
+        # ---- drafts for the next step --------------------------------------------------
+        k = self.policy.num_draft_tokens(len(seqs)) if self.mtp_enabled else 0
+        num_next = [0] * len(seqs)
+        if k:
+            self._draft(seqs, starts, n_new, sampled, cu, hidden, k)
+            num_next = [k] * len(seqs)
+        else:
+            for seq in seqs:
+                self._drafts.pop(seq.request_id, None)
+        return RunnerOutput(sampled, num_next, logprobs)
+
+    def _draft_probs(self, seqs, nd, K, draft_ids) -> torch.Tensor | None:
+        """q [S, K, V] for verification: the stored q of sampled drafts, one-hot for greedy ones."""
+        stored = [self._drafts[s.request_id][1] if d else None for s, d in zip(seqs, nd)]
+        if all(q is None for q in stored):
+            return None
+        V = self.vocab_size
+        q = torch.zeros(len(seqs), K, V, device=self.device)
+        q.scatter_(2, draft_ids.unsqueeze(2), 1.0)
+        for i, sq in enumerate(stored):
+            if sq is not None:
+                q[i, :sq.shape[0]] = sq[:K]
+        return q
+
+    def _draft(self, seqs, starts, n_new, sampled, cu, hidden, k: int) -> None:
+        dev = self.device
+        m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
+        ids: list[int] = []
+        rows: list[int] = []
+        for seq, st, n, toks, c0, mm in zip(seqs, starts, n_new, sampled, cu, m):
+            ids.extend(seq.token_ids[st + 1:st + n])
+            ids.extend(toks)
+            rows.extend(range(c0, c0 + mm))
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
+        tables = [s.block_table for s in seqs]
+        first = build_metadata(starts, m, tables, self.block_size, dev)
+        last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
+        base = [st + mm for st, mm in zip(starts, m)]     # position of the emitted final token
+
+        def chain_meta(c: int) -> BatchMetadata:
+            return build_metadata([b - 1 + c for b in base], [1] * len(seqs), tables,
+                                  self.block_size, dev)
+
+        samp = [S.SeqSamplingInput(seq.sampling, seq.seed, 1, b + 1,
+                                   seq.num_output_tokens + len(toks),
+                                   seq.prompt_token_ids if seq.sampling.repetition_penalty != 1.0 else [],
+                                   seq.output_token_ids + toks, seq.stop_ids)
+                for seq, b, toks in zip(seqs, base, sampled)]
+        res = M.propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden, last_rows,
+                        samp, self.vocab_size, chain_meta)
+        for i, seq in enumerate(seqs):
+            self._drafts[seq.request_id] = (res.ids[i], res.probs[i] if res.probs is not None
+                                            and not seq.sampling.greedy else None)
+
+    @staticmethod
+    def _logprobs(sampled, rows, want, lp_host, n_tops) -> list[list[TokenLogprob] | None]:
+        out: list[list[TokenLogprob] | None] = []
+        r0 = 0
+        for toks, r, w, nt in zip(sampled, rows, want, n_tops):
+            if not w or lp_host is None:
+                out.append(None)
+            else:
+                chosen, top_ids, top_lp = lp_host
+                out.append([TokenLogprob(t, chosen[r0 + j],
+                                         list(zip(top_ids[r0 + j][:nt], top_lp[r0 + j][:nt]))
+                                         if top_ids is not None and nt else [])
+                            for j, t in enumerate(toks)])
+            r0 += r
+        return out

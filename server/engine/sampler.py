@@ -1,0 +1,305 @@
+"""Logits processing, sampling and speculative verification (see protocol.py's glossary).
+
+Rows.  Every logits row belongs to one sequence and predicts the token at one absolute
+index of that sequence (``token_index``).  A verification window for a sequence holding
+``d`` drafts has d+1 rows: row i predicts the token after draft i (row 0: after the last
+emitted token), so drafts d1..di count as context for row i (penalties, min_tokens).
+
+Randomness.  Every random number a request uses is a counter-based hash of
+(request seed, token index, stream), not a draw from a stateful generator: a seeded
+request samples the same tokens alone, inside any batch, and after being preempted and
+recomputed, and the hot path needs no per-request Python.  Streams: acceptance test,
+final-token sample (recovered or bonus), draft sample.
+
+Processing order: repetition / frequency / presence penalties, logit_bias, min_tokens
+(stop ids masked), then temperature, top_k, top_p, min_p.  Greedy rows take the argmax of
+the penalised logits; as a distribution that is a one-hot, which makes greedy
+verification the same ratio test (accept iff draft == argmax).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.protocol import SamplingParams
+
+STREAM_ACCEPT = 1
+STREAM_SAMPLE = 2
+STREAM_DRAFT = 3
+_GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687            # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685            # 0x94D049BB133111EB
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 (wrapping multiply; logical shifts emulated by masks)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def counter_uniform(seeds: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform [0, 1) float64 per element, a pure function of (seed, index, stream)."""
+    x = _mix64(seeds) + index * _GOLDEN + stream * _MIX2
+    x = _mix64(_mix64(x))
+    return ((x >> 11) & ((1 << 53) - 1)).to(torch.float64) * (2.0 ** -53)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalised ``probs`` [R, V] from uniforms ``u`` [R] (float64)."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    x = (u * cdf[:, -1]).unsqueeze(-1)
+    # right=True: the first index whose cdf exceeds x, so zero-probability tokens never win.
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+@dataclass(slots=True)
+class SeqSamplingInput:
+    """Host description of one sequence's rows (built by the runner)."""
+    params: SamplingParams
+    seed: int
+    num_rows: int
+    first_token_index: int            # absolute index of the token row 0 predicts
+    num_output_tokens: int            # output tokens before row 0's token
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row device tensors for one sampling pass.  R = rows, S = sequences."""
+    num_rows: int
+    row_seq: torch.Tensor             # [R] int64 sequence of each row
+    row_offset: torch.Tensor          # [R] int64 row index inside its sequence
+    token_index: torch.Tensor         # [R] int64 absolute index of the predicted token
+    seeds: torch.Tensor               # [R] int64
+    temperature: torch.Tensor         # [R] float32, 1.0 on greedy rows
+    greedy: torch.Tensor              # [R] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None        # [R] int64, vocab size where off
+    top_p: torch.Tensor | None        # [R] float32
+    min_p: torch.Tensor | None        # [R] float32
+    rep_penalty: torch.Tensor | None  # [R] float32
+    freq_penalty: torch.Tensor | None
+    pres_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [S, V] float32 counts of output tokens
+    prompt_mask: torch.Tensor | None    # [S, V] bool prompt tokens (repetition penalty)
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, tokens)
+    bias_value: torch.Tensor | None
+    mask_index: tuple[torch.Tensor, torch.Tensor] | None  # min_tokens: (rows, stop ids)
+
+    @classmethod
+    def build(cls, seqs: list[SeqSamplingInput], vocab_size: int,
+              device: torch.device | str) -> "SamplingMetadata":
+        rows = [s.num_rows for s in seqs]
+        nrows = torch.tensor(rows, dtype=torch.int64)
+        num_rows = int(sum(rows))
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), nrows)
+        starts = torch.cumsum(nrows, 0) - nrows
+        row_offset = torch.arange(num_rows) - starts[row_seq]
+
+        def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype)[row_seq].to(device)
+
+        ps = [s.params for s in seqs]
+        greedy_l = [p.greedy for p in ps]
+        token_index = torch.tensor([s.first_token_index for s in seqs])[row_seq] + row_offset
+        seeds = per_row([s.seed for s in seqs], torch.int64)
+        temperature = per_row([1.0 if p.greedy else p.temperature for p in ps], torch.float32)
+        greedy = per_row(greedy_l, torch.bool)
+        all_greedy = all(greedy_l)
+        sampled = [not g for g in greedy_l]
+
+        def opt(values: list, off, dtype, active: list[bool]) -> torch.Tensor | None:
+            if not any(a and v != off for v, a in zip(values, active)):
+                return None
+            return per_row([v if a else off for v, a in zip(values, active)], dtype)
+
+        top_k = opt([p.top_k if p.top_k > 0 else vocab_size for p in ps], vocab_size,
+                    torch.int64, sampled)
+        top_p = opt([p.top_p for p in ps], 1.0, torch.float32, sampled)
+        min_p = opt([p.min_p for p in ps], 0.0, torch.float32, sampled)
+        every = [True] * len(ps)
+        rep = opt([p.repetition_penalty for p in ps], 1.0, torch.float32, every)
+        freq = opt([p.frequency_penalty for p in ps], 0.0, torch.float32, every)
+        pres = opt([p.presence_penalty for p in ps], 0.0, torch.float32, every)
+        output_counts = prompt_mask = None
+        if rep is not None or freq is not None or pres is not None:
+            output_counts = _counts([s.output_ids for s in seqs], vocab_size)
+            if rep is not None:
+                prompt_mask = _counts([s.prompt_ids for s in seqs], vocab_size) > 0
+                prompt_mask = prompt_mask.to(device)
+            output_counts = output_counts.to(device)
+
+        # Sparse per-(row, token) edits: logit_bias and the min_tokens stop-id mask.
+        b_rows, b_toks, b_vals, m_rows, m_toks = [], [], [], [], []
+        start = 0
+        for s, n in zip(seqs, rows):
+            if s.params.logit_bias:
+                for tok, val in s.params.logit_bias.items():
+                    for r in range(start, start + n):
+                        b_rows.append(r), b_toks.append(int(tok)), b_vals.append(float(val))
+            short = s.params.min_tokens - s.num_output_tokens
+            if short > 0 and s.stop_ids:
+                for r in range(start, start + min(n, short)):
+                    for tok in s.stop_ids:
+                        m_rows.append(r), m_toks.append(tok)
+            start += n
+        bias_index = bias_value = mask_index = None
+        if b_rows:
+            bias_index = (torch.tensor(b_rows, device=device), torch.tensor(b_toks, device=device))
+            bias_value = torch.tensor(b_vals, dtype=torch.float32, device=device)
+        if m_rows:
+            mask_index = (torch.tensor(m_rows, device=device), torch.tensor(m_toks, device=device))
+        return cls(num_rows, row_seq.to(device), row_offset.to(device), token_index.to(device),
+                   seeds, temperature, greedy, all_greedy, top_k, top_p, min_p, rep, freq, pres,
+                   output_counts, prompt_mask, bias_index, bias_value, mask_index)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.output_counts is not None
+
+
+def _counts(lists: list[list[int]], vocab_size: int) -> torch.Tensor:
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    flat = torch.tensor([t for x in lists for t in x], dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(lists)), lens)
+    out = torch.zeros(len(lists), vocab_size, dtype=torch.float32)
+    out.index_put_((seq, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return out
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                   context: torch.Tensor | None = None) -> torch.Tensor:
+    """Penalties, logit_bias and min_tokens on ``logits`` [R, V] (float32, new tensor).
+
+    ``context`` [R, C] int64 (-1 = none): tokens that precede each row's token beyond the
+    sequence's output_ids (the accepted-draft prefix), counted as output tokens.
+    """
+    logits = logits.float().clone()
+    if meta.has_penalties:
+        counts = meta.output_counts[meta.row_seq]
+        if context is not None and context.numel():
+            valid = context >= 0
+            counts.scatter_add_(1, context.clamp(min=0), valid.float())
+        if meta.rep_penalty is not None:
+            seen = counts > 0
+            if meta.prompt_mask is not None:
+                seen |= meta.prompt_mask[meta.row_seq]
+            pen = meta.rep_penalty.unsqueeze(1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+        if meta.freq_penalty is not None:
+            logits -= meta.freq_penalty.unsqueeze(1) * counts
+        if meta.pres_penalty is not None:
+            logits -= meta.pres_penalty.unsqueeze(1) * (counts > 0).float()
+    if meta.bias_index is not None:
+        logits.index_put_(meta.bias_index, meta.bias_value, accumulate=True)
+    if meta.mask_index is not None:
+        logits.index_put_(meta.mask_index, torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def to_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Processed logits [R, V] -> the distribution each row samples from (greedy: one-hot)."""
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.top_k is not None or meta.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if meta.top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+            remove |= ranks >= meta.top_k.unsqueeze(1)
+        if meta.top_p is not None:
+            p = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+            before = p.cumsum(-1) - p               # mass strictly above this token
+            remove |= before > meta.top_p.unsqueeze(1)
+        remove[:, 0] = False                        # the best token always survives
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    if meta.min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * top, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if meta.greedy.any():
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(meta.greedy.unsqueeze(1), onehot, probs)
+    return probs
+
+
+def sample_rows(logits: torch.Tensor, meta: SamplingMetadata, stream: int = STREAM_SAMPLE,
+                context: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row; returns (tokens [R], probs [R, V] or None when all greedy)."""
+    processed = process_logits(logits, meta, context)
+    if meta.all_greedy:
+        return processed.argmax(-1), None
+    probs = to_probs(processed, meta)
+    u = counter_uniform(meta.seeds, meta.token_index, stream)
+    return sample_inverse_cdf(probs, u), probs
+
+
+def verify(target_probs: torch.Tensor | None, target_argmax: torch.Tensor,
+           draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+           num_drafts: torch.Tensor, u_accept: torch.Tensor | None,
+           u_sample: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verification, a pure function.  S sequences, K = max drafts.
+
+    target_probs [S, K+1, V]  the target distribution at each window row (greedy rows
+                              one-hot); None when every row is greedy.
+    target_argmax [S, K+1]    argmax of the processed target logits.
+    draft_ids [S, K]          drafts (padding anywhere past num_drafts).
+    draft_probs [S, K, V]     q each draft was sampled from; None = one-hot (greedy drafting).
+    num_drafts [S]            drafts actually held per sequence.
+    u_accept [S, K], u_sample [S, K+1]  uniforms (float64), needed only with target_probs.
+    Returns tokens [S, K+1] (-1 after the last emitted) and num_accepted [S]; sequence s
+    emits tokens[s, :num_accepted[s] + 1]: the accepted drafts then the recovered or bonus token.
+    """
+    S, K1 = target_argmax.shape
+    K = K1 - 1
+    cols = torch.arange(K, device=target_argmax.device).unsqueeze(0)
+    valid = cols < num_drafts.unsqueeze(1)
+    if target_probs is None:
+        accept = draft_ids == target_argmax[:, :K]
+    else:
+        p_d = target_probs[:, :K].gather(2, draft_ids.unsqueeze(2)).squeeze(2).double()
+        q_d = (draft_probs[:, :K].gather(2, draft_ids.unsqueeze(2)).squeeze(2).double()
+               if draft_probs is not None else torch.ones_like(p_d))
+        accept = u_accept * q_d < p_d                      # u < p/q, q_d > 0 for a drawn draft
+    num_accepted = (accept & valid).int().cumprod(dim=1).sum(dim=1)        # [S]
+    a = num_accepted.long()
+    if target_probs is None:
+        final = target_argmax.gather(1, a.unsqueeze(1)).squeeze(1)
+    else:
+        rows = torch.arange(S, device=a.device)
+        p_a = target_probs[rows, a]                                         # [S, V]
+        rejected = a < num_drafts
+        if draft_probs is not None:
+            q_a = draft_probs[rows, a.clamp(max=max(K - 1, 0))] if K else torch.zeros_like(p_a)
+        else:
+            q_a = torch.zeros_like(p_a)
+            if K:
+                q_a.scatter_(1, draft_ids.gather(1, a.clamp(max=K - 1).unsqueeze(1)), 1.0)
+        q_a = q_a * rejected.unsqueeze(1)                  # bonus row: sample p itself
+        residual = (p_a - q_a).clamp_(min=0)
+        empty = residual.sum(-1, keepdim=True) <= 0        # p == q up to rounding: use p
+        residual = torch.where(empty, p_a, residual)
+        final = sample_inverse_cdf(residual, u_sample.gather(1, a.unsqueeze(1)).squeeze(1))
+    tokens = torch.full((S, K1), -1, dtype=torch.long, device=target_argmax.device)
+    if K:
+        tokens[:, :K] = torch.where(cols < a.unsqueeze(1), draft_ids, -1)
+    tokens.scatter_(1, a.unsqueeze(1), final.unsqueeze(1))
+    return tokens, num_accepted
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   num_top: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw target logprobs of ``tokens`` [R] under ``logits`` [R, V], plus the top ``num_top``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
+    if num_top <= 0:
+        return chosen, None, None
+    top_lp, top_ids = lp.topk(num_top, dim=-1)
+    return chosen, top_ids, top_lp

@@ -1,0 +1,74 @@
+"""Per-request engine state.  No torch: the scheduler and block manager live on it.
+
+Token counting (the whole scheduler is built on it):
+  token_ids            prompt + output tokens emitted so far (n = len(token_ids)).
+  num_computed_tokens  positions whose KV (main and MTP layers) is final; after every
+                       step it is n - 1: the last emitted token is fed next step.
+  num_draft_tokens     drafts held on the device by the runner for the next step; they
+                       are fed after the last token and verified.  A step that accepts
+                       ``a`` of them advances num_computed_tokens by (new tokens) + a,
+                       i.e. rejected drafts roll back.
+Prefill, decode and recompute after preemption are the same: feed
+token_ids[num_computed_tokens:] (+ drafts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from server.engine.protocol import FinishReason, RequestCounters, SamplingParams
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    max_output_tokens: int            # min(max_tokens, maxIterTimes, maxSeqLen - prompt)
+    seed: int                         # every random draw of this request derives from it
+    arrival_time: float = 0.0
+    stop_ids: frozenset[int] = frozenset()   # EOS (unless ignore_eos) + stop_token_ids
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_draft_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0        # leading blocks registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    reserved_blocks: int = 0          # worst-case block budget when admitted in reserve mode
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    counters: RequestCounters = field(default_factory=RequestCounters)
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
