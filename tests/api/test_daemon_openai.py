@@ -1,0 +1,203 @@
+"""The real daemon driven by the openai SDK (sync and async) and raw httpx.
+
+A random tiny checkpoint cannot produce meaningful text, tool calls or thinking; these
+tests check shapes, framing, lengths and plumbing.  Behaviour on the trained demo model
+is in test_daemon_demo.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import MINDIE_METRIC_NAMES, SPEC_METRIC_NAMES
+from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
+
+MSG = [{"role": "user", "content": "Hello! How are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_weights, tmp_path_factory):
+    d = Daemon(make_config(tmp_path_factory.mktemp("cfg"), tiny_weights)).start()
+    yield d
+    code = d.terminate()
+    assert code == 0, d.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base + "/v1", api_key="x", max_retries=0)
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=8,
+                                       temperature=0)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.completion_tokens_details.reasoning_tokens >= 0
+
+
+def test_max_tokens_and_ignore_eos_give_exact_length(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_completion_tokens=7,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+
+
+def test_greedy_is_repeatable(client):
+    a = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    b = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_chat_streaming_with_usage(client):
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=10,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_async_client_concurrent(daemon):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=daemon.base + "/v1", api_key="x", max_retries=0)
+        tasks = [client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=6,
+                                                extra_body={"ignore_eos": True})
+                 for _ in range(4)]
+        stream = await client.chat.completions.create(model=MODEL_NAME, messages=MSG,
+                                                      max_tokens=6, stream=True)
+        texts = [c async for c in stream]
+        return await asyncio.gather(*tasks), texts
+    results, chunks = asyncio.run(go())
+    assert all(r.usage.completion_tokens == 6 for r in results)
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_completions_prompt_forms(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=["one two", "three"], max_tokens=4,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 8
+    r = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3)
+    assert r.usage.prompt_tokens == 4
+    r = client.completions.create(model=MODEL_NAME, prompt="echo me", max_tokens=2, echo=True)
+    assert r.choices[0].text.startswith("echo me")
+    stream = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=5, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_raw_sse_framing(daemon):
+    body = {"model": MODEL_NAME, "messages": MSG, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", daemon.base + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[0]["object"] == "chat.completion.chunk"
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"] == [] and "usage" in payloads[-1]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=4,
+                                       logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= 0 for c in content)
+
+
+def test_tools_and_thinking_shapes_on_random_model(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=tools,
+                                           tool_choice=choice, max_tokens=12)
+        msg = r.choices[0].message
+        assert msg.tool_calls is not None or msg.content is not None
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=6,
+                                       extra_body={"chat_template_kwargs": {"thinking": True},
+                                                   "ignore_eos": True})
+    # No </think> from a random model: everything is reasoning, as DeepSeek-R1 parses it.
+    extra = r.choices[0].message.model_extra
+    assert isinstance(extra.get("reasoning_content"), str) and extra["reasoning"] == extra["reasoning_content"]
+
+
+def test_management_plane(daemon):
+    m = daemon.mgmt
+    assert httpx.get(daemon.base + "/health").status_code == 200
+    assert httpx.get(m + "/health/timed", timeout=30).json() == {"status": "healthy"}
+    assert httpx.get(m + "/health/timed-5", timeout=30).status_code == 200
+    bad = httpx.get(m + "/health/timed-601")
+    assert bad.status_code == 404 and set(bad.json()) == {"error", "error_type"}
+    cfg = httpx.get(m + "/v1/config").json()
+    assert cfg["modelName"] == MODEL_NAME and cfg["maxSeqLen"] == 512
+    st = httpx.get(m + "/v1/status").json()
+    assert st["mtp"]["enabled"] and st["kv_cache"]["total_blocks"] > 0
+
+
+def test_metrics_names_and_acceptance(daemon, client):
+    def scrape() -> dict:
+        text = httpx.get(daemon.metrics + "/metrics").text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                assert s.labels.get("model_name") == MODEL_NAME
+                key = s.name + (f"[{s.labels['position']}]" if "position" in s.labels else "")
+                out[key] = s.value
+        return out
+    before = scrape()
+    names = {k.split("[")[0] for k in before}
+    for name in MINDIE_METRIC_NAMES + SPEC_METRIC_NAMES:
+        assert name in names or name + "_bucket" in names, name
+    client.completions.create(model=MODEL_NAME, prompt="one two three", max_tokens=24,
+                              temperature=0, extra_body={"ignore_eos": True})
+    after = scrape()
+    assert after["spec_decode_num_drafts_total"] > before["spec_decode_num_drafts_total"]
+    assert after["spec_decode_num_draft_tokens_total"] > before["spec_decode_num_draft_tokens_total"]
+    assert after["spec_decode_num_accepted_tokens_total"] >= before["spec_decode_num_accepted_tokens_total"]
+    assert after["request_success_total"] > before["request_success_total"]
+    assert after["generation_tokens_total"] >= before["generation_tokens_total"] + 24
+    assert after["time_per_output_token_seconds_count"] > before["time_per_output_token_seconds_count"]
+
+
+def test_client_disconnect_frees_kv(daemon):
+    body = {"model": MODEL_NAME, "prompt": "count " * 40, "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", daemon.base + "/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break
+        assert daemon.status()["kv_cache"]["usage"] > 0
+    st = daemon.wait_kv_free(timeout_s=5)
+    assert st["in_flight"] == 0
