@@ -188,11 +188,22 @@ def content_to_text(content: Any) -> Any:
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+def _normalize_tool_call(call: Any) -> Any:
+    # DeepSeek templates concatenate ``arguments`` as a string; clients sometimes send a dict.
+    # json.dumps(ensure_ascii=False) is what the bundled template's tojson would print anyway.
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    fn = {k: v for k, v in call["function"].items() if v is not None}
+    if isinstance(fn.get("arguments"), Mapping):
+        fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
+    return {**{k: v for k, v in call.items() if v is not None}, "function": fn}
+
+
 def normalize_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Make request messages look the way transformers hands them to templates.
 
     Keys whose value is None are dropped (templates test ``is defined``), content parts become
-    one string, and ``reasoning`` / ``thinking`` / ``reasoning_content`` alias each other so any
+    one string, tool-call ``arguments`` given as a dict become JSON text, and ``reasoning`` / ``thinking`` / ``reasoning_content`` alias each other so any
     template finds the reasoning under the name it reads.
     """
     out = []
@@ -202,6 +213,8 @@ def normalize_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]
         m = {k: v for k, v in msg.items() if v is not None}
         if "content" in m:
             m["content"] = content_to_text(m["content"])
+        if isinstance(m.get("tool_calls"), (list, tuple)):
+            m["tool_calls"] = [_normalize_tool_call(tc) for tc in m["tool_calls"]]
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}

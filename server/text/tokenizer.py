@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from server.text.chat_template import render_chat_template
@@ -43,6 +44,27 @@ def _read_json(path: Path) -> dict:
         raise TokenizerError(f"cannot read {path}: {e}") from e
 
 
+def _apply_added_token_flags(backend: _HFTokenizer, decoder: Mapping[str, Any]) -> None:
+    """tokenizer_config.json's ``added_tokens_decoder`` wins over tokenizer.json (as in transformers).
+
+    Only the "special" flag of tokens already in the vocabulary is reconciled; it decides what
+    ``decode(skip_special_tokens=True)`` drops.
+    """
+    current = backend.get_added_tokens_decoder()
+    for key, spec in decoder.items():
+        if not isinstance(spec, Mapping) or "content" not in spec or "special" not in spec:
+            continue
+        tid = int(key)
+        tok = current.get(tid)
+        if tok is None or tok.content != spec["content"] or tok.special == bool(spec["special"]):
+            continue
+        backend.add_tokens([AddedToken(
+            spec["content"], special=bool(spec["special"]), normalized=bool(spec.get("normalized", False)),
+            lstrip=bool(spec.get("lstrip", False)), rstrip=bool(spec.get("rstrip", False)),
+            single_word=bool(spec.get("single_word", False)),
+        )])
+
+
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model."""
 
@@ -51,6 +73,7 @@ class Tokenizer:
         config = dict(config or {})
         generation_config = dict(generation_config or {})
         self._tok = backend
+        _apply_added_token_flags(backend, config.get("added_tokens_decoder") or {})
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
         self.special_tokens: dict[str, str] = {}

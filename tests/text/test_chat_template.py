@@ -169,3 +169,14 @@ def test_named_templates_and_missing_template(tiny_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     with pytest.raises(ValueError, match="chat_template"):
         Tokenizer.from_dir(tmp_path).apply_chat_template(msgs)
+
+
+def test_dict_arguments_become_json_text_for_concatenating_templates(tok):
+    """A template that does '...' + arguments (as DeepSeek's own does) works with dict arguments."""
+    concat = "{% for m in messages %}{% for t in m.tool_calls %}{{ 'A=' + t.function.arguments }}{% endfor %}{% endfor %}"
+    as_dict = [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": "é", "n": 1}}}]}]
+    as_text = [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"x": "é", "n": 1}'}}]}]
+    assert render_chat_template(concat, as_dict) == 'A={"x": "é", "n": 1}'
+    assert tok.apply_chat_template(as_dict) == tok.apply_chat_template(as_text)

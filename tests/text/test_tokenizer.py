@@ -86,3 +86,20 @@ def test_generation_config_int_eos_and_missing_files(tmp_path):
     assert Tokenizer.from_dir(tmp_path).eos_token_ids == {1, 7}
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path / "nowhere")
+
+
+def test_added_tokens_decoder_flags_win_like_transformers(tiny_dir, tmp_path):
+    """A token marked special only in tokenizer_config.json is skipped by both decoders."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    key = next(k for k, v in cfg["added_tokens_decoder"].items() if v["content"] == "<think>")
+    cfg["added_tokens_decoder"][key]["special"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    ours = Tokenizer.from_dir(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = ours.encode("a<think>b")
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "ab"
+    assert int(key) in ours.special_ids and ours.vocab_size == len(theirs)
