@@ -118,9 +118,9 @@ def _decode(data: str | bytes | Mapping[str, Any], where: str | None) -> dict[st
     raw = copy.deepcopy(dict(data))
     # Decode string plugin_params up front so errors inside it get their own paths and a
     # bad num_speculative_tokens does not hide the other MTP rules.
-    models = raw.get("BackendConfig", {}).get("ModelDeployConfig", {}).get("ModelConfig") \
-        if isinstance(raw.get("BackendConfig"), dict) and isinstance(
-            raw["BackendConfig"].get("ModelDeployConfig"), dict) else None
+    backend = raw.get("BackendConfig")
+    deploy = backend.get("ModelDeployConfig") if isinstance(backend, dict) else None
+    models = deploy.get("ModelConfig") if isinstance(deploy, dict) else None
     for entry in models if isinstance(models, list) else ():
         if isinstance(entry, dict) and isinstance(entry.get("plugin_params"), str):
             try:
@@ -162,7 +162,7 @@ def _validate_with_repair(raw: dict[str, Any], where: str | None
     dropped: list[str] = []
     for _ in range(10):
         try:
-            return MindIEConfig.model_validate_json(json.dumps(raw)), issues, dropped
+            return MindIEConfig.model_validate_json(json.dumps(raw, default=str)), issues, dropped
         except ValidationError as err:
             issues += issues_from_validation(err, MindIEConfig)
             progress = False

@@ -34,7 +34,9 @@ def compact_json(value: Any) -> str:
 
 def decode_plugin_params(value: Any) -> Any:
     """String or object -> dict; enforces JSON syntax and the 1024-character limit."""
-    if isinstance(value, BaseModel) or value is None:
+    if value is None:
+        return {}                                   # "plugin_params": null = no plugins
+    if isinstance(value, BaseModel):
         return value
     text = value if isinstance(value, str) else compact_json(value)
     if len(text) > MAX_PLUGIN_PARAMS_CHARS:

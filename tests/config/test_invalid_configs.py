@@ -65,6 +65,7 @@ INVALID = [
                                                 {"modelName": "b", "modelWeightPath": "tiny-model"}]},
      f"{MD}.ModelConfig", "exactly one"),
     ("section-not-object", {SV: [1, 2]}, SV, "object"),
+    ("model-entry-not-object", {f"{MD}.ModelConfig": ["tiny"]}, MC0, "object"),
     # plugin_params
     ("plugin-unknown-type", {PP: '{"plugin_type":"eagle"}'}, PTYPE,
      "la, memory_decoding, prefix_cache, mtp, splitfuse"),

@@ -52,6 +52,7 @@ VALID = [
     ("mtp-five-drafts", minimal(), {PP: '{"plugin_type":"mtp","num_speculative_tokens":5}'},
      {"mtp": MtpSettings(5)}),
     ("empty-plugin-params", minimal(), {PP: ""}, {"plugins.plugin_type": ()}),
+    ("null-plugin-params", minimal(), {PP: None}, {"plugins.plugin_type": (), "mtp": None}),
     ("truncation-true-is-right", minimal(), {f"{MD}.truncation": True}, {"truncation": -1}),
     ("truncation-false-is-reject", minimal(), {f"{MD}.truncation": False}, {"truncation": 0}),
     ("truncation-left", minimal(), {f"{MD}.truncation": 1}, {"truncation": 1}),
