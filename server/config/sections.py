@@ -3,8 +3,8 @@
 Field-local checks (types, ranges, enums, patterns) live here as pydantic constraints;
 rules that read several fields live in ``rules.py`` so they still run, and are all
 reported, when some single field is broken.  Defaults and ranges are MindIE's
-(shared/reference/mindie.md section 1).  Validation is strict (``"1025"`` is not a port),
-as MindIE's C++ param checker is.  Unknown keys are kept (``extra="allow"``) and the loader
+(shared/reference/mindie.md section 1).  Scalars are strict (``"1025"`` is not a port, ``true``
+is not an integer), as MindIE's C++ param checker is.  Unknown keys are kept (``extra="allow"``) and the loader
 warns about them.  Every model is frozen: config is read once and never mutated.
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ class HealthCheckConfig(Section):
 
 class ServerConfig(Section):
     ip_address: StrictStr = F("ipAddress", "127.0.0.1", doc="Business-plane bind IP")
-    management_ip_address: StrictStr | None = F("managementIpAddress", None,
-                                          doc="Management/metrics bind IP; absent: ipAddress")
+    management_ip_address: StrictStr | None = F(
+        "managementIpAddress", None, doc="Management/metrics bind IP; absent: ipAddress")
     port: StrictInt = F("port", 1025, lo=1024, hi=65535)
     management_port: StrictInt = F("managementPort", 1026, lo=1024, hi=65535)
     metrics_port: StrictInt = F("metricsPort", 1027, lo=1024, hi=65535)
@@ -142,8 +142,8 @@ class ModelConfig(Section):
     model_instance_type: Literal["Standard", "StandardMock", "TargetModel", "AssistantModel"] = F(
         "modelInstanceType", "Standard")
     model_name: StrictStr | None = F("modelName", None, doc=MODEL_NAME_RULE)
-    model_weight_path: StrictStr | None = F("modelWeightPath", None,
-                                      doc="relative paths resolve against the config file's folder")
+    model_weight_path: StrictStr | None = F(
+        "modelWeightPath", None, doc="relative paths resolve against the config file's folder")
     world_size: StrictInt = F("worldSize", 4, lo=1, hi=U32)
     cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of CPU swap space for KV")
     npu_mem_size: StrictInt = F("npuMemSize", -1, doc="GB for the KV cache; -1 = auto")
@@ -215,7 +215,7 @@ class ScheduleConfig(Section):
     template_name: Literal["Standard_LLM"] = F("templateName", "Standard_LLM")
     cache_block_size: StrictInt = F("cacheBlockSize", 128, lo=1, hi=128, doc="tokens per KV block")
     max_prefill_batch_size: StrictInt = F("maxPrefillBatchSize", 50, lo=0, hi=819200,
-                                    doc="0 = maxBatchSize")
+                                          doc="0 = maxBatchSize")
     max_prefill_tokens: StrictInt = F("maxPrefillTokens", 8192, lo=1, hi=4194304)
     prefill_time_ms_per_req: StrictInt = F("prefillTimeMsPerReq", 150, lo=0, hi=1000)
     prefill_policy_type: StrictInt = F("prefillPolicyType", 0, lo=0, hi=3)
