@@ -37,7 +37,8 @@ layout below ``+`` is plain concatenation (no separators are added anywhere else
   answer follows ``<｜tool▁outputs▁end｜>`` directly (DeepSeek-V3's own convention).
 * Generation prompt (``add_generation_prompt=True``): ``<｜Assistant｜>`` (or nothing after
   ``<｜tool▁outputs▁end｜>``), then ``<think>\\n`` when thinking is on. Thinking is on when
-  template kwarg ``thinking`` is true, else when ``enable_thinking`` is true; default off.
+  template kwarg ``thinking`` is true (or DeepSeek's API form ``{"type": "enabled"}``), else
+  when ``enable_thinking`` is true; default off.
   With thinking on the model is expected to write ``REASONING</think>ANSWER<｜end▁of▁sentence｜>``.
 * Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
   without separator). An unknown role raises an error.

@@ -58,7 +58,8 @@ CONVERSATIONS = {
 }
 
 KWARGS = [{}, {"thinking": True}, {"thinking": False}, {"enable_thinking": True},
-          {"thinking": False, "enable_thinking": True}]
+          {"thinking": False, "enable_thinking": True}, {"thinking": {"type": "disabled"}},
+          {"thinking": {"type": "enabled"}}]
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -106,6 +107,8 @@ def test_simple_turns_and_thinking_switch(tok):
     assert tok.apply_chat_template(msgs, thinking=True) == off + "<think>\n"
     assert tok.apply_chat_template(msgs, enable_thinking=True) == off + "<think>\n"
     assert tok.apply_chat_template(msgs, thinking=False, enable_thinking=True) == off
+    assert tok.apply_chat_template(msgs, thinking={"type": "enabled"}) == off + "<think>\n"
+    assert tok.apply_chat_template(msgs, thinking={"type": "disabled"}, enable_thinking=True) == off
     assert tok.apply_chat_template(msgs, add_generation_prompt=False, thinking=True).endswith("times 3?")
 
 
