@@ -1,0 +1,95 @@
+"""Shared factories for engine tests: tiny models (random and high-acceptance), engines, prompts."""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import torch
+
+from server.engine.config import EngineConfig
+from server.engine.engine import LLMEngine
+from server.engine.protocol import EngineOutput, EngineRequest, SamplingParams
+from server.model.loader import load_checkpoint
+from server.testing.tiny_checkpoint import make_tiny_checkpoint
+
+_TMP = tempfile.mkdtemp(prefix="engine-tests-")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int = 0, with_mtp: bool = True):
+    path = make_tiny_checkpoint(f"{_TMP}/tiny-{seed}-{int(with_mtp)}", seed=seed, with_mtp=with_mtp)
+    model, _info = load_checkpoint(path)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def high_acceptance_model(alpha: float = 0.1, seed: int = 0):
+    """A tiny model whose MTP layer nearly predicts what the main model will say next.
+
+    The main model's residual branches (attention o_proj, MLP down_proj) are scaled by
+    ``alpha``, so its next token depends mostly on the current token: logits ~
+    lm_head(norm(embed(t))).  The MTP layer is made to compute exactly that bigram guess for
+    the token it reads: eh_proj = [I, 0] keeps only enorm(embed(t_{j+1})), its block's
+    branches are zeroed, and shared_head = (model.norm, lm_head).  Acceptance is then high
+    but not total, so accept, reject and bonus paths are all exercised.
+    """
+    path = make_tiny_checkpoint(f"{_TMP}/hi-{seed}", seed=seed)
+    model, _info = load_checkpoint(path)
+    n = model.config.num_hidden_layers
+    H = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith("model.layers."):
+                continue
+            layer = int(name.split(".")[2])
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                p.mul_(alpha if layer < n else 0.0)
+        mtp = model.model.layers[n]
+        mtp.eh_proj.weight.zero_()
+        mtp.eh_proj.weight[:, :H] = torch.eye(H)
+        mtp.enorm.weight.fill_(1.0)
+        mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
+        mtp.shared_head.head.weight.copy_(model.lm_head.weight)
+    return model.eval()
+
+
+def make_engine(model, k: int = 0, *, num_blocks: int = 512, block_size: int = 8,
+                max_batch_size: int = 8, eos: set[int] | None = None, **kw) -> LLMEngine:
+    cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, num_speculative_tokens=k,
+                       max_queue_delay_us=0, max_batch_size=max_batch_size, max_seq_len=512, **kw)
+    return LLMEngine(model, cfg, eos_token_ids=set() if eos is None else eos)
+
+
+def prompts(n: int, *, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def requests(ps: list[list[int]], params: SamplingParams | list[SamplingParams],
+             prefix: str = "r") -> list[EngineRequest]:
+    if isinstance(params, SamplingParams):
+        params = [params] * len(ps)
+    return [EngineRequest(f"{prefix}{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]
+
+
+def tokens_of(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def run_tokens(engine: LLMEngine, reqs: list[EngineRequest]) -> dict[str, list[int]]:
+    return {rid: tokens_of(v) for rid, v in engine.generate(reqs).items()}
+
+
+def run_staggered(engine: LLMEngine, reqs: list[EngineRequest], every: int = 3) -> dict[str, list[int]]:
+    """Add a request every ``every`` steps so prefills land between running decodes."""
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    pending = list(reqs)
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            engine.add_request(pending.pop(0))
+        for o in engine.step():
+            outs[o.request_id].extend(o.token_ids)
+        step += 1
+    return outs
