@@ -130,6 +130,7 @@ class MoEGate(nn.Module):
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.scale_after_norm = cfg.scale_after_norm
         self.weight = nn.Parameter(torch.empty(n, cfg.hidden_size, dtype=torch.float32))
+        nn.init.normal_(self.weight, std=cfg.hidden_size ** -0.5)  # usable when built without a checkpoint
         if self.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
         else:

@@ -103,8 +103,9 @@ def test_mixed_varlen_steps_both_mla_forms(tmp_path, driver_cls, absorb_max_quer
             assert err < TOL, f"seq {s}: logits off by {err}"
 
 
-def test_forward_full_matches_transformers_and_trains(tmp_path):
-    path = make_tiny_checkpoint(tmp_path, seed=3, yarn=False, q_lora_rank=None)
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_forward_full_matches_transformers_and_trains(tmp_path, rope_interleave):
+    path = make_tiny_checkpoint(tmp_path, seed=3, yarn=False, q_lora_rank=None, rope_interleave=rope_interleave)
     model, _ = load_checkpoint(path, dtype=torch.float32)
     hf = _hf_model(path)
     ids = torch.randint(3, 512, (2, 17), generator=torch.Generator().manual_seed(0))
