@@ -43,7 +43,9 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
 
 def counter_uniform(seeds: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform [0, 1) float64 per element, a pure function of (seed, index, stream)."""
-    x = _mix64(seeds) + index * _GOLDEN + stream * _MIX2
+    offset = (stream * _MIX2) & ((1 << 64) - 1)
+    offset -= (offset >> 63) << 64                 # as a signed int64
+    x = _mix64(seeds) + index * _GOLDEN + offset
     x = _mix64(_mix64(x))
     return ((x >> 11) & ((1 << 53) - 1)).to(torch.float64) * (2.0 ** -53)
 
