@@ -82,6 +82,13 @@ def test_fp8_checkpoint_matches_dequantized_float32_twin(tmp_path):
     assert diff < 0.5, f"bfloat16 logits drift {diff}"
 
 
+def test_factory_writes_full_hf_layout(tiny):
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (tiny / name).is_file(), name
+    assert json.loads((tiny / "generation_config.json").read_text())["eos_token_id"] == 1
+
+
 def test_sharded_checkpoint_loads_like_single_file(tiny, tmp_path, caplog):
     sharded = _copy(tiny, tmp_path / "sharded")
     tensors = load_file(str(sharded / "model.safetensors"))
