@@ -31,13 +31,21 @@ def stats_view(stats: Any) -> dict:
     """EngineStats as plain JSON, with the KV pool summarised under fixed keys."""
     raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(
         getattr(stats, "__dict__", {}) or {})
-    total = pick(stats, "num_total_blocks", "total_blocks", "num_blocks", default=None)
-    free = pick(stats, "num_free_blocks", "free_blocks", default=None)
-    usage = pick(stats, "kv_usage", "kv_cache_usage", "kv_cache_usage_perc", default=None)
+    total = pick(stats, "kv_blocks_total", "num_total_blocks", default=None)
+    used = pick(stats, "kv_blocks_used", default=None)
+    free = pick(stats, "num_free_blocks", default=None)
+    if free is None and total is not None and used is not None:
+        free = total - used
+    usage = pick(stats, "kv_usage", default=None)
     if usage is None and total:
         usage = (total - (free or 0)) / total
     raw["kv_cache"] = {"total_blocks": total, "free_blocks": free,
-                       "usage": float(usage) if usage is not None else None}
+                       "usage": float(usage) if usage is not None else None,
+                       "block_size": pick(stats, "block_size", default=None)}
+    for name in ("acceptance_rate", "mean_acceptance_length"):
+        value = getattr(stats, name, None)
+        if value is not None:
+            raw[name] = value
     raw["num_requests_running"] = pick(stats, "num_running", "running", "num_requests_running",
                                        default=0)
     raw["num_requests_waiting"] = pick(stats, "num_waiting", "waiting", "num_requests_waiting",

@@ -18,8 +18,8 @@ from server.text.detokenizer import IncrementalDetokenizer
 class FakeStats:
     num_running: int = 0
     num_waiting: int = 0
-    num_total_blocks: int = 64
-    num_free_blocks: int = 64
+    kv_blocks_total: int = 64
+    kv_blocks_used: int = 0
 
 
 class FakeEngine:
@@ -34,8 +34,7 @@ class FakeEngine:
         self.running = 0
 
     def stats(self) -> FakeStats:
-        return FakeStats(num_running=self.running,
-                         num_free_blocks=64 - 4 * self.running)
+        return FakeStats(num_running=self.running, kv_blocks_used=4 * self.running)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)

@@ -12,11 +12,11 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 
 
 def chat(**kw) -> dict:
-    return {"model": MODEL_NAME, "messages": MSG, "max_tokens": 2, **kw}
+    return {"model": MODEL_NAME, "messages": MSG, "max_tokens": 2, "temperature": 0, **kw}
 
 
 def comp(**kw) -> dict:
-    return {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, **kw}
+    return {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0, **kw}
 
 
 # (name, path, body (dict, or bytes sent raw), status, param expected in the error or None)
@@ -98,7 +98,7 @@ def test_bad_request(http, name, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"}, err
     assert err["code"] == status and err["message"]
     if param is not None:
-        assert err["param"] == param, err
+        assert (err["param"] or "").split(".")[0] == param, err
     ok = http.post(CHAT, json=chat())
     assert ok.status_code == 200, ok.text
 

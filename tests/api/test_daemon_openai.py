@@ -55,8 +55,18 @@ def test_chat_non_streaming(client):
 
 def test_max_tokens_and_ignore_eos_give_exact_length(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_completion_tokens=7,
+                                       temperature=0,
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+
+
+def test_sampling_with_and_without_seed(client):
+    kw = dict(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=8, temperature=0.8,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=7, **kw)
+    b = client.completions.create(seed=7, **kw)
+    assert a.choices[0].text == b.choices[0].text
+    assert client.completions.create(**kw).usage.completion_tokens == 8
 
 
 def test_greedy_is_repeatable(client):
@@ -69,7 +79,7 @@ def test_greedy_is_repeatable(client):
 
 def test_chat_streaming_with_usage(client):
     stream = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=10,
-                                            stream=True, stream_options={"include_usage": True},
+                                            stream=True, temperature=0, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -82,10 +92,10 @@ def test_async_client_concurrent(daemon):
     async def go():
         client = openai.AsyncOpenAI(base_url=daemon.base + "/v1", api_key="x", max_retries=0)
         tasks = [client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=6,
-                                                extra_body={"ignore_eos": True})
+                                                temperature=0, extra_body={"ignore_eos": True})
                  for _ in range(4)]
         stream = await client.chat.completions.create(model=MODEL_NAME, messages=MSG,
-                                                      max_tokens=6, stream=True)
+                                                      max_tokens=6, stream=True, temperature=0)
         texts = [c async for c in stream]
         return await asyncio.gather(*tasks), texts
     results, chunks = asyncio.run(go())
@@ -95,14 +105,17 @@ def test_async_client_concurrent(daemon):
 
 def test_completions_prompt_forms(client):
     r = client.completions.create(model=MODEL_NAME, prompt=["one two", "three"], max_tokens=4,
-                                  extra_body={"ignore_eos": True})
+                                  temperature=0, extra_body={"ignore_eos": True})
     assert r.object == "text_completion" and sorted(c.index for c in r.choices) == [0, 1]
     assert r.usage.completion_tokens == 8
-    r = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3)
+    r = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3,
+                                  temperature=0)
     assert r.usage.prompt_tokens == 4
-    r = client.completions.create(model=MODEL_NAME, prompt="echo me", max_tokens=2, echo=True)
+    r = client.completions.create(model=MODEL_NAME, prompt="echo me", max_tokens=2, echo=True,
+                                  temperature=0)
     assert r.choices[0].text.startswith("echo me")
     stream = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=5, stream=True,
+                                       temperature=0,
                                        stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
     chunks = list(stream)
@@ -111,6 +124,7 @@ def test_completions_prompt_forms(client):
 
 def test_raw_sse_framing(daemon):
     body = {"model": MODEL_NAME, "messages": MSG, "max_tokens": 5, "stream": True,
+            "temperature": 0,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", daemon.base + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -127,7 +141,7 @@ def test_raw_sse_framing(daemon):
 
 def test_logprobs(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=4,
-                                       logprobs=True, top_logprobs=2,
+                                       logprobs=True, top_logprobs=2, temperature=0,
                                        extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
@@ -139,10 +153,11 @@ def test_tools_and_thinking_shapes_on_random_model(client):
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
         r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=tools,
-                                           tool_choice=choice, max_tokens=12)
+                                           tool_choice=choice, max_tokens=12, temperature=0)
         msg = r.choices[0].message
         assert msg.tool_calls is not None or msg.content is not None
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=6,
+                                       temperature=0,
                                        extra_body={"chat_template_kwargs": {"thinking": True},
                                                    "ignore_eos": True})
     # No </think> from a random model: everything is reasoning, as DeepSeek-R1 parses it.
@@ -190,14 +205,14 @@ def test_metrics_names_and_acceptance(daemon, client):
 
 def test_client_disconnect_frees_kv(daemon):
     body = {"model": MODEL_NAME, "prompt": "count " * 40, "max_tokens": 400, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", daemon.base + "/v1/completions", json=body, timeout=60) as r:
-        seen = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                seen += 1
-            if seen >= 3:
-                break
-        assert daemon.status()["kv_cache"]["usage"] > 0
+        lines = r.iter_lines()
+        for _ in range(3):
+            assert next(lines).startswith("data: ")
+            next(lines)                                   # the blank line after each event
+        busy = daemon.status()
+        assert busy["kv_cache"]["usage"] > 0 and busy["in_flight"] == 1
+    # Leaving the block closes the connection mid-stream.
     st = daemon.wait_kv_free(timeout_s=5)
-    assert st["in_flight"] == 0
+    assert st["in_flight"] == 0 and st["engine"]["num_requests_aborted"] >= 1
