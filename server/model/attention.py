@@ -176,7 +176,7 @@ class MLA(nn.Module):
             qp = _pad(q_pe, plan.pad_index, b * mq).unflatten(0, (b, mq))
             lat, kp = ctx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             out = self._attend_decompressed(qn, qp, lat, kp, mask=plan.mask)   # [B, Lq, nH*dv]
-            out = out.flatten(0, 1).index_select(0, plan.pad_index)
+            out = _unpad(out.flatten(0, 1), plan.pad_index)
         return self.o_proj(out)
 
     def _attend_absorbed(self, q_nope, q_pe, ctx, plan: AttentionPlan) -> torch.Tensor:
@@ -193,12 +193,19 @@ class MLA(nn.Module):
         k = ctx[:, None]
         v = ctx[:, None, :, :kvr]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.head_mask, scale=self.scale)  # [B, 1, Lq*nH, kvr]
-        o = o.view(b * mq, nh, kvr).index_select(0, plan.pad_index)                    # [T, nH, kvr]
+        o = _unpad(o.view(b * mq, nh, kvr), plan.pad_index)                            # [T, nH, kvr]
         out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)       # [T, nH, dv]
         return out.flatten(1)
 
 
 def _pad(x: torch.Tensor, pad_index: torch.Tensor, rows: int) -> torch.Tensor:
     """Scatter flat tokens [T, ...] into zero-padded rows [rows, ...]."""
+    if rows == x.shape[0]:  # every query_len equals max_query_len (e.g. pure decode): no padding
+        return x
     out = x.new_zeros((rows,) + tuple(x.shape[1:]))
     return out.index_copy_(0, pad_index, x)
+
+
+def _unpad(x: torch.Tensor, pad_index: torch.Tensor) -> torch.Tensor:
+    """Padded rows [B * Lq, ...] -> flat tokens [T, ...]."""
+    return x if x.shape[0] == pad_index.shape[0] else x.index_select(0, pad_index)
