@@ -1,0 +1,122 @@
+"""Tool calls and thinking on the trained demo model (models/deepseek-v3-tiny-mtp).
+
+A random checkpoint cannot call tools or think, so these run only when the demo model is
+in the tree; the parsing itself is pinned on fixed outputs in test_serving_unit.py.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.daemon_proc import DEMO_MODEL, Daemon, demo_model_ready, make_config
+
+pytestmark = pytest.mark.skipif(not demo_model_ready(), reason=(
+    f"demo model not in the tree ({DEMO_MODEL}); tool-call and thinking behaviour is "
+    "meaningless on a random checkpoint (unit tests cover the parsing)"))
+
+NAME = "demo"
+
+
+def _tool(name, desc, props):
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {k: {"type": t} for k, t in props.items()},
+        "required": list(props)}}}
+
+
+WEATHER = _tool("get_weather", "Get the current weather in a city.", {"city": "string"})
+TIME = _tool("get_time", "Get the current local time in a city.", {"city": "string"})
+ASK = [{"role": "user", "content": "What's the weather like in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    cfg = make_config(tmp_path_factory.mktemp("demo"), DEMO_MODEL, model={"modelName": NAME},
+                      deploy={"maxSeqLen": 2048, "maxInputTokenLen": 1536})
+    d = Daemon(cfg).start()
+    yield d
+    assert d.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base + "/v1", api_key="x", max_retries=0)
+
+
+def test_tool_call_auto(client):
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME],
+                                       temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id
+    assert "city" in json.loads(call.function.arguments)
+
+
+def test_tool_call_streamed(client):
+    stream = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME],
+                                            temperature=0, max_tokens=80, stream=True)
+    names, args, reasons = {}, {}, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            if tc.function and tc.function.name:
+                names[tc.index] = tc.function.name
+            args[tc.index] = args.get(tc.index, "") + ((tc.function and tc.function.arguments) or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    assert names.get(0) == "get_weather" and "city" in json.loads(args[0])
+    assert reasons[-1] == "tool_calls"
+
+
+def test_tool_choice_required_and_named(client):
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME],
+                                       tool_choice="required", temperature=0, max_tokens=80)
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    r = client.chat.completions.create(
+        model=NAME, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and r.choices[0].finish_reason == "stop"
+    json.loads(call.function.arguments)
+
+
+def test_tool_choice_none_answers_in_text(client):
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                       tool_choice="none", temperature=0, max_tokens=40)
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content
+
+
+def test_thinking(client):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+              temperature=0, max_tokens=200,
+              extra_body={"chat_template_kwargs": {"thinking": True}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message.model_extra
+    assert msg["reasoning_content"] and r.choices[0].message.content
+    assert "</think>" not in r.choices[0].message.content
+    assert r.usage.completion_tokens_details.reasoning_tokens > 0
+    stream = client.chat.completions.create(stream=True, **kw)
+    reasoning = content = ""
+    for chunk in stream:
+        if chunk.choices:
+            extra = chunk.choices[0].delta.model_extra or {}
+            reasoning += extra.get("reasoning_content") or ""
+            content += chunk.choices[0].delta.content or ""
+    assert reasoning == msg["reasoning_content"] and content == r.choices[0].message.content
+
+
+def test_mtp_acceptance_counters_move(daemon, client):
+    def accepted() -> float:
+        text = httpx.get(daemon.metrics + "/metrics").text
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "spec_decode_num_accepted_tokens_total")
+    before = accepted()
+    client.chat.completions.create(model=NAME, messages=[{"role": "user", "content":
+                                   "What is the capital of France?"}], temperature=0,
+                                   max_tokens=40)
+    assert accepted() > before
