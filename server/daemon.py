@@ -54,9 +54,6 @@ def plan_listeners(cfg: Any) -> list[Listener]:
     groups: dict[tuple[str, int], Listener] = {}
     for plane, host, port in wanted:
         groups.setdefault((host, port), Listener(host, port, set())).planes.add(plane)
-    by_port: dict[int, list[str]] = {}
-    for (host, port) in groups:
-        by_port.setdefault(port, []).append(host)
     return list(groups.values())
 
 

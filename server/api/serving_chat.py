@@ -5,6 +5,7 @@ import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_format,
@@ -199,7 +200,7 @@ async def create_chat_completion(state: ServerState, raw: Any,
                       is_disconnected=None if req.stream else is_disconnected)
     if req.stream:
         return StreamingResponse(_stream(plan, call, release), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers=SSE_HEADERS, background=BackgroundTask(release))
     try:
         return json_response(await _complete(plan, call))
     except ClientDisconnected:

@@ -5,6 +5,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from server.api.engine_call import ClientDisconnected, EngineCall
@@ -95,7 +96,7 @@ async def create_completion(state: ServerState, raw: Any,
             is_disconnected=None if req.stream else is_disconnected))
     if req.stream:
         return StreamingResponse(_stream(plan, calls, release), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers=SSE_HEADERS, background=BackgroundTask(release))
     try:
         results = await asyncio.gather(*(_one(plan, i, c) for i, c in enumerate(calls)))
     except ClientDisconnected:

@@ -32,6 +32,7 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.requests: list[EngineRequest] = []
         self.running = 0
+        self.fail_after: int | None = None     # emit an ERROR output after this many steps
 
     def stats(self) -> FakeStats:
         return FakeStats(num_running=self.running, kv_blocks_used=4 * self.running)
@@ -52,6 +53,10 @@ class FakeEngine:
                 if req.request_id in self.aborted:
                     yield EngineOutput(req.request_id, [], "", True, FinishReason.ABORT,
                                        counters=counters)
+                    return
+                if self.fail_after is not None and pos >= self.fail_after:
+                    yield EngineOutput(req.request_id, [], "", True, FinishReason.ERROR,
+                                       counters=counters, error="device lost")
                     return
                 n = 1 if pos == 0 else self.tokens_per_step
                 step = ids[pos:pos + n]

@@ -242,3 +242,53 @@ def test_metrics_spec_counters_move(tokenizer):
     assert samples["spec_decode_num_drafts_total"] > 0
     assert samples["spec_decode_num_accepted_tokens_total"] > 0
     assert samples["request_success_total"] == 1
+
+
+def test_mid_stream_failure_sends_error_event_then_done(tokenizer):
+    async def go():
+        client, engine, _ = make_client(tokenizer, "one two three four five six")
+        engine.fail_after = 2
+        stream = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}], "stream": True})
+        plain = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}]})
+        return stream, plain
+    stream, plain = run(go())
+    events = sse_events(stream.text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["error"]["code"] == 500 and "device lost" in events[-2]["error"]["message"]
+    assert plain.status_code == 500 and "device lost" in plain.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("truncation,keep", [(-1, "head"), (1, "tail")])
+def test_truncation_keeps_head_or_tail(tokenizer, truncation, keep):
+    async def go():
+        client, engine, _ = make_client(tokenizer, "ok", max_input_len=8,
+                                        truncation=truncation)
+        r = await client.post("/v1/completions", json={"prompt": list(range(3, 23))})
+        return r, engine
+    r, engine = run(go())
+    assert r.status_code == 200
+    sent = engine.requests[0].prompt_token_ids
+    assert sent == (list(range(3, 11)) if keep == "head" else list(range(15, 23)))
+
+
+def test_sampling_params_from_request_and_generation_defaults(tokenizer):
+    async def go():
+        client, engine, state = make_client(tokenizer, "ok")
+        state.generation_defaults = {"temperature": 0.6, "top_p": 0.95}
+        await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 9,
+            "max_tokens": 50, "top_k": 5, "stop": "END", "seed": 3, "logit_bias": {"7": 2.5},
+            "presence_penalty": 0.5, "repetition_penalty": 1.1, "min_p": 0.05,
+            "skip_special_tokens": False, "stop_token_ids": [4]})
+        await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "q"}], "temperature": 0})
+        return engine
+    engine = run(go())
+    p, q = engine.requests[0].sampling, engine.requests[1].sampling
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (9, 0.6, 0.95, 5)
+    assert p.stop == ("END",) and p.seed == 3 and p.logit_bias == {7: 2.5}
+    assert (p.presence_penalty, p.repetition_penalty, p.min_p) == (0.5, 1.1, 0.05)
+    assert p.skip_special_tokens is False and p.stop_token_ids == (4,)
+    assert q.greedy and q.max_tokens == 64          # capped by maxIterTimes
