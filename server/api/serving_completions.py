@@ -97,11 +97,14 @@ async def create_completion(state: ServerState, raw: Any,
     if req.stream:
         return StreamingResponse(_stream(plan, calls, release), media_type="text/event-stream",
                                  headers=SSE_HEADERS, background=BackgroundTask(release))
+    tasks = [asyncio.ensure_future(_one(plan, i, c)) for i, c in enumerate(calls)]
     try:
-        results = await asyncio.gather(*(_one(plan, i, c) for i, c in enumerate(calls)))
+        results = await asyncio.gather(*tasks)
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
+        for t in tasks:           # one prompt failed: stop the others (aborts their requests)
+            t.cancel()
         release()
     choices = [r[0] for r in results]
     prompt_tokens = sum(len(p) for p in plan.prompts)

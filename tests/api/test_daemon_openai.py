@@ -216,3 +216,12 @@ def test_client_disconnect_frees_kv(daemon):
     # Leaving the block closes the connection mid-stream.
     st = daemon.wait_kv_free(timeout_s=5)
     assert st["in_flight"] == 0 and st["engine"]["num_requests_aborted"] >= 1
+
+
+def test_non_streaming_client_gone_frees_kv(daemon):
+    body = {"model": MODEL_NAME, "prompt": "count " * 40, "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(daemon.base + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.6))
+    st = daemon.wait_kv_free(timeout_s=3)
+    assert st["in_flight"] == 0
