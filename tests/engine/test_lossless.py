@@ -1,0 +1,86 @@
+"""Greedy MTP decoding is lossless: k=1 and k=2 emit exactly what MTP off emits.
+
+32 prompts x 64 new tokens, on the tiny random checkpoint (acceptance near zero: reject
+paths) and on a high-acceptance variant (accept and bonus paths), run 8 at a time with
+staggered arrivals (prefills mixed into running decode/verify batches) and one at a time.
+One-at-a-time runs cover the first 8 prompts by default (CPU budget); set
+ENGINE_TESTS_FULL=1 for all 32.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+from server.engine.protocol import SamplingParams
+from tests.engine.helpers import (high_acceptance_model, make_engine, prompts, requests,
+                                  run_staggered, run_tokens, tiny_model)
+
+NUM_PROMPTS, NEW_TOKENS = 32, 64
+ONE_AT_A_TIME = NUM_PROMPTS if os.environ.get("ENGINE_TESTS_FULL") else 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+MODELS = {"random": tiny_model, "high_acceptance": high_acceptance_model}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_name: str) -> dict[str, list[int]]:
+    """MTP off, 8 at a time."""
+    eng = make_engine(MODELS[model_name](), 0)
+    return run_staggered(eng, requests(prompts(NUM_PROMPTS), GREEDY), every=2)
+
+
+def one_at_a_time(model_name: str, k: int) -> tuple[dict[str, list[int]], object]:
+    eng = make_engine(MODELS[model_name](), k)
+    out: dict[str, list[int]] = {}
+    for r in requests(prompts(NUM_PROMPTS), GREEDY)[:ONE_AT_A_TIME]:
+        out.update(run_tokens(eng, [r]))
+    return out, eng
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_reference_is_batch_invariant(model_name):
+    ref = reference(model_name)
+    assert all(len(v) == NEW_TOKENS for v in ref.values())
+    alone, _ = one_at_a_time(model_name, 0)
+    assert alone == {rid: ref[rid] for rid in alone}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_mtp_greedy_identical_in_mixed_batches(model_name, k):
+    eng = make_engine(MODELS[model_name](), k)
+    out = run_staggered(eng, requests(prompts(NUM_PROMPTS), GREEDY), every=2)
+    ref = reference(model_name)
+    mismatched = [rid for rid in ref if out[rid] != ref[rid]]
+    assert not mismatched, mismatched
+    st = eng.stats()
+    assert st.num_drafts > 0 and st.num_draft_tokens == k * st.num_drafts
+    if model_name == "high_acceptance":
+        assert st.acceptance_rate > 0.5, st
+        assert all(n > 0 for n in st.accepted_per_position)
+        assert st.num_steps < 0.75 * NUM_PROMPTS * NEW_TOKENS / 8 * 1.5
+    assert st.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_mtp_greedy_identical_one_at_a_time(model_name, k):
+    out, eng = one_at_a_time(model_name, k)
+    ref = reference(model_name)
+    assert out == {rid: ref[rid] for rid in out}
+    if model_name == "high_acceptance":
+        assert eng.stats().acceptance_rate > 0.5
+
+
+def test_greedy_with_penalties_counts_accepted_drafts_as_context():
+    """Repetition/frequency penalties see the accepted draft prefix at every verified row."""
+    model = high_acceptance_model()
+    sp = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3,
+                        frequency_penalty=0.2, presence_penalty=0.1, logit_bias={5: 2.0})
+    ps = prompts(8, seed=3)
+    ref = run_tokens(make_engine(model, 0), requests(ps, sp))
+    for k in (1, 2):
+        eng = make_engine(model, k)
+        assert run_tokens(eng, requests(ps, sp)) == ref
+        assert eng.stats().num_accepted_tokens > 0
