@@ -134,3 +134,14 @@ class EngineCall:
         spec = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
         self.metrics.on_spec(*(a - b for a, b in zip(spec, self._spec)))
         self._spec = spec
+
+
+def engine_failure(out: EngineOutput | None) -> APIError | None:
+    """The error to report for a final output that did not finish normally."""
+    if out is None:
+        return None
+    if out.finish_reason == FinishReason.ERROR:
+        return APIError(500, f"generation failed: {out.error or 'engine error'}")
+    if out.finish_reason == FinishReason.ABORT:
+        return APIError(503, f"request aborted by the server: {out.error or 'shutting down'}")
+    return None

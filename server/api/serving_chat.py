@@ -10,7 +10,7 @@ from starlette.responses import Response, StreamingResponse
 
 from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_format,
                                      parse_full_text)
-from server.api.engine_call import ClientDisconnected, EngineCall
+from server.api.engine_call import ClientDisconnected, EngineCall, engine_failure
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.protocol import ChatCompletionRequest, ignored_fields, parse_request
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
@@ -19,7 +19,7 @@ from server.api.serving_common import (build_sampling, check_model, check_reques
                                        fit_prompt, max_new_tokens, new_id, warn_ignored)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
-from server.engine.protocol import EngineRequest, FinishReason
+from server.engine.protocol import EngineRequest
 from server.text.reasoning import count_reasoning_tokens
 from server.text.special_tokens import THINK_END, THINK_START
 
@@ -172,14 +172,6 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict:
     return kwargs
 
 
-def _engine_failure(out: Any) -> APIError | None:
-    if out.finish_reason == FinishReason.ERROR:
-        return APIError(500, f"generation failed: {out.error or 'engine error'}")
-    if out.finish_reason == FinishReason.ABORT:
-        return APIError(503, f"request aborted by the server: {out.error or 'shutting down'}")
-    return None
-
-
 async def create_chat_completion(state: ServerState, raw: Any,
                                  is_disconnected: Callable[[], Awaitable[bool]],
                                  release: Callable[[], None]) -> Response:
@@ -219,7 +211,7 @@ async def _complete(plan: ChatPlan, call: EngineCall) -> dict:
         text.append(out.text)
         logprobs = merge_logprobs(logprobs, chat_logprobs(out.logprobs, plan.state.text_of))
         last = out
-    failure = _engine_failure(last)
+    failure = engine_failure(last)
     if failure:
         raise failure
     msg = parse_full_text("".join(text), reasoning=plan.reasoning, tool_format=plan.tool_format,
@@ -261,7 +253,7 @@ async def _stream(plan: ChatPlan, call: EngineCall, release: Callable[[], None]
                                          "logprobs": None, "finish_reason": None}]))
             last = out
             token_ids.extend(out.token_ids)
-            failure = _engine_failure(out)
+            failure = engine_failure(out)
             if failure:
                 raise failure
             delta = parser.feed(out.text)

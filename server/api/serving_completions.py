@@ -8,11 +8,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from server.api.engine_call import ClientDisconnected, EngineCall
+from server.api.engine_call import ClientDisconnected, EngineCall, engine_failure
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.protocol import CompletionRequest, ignored_fields, parse_request
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
-from server.api.serving_chat import _engine_failure
 from server.api.serving_common import (build_sampling, check_model, check_request_rules,
                                        fit_prompt, max_new_tokens, new_id, warn_ignored)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
@@ -124,7 +123,7 @@ async def _one(plan: CompletionPlan, i: int, call: EngineCall | None) -> tuple[d
                 logprob_parts = lp if logprob_parts is None else {
                     k: logprob_parts[k] + v for k, v in lp.items()}
             last = out
-        failure = _engine_failure(last)
+        failure = engine_failure(last)
         if failure:
             raise failure
     if logprob_parts is not None:   # offsets run over the returned text
@@ -178,7 +177,7 @@ async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
                 yield event(plan.body([{"index": i, "text": text, "logprobs": None,
                                         "finish_reason": "length", "stop_reason": None}]))
                 continue
-            failure = _engine_failure(item)
+            failure = engine_failure(item)
             if failure:
                 raise failure
             counts[i] += len(item.token_ids)

@@ -5,7 +5,6 @@ plane on its own port.
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
