@@ -1,0 +1,62 @@
+"""Daemon start-up pieces without a model: plane grouping, TLS file checks, port binding."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from server.daemon import DaemonError, bind, plan_listeners, tls_files
+from tests.api.daemon_proc import ROOT
+
+
+@pytest.fixture
+def weights(tiny_weights):
+    return tiny_weights
+
+
+def config(tmp_path, weights, **server):
+    doc = json.loads((ROOT / "conf" / "config.json").read_text())
+    doc["ServerConfig"].update(server)
+    doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(weights)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    from server.config import load_config
+    return load_config(path, env={})
+
+
+def planes(cfg) -> list[tuple[int, set]]:
+    return sorted((lst.port, lst.planes) for lst in plan_listeners(cfg))
+
+
+def test_planes_share_servers_by_address(tmp_path, weights):
+    cfg = config(tmp_path, weights, port=2001, managementPort=2002, metricsPort=2002)
+    assert planes(cfg) == [(2001, {"business"}), (2002, {"management", "metrics"})]
+    cfg = config(tmp_path, weights, port=2001, managementPort=2002, metricsPort=2003)
+    assert [p for p, _ in planes(cfg)] == [2001, 2002, 2003]
+
+
+def test_tls_files_resolved_from_config_folder(tmp_path, weights):
+    cfg = config(tmp_path, weights, httpsEnabled=True, tlsCert="c/server.pem", tlsPk="k/key.pem")
+    with pytest.raises(DaemonError) as err:
+        tls_files(cfg)
+    assert "tlsCert" in str(err.value) and "tlsPk" in str(err.value)
+    assert str(tmp_path / "c" / "server.pem") in str(err.value)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "k").mkdir()
+    (tmp_path / "c" / "server.pem").write_text("x")
+    (tmp_path / "k" / "key.pem").write_text("x")
+    got = tls_files(cfg)
+    assert got["ssl_certfile"] == str(tmp_path / "c" / "server.pem")
+    assert tls_files(config(tmp_path, weights, httpsEnabled=False)) == {}
+
+
+def test_occupied_port_is_a_clear_error(tmp_path, weights):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        cfg = config(tmp_path, weights, port=port, managementPort=port + 1 if port < 65535 else 2000)
+        business = next(l for l in plan_listeners(cfg) if "business" in l.planes)
+        with pytest.raises(DaemonError, match=f"127.0.0.1:{port}"):
+            bind(business)
