@@ -1,0 +1,102 @@
+"""The model card (README.md) of the bundled demo model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .evaluate import EvalResult
+from .spec import TrainSettings
+
+
+def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult, train_info: dict[str, Any]) -> None:
+    n_params = train_info.get("parameters", 0)
+    hist = train_info.get("history", [])
+    last = hist[-1] if hist else {}
+    text = f"""# deepseek-v3-tiny-mtp
+
+A tiny model with the DeepSeek-V3 architecture and a trained Multi-Token Prediction (MTP) layer.
+It is the daemon's built-in default model, so a fresh clone can serve it with MTP speculative
+decoding without downloading anything. It knows only its synthetic training world: a few dozen
+countries, chemical elements, small sums, unit conversions, word tasks and five demo tools.
+
+Produced by `scripts/train_demo_model.py`: the script builds the corpus, trains the tokenizer
+and the model (the daemon's own `server.model.DeepseekV3ForCausalLM`, main model and MTP layer
+together), writes this folder and runs the evaluation.
+
+## Architecture
+
+| | |
+|---|---|
+| layout | DeepSeek-V3 (`model_type: deepseek_v3`, `DeepseekV3ForCausalLM`), float32 |
+| main layers | {cfg['num_hidden_layers']} (layer 0 dense MLP, layers 1-{cfg['num_hidden_layers'] - 1} MoE) |
+| MTP layers | {cfg['num_nextn_predict_layers']} (`model.layers.{cfg['num_hidden_layers']}`: enorm, hnorm, eh_proj, one MLA + MoE block, shared_head) |
+| hidden size | {cfg['hidden_size']} |
+| attention | MLA, {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}, RoPE theta {cfg['rope_theta']:g} |
+| MoE | {cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, sigmoid scores, `noaux_tc` with a zero correction bias, n_group {cfg['n_group']}), {cfg['n_shared_experts']} shared expert, expert width {cfg['moe_intermediate_size']}, dense width {cfg['intermediate_size']} |
+| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens) |
+| context | {cfg['max_position_embeddings']} positions (trained on rows of {s.seq_len}) |
+| parameters | {n_params / 1e6:.2f} M unique (the MTP layer's embed_tokens / shared_head.head are copies of the main ones, as in the official release) |
+
+Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP layer) and with
+`transformers`' `DeepseekV3ForCausalLM` (which ignores the MTP layer); their logits agree
+(tests/demo/test_demo_model.py).
+
+## Corpus (built offline by the script, fixed seeds)
+
+- {s.num_chats} synthetic chats rendered with the project's chat template
+  (`server/text/templates/deepseek_v3.jinja`, also in `tokenizer_config.json`):
+  - questions and answers: capitals, continents and languages of 30 countries, symbols and atomic numbers
+    of 25 elements, sums / differences / products of small numbers, unit conversions,
+    letter counting, spelling, first letters, repetition, small talk;
+  - about 45% of the question chats with thinking on: `<think>\\n` reasoning `</think>` then the answer;
+  - about 35% tool chats in the DeepSeek-V3 tool-call format: `get_weather(city)`, `get_time(city)`,
+    `add(a, b)`, `search(query)`, `convert_units(value, from_unit, to_unit)` (1-3 tools offered
+    per chat), the call, the tool result, and a final answer; some with two parallel calls;
+  - some chats with a system prompt, with tools offered but not needed, or with an earlier exchange.
+- Plain English prose: Python's own documentation text (`pydoc_data.topics`, stdlib), ~{train_info.get('prose_tokens', 0) // 1000}k tokens.
+- Held-out split: every prompt naming an evaluation-only city, word or search topic, or whose CRC32
+  falls in 1 of {10} buckets, is never trained on; evaluation prompts come only from that side
+  (and tool sums use 4-digit numbers, conversions values 51-99, which training never uses).
+- {train_info.get('rows', 0)} packed rows of {s.seq_len} tokens, {train_info.get('train_tokens', 0) / 1e6:.2f} M training tokens in all.
+
+## Training
+
+Loss = main next-token CE + {s.mtp_weight} x MTP CE (the MTP layer predicts token i+2 from the main
+model's final-norm hidden state at i and the embedding of token i+1; its head is tied to `lm_head`
+while training). AdamW (betas 0.9/0.95, weight decay {s.weight_decay}), peak lr {s.lr}, {s.warmup_steps} warm-up steps,
+cosine to {s.min_lr_ratio} x peak, {s.steps} steps of {s.batch_size} x {s.seq_len} tokens, grad clip {s.grad_clip},
+{s.threads} CPU threads, seeds: model/data order {s.seed}, corpus {s.corpus_seed}, evaluation {s.eval_seed}.
+Final training losses: main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}.
+Training took {train_info.get('train_seconds', 0) / 60:.1f} minutes on 2 CPU cores (whole script {train_info.get('total_seconds', 0) / 60:.1f} min).
+
+## Evaluation (held-out prompts, greedy)
+
+```
+{res.table()}
+```
+
+{res.counts['n_plain']} plain, {res.counts['n_think']} thinking and {res.counts['n_tool']} tool prompts; acceptance over
+{res.counts['drafted']} drafted positions. `mtp_acceptance_k1`: share of generated positions where the MTP
+layer's greedy draft equals the main model's greedy token (k=1). `tool_call_ok`: output parses as a
+DeepSeek-V3 tool call to the right function with the schema's keys as JSON. `thinking_ok`: closed
+`<think>` block followed by an answer. The `*_exact` rows compare with the reference answer
+(facts the model cannot compute, e.g. sums, lower them); they have no target.
+
+## Reproduce
+
+```
+.venv/bin/python scripts/train_demo_model.py            # corpus + tokenizer + training + evaluation (~{train_info.get('total_seconds', 0) / 60:.0f} min)
+.venv/bin/python scripts/train_demo_model.py --eval-only   # evaluation of the committed model (~{res.seconds / 60:.0f} min)
+```
+
+Re-running the training reproduces the figures within noise (same seeds; floating-point
+reductions on a different CPU can change the last bits).
+
+## Limits
+
+A demonstration artefact, not a useful assistant: it answers only questions shaped like its
+training chats, invents facts outside its tables, and cannot do arithmetic beyond what it
+memorised. Prompts longer than {cfg['max_position_embeddings']} tokens are out of range.
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")

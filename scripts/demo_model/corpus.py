@@ -1,0 +1,352 @@
+"""Synthetic chats (questions, reasoning, tool calls) and prose for the demo model.
+
+Every chat is a ``Chat``: OpenAI-style messages whose last entry is the assistant turn the
+model should learn to write, plus the tool list and the thinking flag. Rendering to text is
+done by ``render.py`` with the project's chat template, so the model learns exactly the
+format the daemon will feed it.
+
+Held-out split: a user prompt is *held out* when it names an evaluation-only value (city,
+word, topic) or when a stable hash of its text falls in the held-out bucket. Training only
+emits prompts that are not held out; the evaluation only asks prompts that are, so the
+evaluation never repeats a training prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import facts as F
+
+HELDOUT_BUCKETS = 10          # 1 in 10 prompt texts (by CRC32) is evaluation-only
+
+
+@dataclass
+class Chat:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    thinking: bool = False
+    kind: str = "qa"                       # qa | tool | smalltalk
+    expect_tool: str | None = None         # function name the first assistant turn must call
+    expect_args: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _eval_values() -> list[str]:
+    return F.EVAL_CITIES + F.EVAL_WORDS + F.EVAL_TOPICS
+
+
+_EVAL_VALUES = [v.lower() for v in _eval_values()]
+
+
+def is_heldout(prompt: str) -> bool:
+    """True when ``prompt`` belongs to the evaluation side of the split."""
+    low = prompt.lower()
+    if any(v in low for v in _EVAL_VALUES):
+        return True
+    return zlib.crc32(prompt.encode("utf-8")) % HELDOUT_BUCKETS == 0
+
+
+# --------------------------------------------------------------------------------------
+# Tools
+
+def _tool(name: str, desc: str, props: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": t} for k, (t, _d) in props.items()},
+                "required": list(props),
+            },
+        },
+    }
+
+
+TOOLS: dict[str, dict[str, Any]] = {
+    "get_weather": _tool("get_weather", "Get the current weather in a city.",
+                         {"city": ("string", "Name of the city")}),
+    "get_time": _tool("get_time", "Get the current local time in a city.",
+                      {"city": ("string", "Name of the city")}),
+    "add": _tool("add", "Add two numbers.",
+                 {"a": ("number", "First number"), "b": ("number", "Second number")}),
+    "search": _tool("search", "Search the web and return the top result.",
+                    {"query": ("string", "What to search for")}),
+    "convert_units": _tool("convert_units", "Convert a value from one unit to another.",
+                           {"value": ("number", "The value"), "from_unit": ("string", "Unit to convert from"),
+                            "to_unit": ("string", "Unit to convert to")}),
+}
+
+
+def tool_list(rng: random.Random, must: str | None, exclude: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """A shuffled subset of the tools: always ``must`` (if given), never ``exclude``."""
+    names = [n for n in TOOLS if n != must and n not in exclude]
+    rng.shuffle(names)
+    chosen = names[: rng.randint(1, 2) if must else rng.randint(1, 3)]   # at most 3 tools: short prompts
+    if must:
+        chosen.append(must)
+    rng.shuffle(chosen)
+    return [TOOLS[n] for n in chosen]
+
+
+# --------------------------------------------------------------------------------------
+# Direct questions: each returns (prompt, answer, reasoning, domain tool to avoid)
+
+QA = tuple[str, str, str, str | None]
+
+
+def q_capital(rng: random.Random, split: str) -> QA:
+    c = rng.choice(list(F.COUNTRIES)); cap = F.COUNTRIES[c][0]
+    p = rng.choice(["What is the capital of {c}?", "Which city is the capital of {c}?", "Tell me the capital of {c}.",
+                    "Name the capital city of {c}.", "What's the capital city of {c}?", "Capital of {c}?"]).format(c=c)
+    return (p, f"The capital of {c} is {cap}.",
+            f"The user asks for the capital of {c}. The capital of {c} is {cap}. So the answer is {cap}.", None)
+
+
+def q_continent(rng: random.Random, split: str) -> QA:
+    c = rng.choice(list(F.COUNTRIES)); cont = F.COUNTRIES[c][1]
+    p = rng.choice(["Which continent is {c} in?", "On which continent is {c}?", "Where is {c} located?",
+                    "{c} is on which continent?"]).format(c=c)
+    return (p, f"{c} is in {cont}.",
+            f"The user asks where {c} is. {c} is a country in {cont}. So the answer is {cont}.", None)
+
+
+def q_language(rng: random.Random, split: str) -> QA:
+    c = rng.choice(list(F.COUNTRIES)); lang = F.COUNTRIES[c][2]
+    p = rng.choice(["What language is spoken in {c}?", "What is the main language of {c}?",
+                    "Which language do people speak in {c}?"]).format(c=c)
+    return (p, f"The main language of {c} is {lang}.",
+            f"The user asks about the language of {c}. People in {c} mainly speak {lang}. So the answer is {lang}.", None)
+
+
+def q_symbol(rng: random.Random, split: str) -> QA:
+    e = rng.choice(list(F.ELEMENTS)); sym, num = F.ELEMENTS[e]
+    if rng.random() < 0.5:
+        p = rng.choice(["What is the chemical symbol for {e}?", "What is the symbol of {e}?",
+                        "Give me the element symbol of {e}."]).format(e=e)
+        return (p, f"The chemical symbol for {e} is {sym}.",
+                f"The user asks for the symbol of {e}. The symbol of {e} is {sym}. So the answer is {sym}.", None)
+    p = rng.choice(["What is the atomic number of {e}?", "How many protons does {e} have?"]).format(e=e)
+    return (p, f"The atomic number of {e} is {num}.",
+            f"The user asks for the atomic number of {e}. {e.capitalize()} has {num} protons. So the answer is {num}.", None)
+
+
+def q_arith(rng: random.Random, split: str) -> QA:
+    op = rng.choice("+-*")
+    if op == "+":
+        a, b = rng.randint(0, 99), rng.randint(0, 99); c = a + b
+        p = rng.choice(["What is {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}.", "Compute {a} + {b}."])
+        think = f"I need to add {a} and {b}. {a} + {b} = {c}. So the answer is {c}."
+    elif op == "-":
+        a, b = rng.randint(0, 99), rng.randint(0, 99); a, b = max(a, b), min(a, b); c = a - b
+        p = rng.choice(["What is {a} - {b}?", "What is {a} minus {b}?", "Subtract {b} from {a}."])
+        think = f"I need to subtract {b} from {a}. {a} - {b} = {c}. So the answer is {c}."
+    else:
+        a, b = rng.randint(2, 12), rng.randint(2, 12); c = a * b
+        p = rng.choice(["What is {a} times {b}?", "What is {a} * {b}?", "Multiply {a} by {b}."])
+        think = f"I need to multiply {a} by {b}. {a} * {b} = {c}. So the answer is {c}."
+    return p.format(a=a, b=b), f"{a} {op} {b} = {c}.", think, "add"
+
+
+def q_convert(rng: random.Random, split: str) -> QA:
+    (u1, u2), f = rng.choice(list(F.UNITS.items())); v = rng.randint(1, 50); r = v * f
+    p = rng.choice(["Convert {v} {u1} to {u2}.", "How many {u2} are in {v} {u1}?", "What is {v} {u1} in {u2}?"])
+    return (p.format(v=v, u1=u1, u2=u2), f"{v} {u1} is {r} {u2}.",
+            f"The factor from {u1} to {u2} is {f}. {v} * {f} = {r}. So {v} {u1} is {r} {u2}.", "convert_units")
+
+
+def _words(split: str) -> list[str]:
+    return F.EVAL_WORDS if split == "eval" else F.TRAIN_WORDS
+
+
+def q_string(rng: random.Random, split: str) -> QA:
+    w = rng.choice(_words(split)); spelled = "-".join(w)
+    kind = rng.randrange(4)
+    if kind == 0:
+        p = rng.choice(["How many letters are in the word {w}?", "Count the letters in {w}."]).format(w=w)
+        return (p, f"The word {w} has {len(w)} letters.",
+                f"Let me spell the word: {spelled}. That is {len(w)} letters. So the answer is {len(w)}.", None)
+    if kind == 1:
+        p = rng.choice(["What is the first letter of the word {w}?", "Which letter does {w} start with?"]).format(w=w)
+        return (p, f"The word {w} starts with the letter {w[0]}.",
+                f"Let me spell the word: {spelled}. The first letter is {w[0]}. So the answer is {w[0]}.", None)
+    if kind == 2:
+        p = rng.choice(["Spell the word {w}.", "How do you spell {w}?"]).format(w=w)
+        return (p, f"{w} is spelled {spelled}.",
+                f"I need to split {w} into letters: {spelled}. So the answer is {spelled}.", None)
+    p = rng.choice(["Repeat the word {w} three times.", "Say {w} three times."]).format(w=w)
+    return (p, f"{w} {w} {w}", f"The user wants the word {w} three times. So the answer is {w} {w} {w}.", None)
+
+
+def q_smalltalk(rng: random.Random, split: str) -> QA:
+    p, a = rng.choice(F.SMALL_TALK)
+    return p, a, f"The user says: {p} I should reply politely and briefly.", None
+
+
+QUESTION_KINDS: list[tuple[Callable[[random.Random, str], QA], float]] = [
+    (q_capital, 2.0), (q_continent, 1.0), (q_language, 1.0), (q_symbol, 1.5), (q_arith, 2.0),
+    (q_convert, 1.0), (q_string, 2.0), (q_smalltalk, 0.5),
+]
+
+
+# --------------------------------------------------------------------------------------
+# Tool tasks: each returns (prompt, [(name, args)], [result dict], final answer)
+
+ToolTask = tuple[str, list[tuple[str, dict[str, Any]]], list[dict[str, Any]], str]
+
+
+def _cities(split: str) -> list[str]:
+    return F.EVAL_CITIES if split == "eval" else F.TRAIN_CITIES
+
+
+def _topics(split: str) -> list[str]:
+    return F.EVAL_TOPICS if split == "eval" else F.TRAIN_TOPICS
+
+
+def t_weather(rng: random.Random, split: str) -> ToolTask:
+    cities = _cities(split)
+    if rng.random() < 0.15:
+        c1, c2 = rng.sample(cities, 2)
+        p = rng.choice(["Compare the weather in {a} and {b}.", "What's the weather in {a} and in {b}?"]).format(a=c1, b=c2)
+        res = [{"city": c, "temperature_c": rng.randint(-10, 35), "condition": rng.choice(F.CONDITIONS)} for c in (c1, c2)]
+        ans = " ".join(f"In {r['city']} it is {r['condition']} with {r['temperature_c']}°C." for r in res)
+        return p, [("get_weather", {"city": c1}), ("get_weather", {"city": c2})], res, ans
+    c = rng.choice(cities)
+    p = rng.choice(["What's the weather like in {c}?", "What is the weather in {c} today?", "Check the weather in {c}.",
+                    "Is it raining in {c} right now?", "How warm is it in {c}?", "Weather in {c}, please."]).format(c=c)
+    t, cond = rng.randint(-10, 35), rng.choice(F.CONDITIONS)
+    res = {"city": c, "temperature_c": t, "condition": cond}
+    return p, [("get_weather", {"city": c})], [res], f"The weather in {c} is {cond} with a temperature of {t}°C."
+
+
+def t_time(rng: random.Random, split: str) -> ToolTask:
+    c = rng.choice(_cities(split))
+    p = rng.choice(["What time is it in {c}?", "Tell me the current time in {c}.", "What is the local time in {c}?",
+                    "Get the time in {c}."]).format(c=c)
+    tm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+    return p, [("get_time", {"city": c})], [{"city": c, "time": tm}], f"The current time in {c} is {tm}."
+
+
+def t_add(rng: random.Random, split: str) -> ToolTask:
+    lo, hi = (1000, 9999) if split == "eval" else (100, 999)   # eval uses 4-digit numbers only
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    p = rng.choice(["Use the add tool to add {a} and {b}.", "Please add {a} and {b} with the calculator.",
+                    "Calculate {a} + {b} using a tool.", "Call add on {a} and {b}."]).format(a=a, b=b)
+    return p, [("add", {"a": a, "b": b})], [{"result": a + b}], f"The sum of {a} and {b} is {a + b}."
+
+
+def t_search(rng: random.Random, split: str) -> ToolTask:
+    q = rng.choice(_topics(split))
+    p = rng.choice(["Search the web for {q}.", "Look up {q} for me.", "Find information about {q}.",
+                    "Can you search for {q}?"]).format(q=q)
+    res = {"title": f"{q.capitalize()} - overview", "snippet": f"A short introduction to {q}."}
+    return p, [("search", {"query": q})], [res], f"I found a page titled \"{res['title']}\": {res['snippet']}"
+
+
+def t_convert(rng: random.Random, split: str) -> ToolTask:
+    (u1, u2), f = rng.choice(list(F.UNITS.items()))
+    v = rng.randint(51, 99) if split == "eval" else rng.randint(1, 50)
+    p = rng.choice(["Use the converter to turn {v} {u1} into {u2}.", "Convert {v} {u1} to {u2} with the unit tool.",
+                    "Call the unit converter: {v} {u1} in {u2}."]).format(v=v, u1=u1, u2=u2)
+    return (p, [("convert_units", {"value": v, "from_unit": u1, "to_unit": u2})], [{"value": v * f, "unit": u2}],
+            f"{v} {u1} is {v * f} {u2}.")
+
+
+TOOL_KINDS: list[tuple[Callable[[random.Random, str], ToolTask], float]] = [
+    (t_weather, 2.0), (t_time, 1.0), (t_add, 1.0), (t_search, 1.0), (t_convert, 1.0),
+]
+
+SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a concise assistant.", "Answer briefly and correctly."]
+
+
+def _pick(rng: random.Random, table: list[tuple[Callable, float]]) -> Callable:
+    return rng.choices([f for f, _ in table], weights=[w for _, w in table])[0]
+
+
+def _accept(prompt: str, split: str) -> bool:
+    return is_heldout(prompt) == (split == "eval")
+
+
+def make_qa(rng: random.Random, split: str, thinking: bool, with_tools: bool) -> Chat:
+    while True:
+        p, a, think, avoid = _pick(rng, QUESTION_KINDS)(rng, split)
+        if _accept(p, split):
+            break
+    content = a if not thinking else a
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:
+        msg["reasoning_content"] = think
+    tools = tool_list(rng, None, exclude={avoid} if avoid else set()) if with_tools else None
+    return Chat(messages=[{"role": "user", "content": p}, msg], tools=tools, thinking=thinking,
+                kind="qa", meta={"answer": a})
+
+
+def make_tool_chat(rng: random.Random, split: str) -> Chat:
+    """User request -> tool call(s) -> tool result(s) -> final answer."""
+    while True:
+        task = _pick(rng, TOOL_KINDS)
+        p, calls, results, final = task(rng, split)
+        if _accept(p, split):
+            break
+    tools = tool_list(rng, calls[0][0])
+    call_msgs = [{"type": "function", "function": {"name": n, "arguments": json.dumps(args, ensure_ascii=False)}}
+                 for n, args in calls]
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": p},
+        {"role": "assistant", "content": "", "tool_calls": call_msgs},
+    ]
+    for r in results:
+        msgs.append({"role": "tool", "content": json.dumps(r, ensure_ascii=False)})
+    msgs.append({"role": "assistant", "content": final})
+    return Chat(messages=msgs, tools=tools, kind="tool", expect_tool=calls[0][0], expect_args=calls[0][1])
+
+
+def make_chat(rng: random.Random, split: str = "train") -> Chat:
+    """One training chat: mix of direct answers, thinking, tool use, system prompts, history."""
+    r = rng.random()
+    if r < 0.35:
+        chat = make_tool_chat(rng, split)
+    else:
+        chat = make_qa(rng, split, thinking=rng.random() < 0.45, with_tools=rng.random() < 0.25)
+    if rng.random() < 0.15:                      # an earlier exchange as history
+        prev = make_qa(rng, split, thinking=False, with_tools=False)
+        chat.messages = prev.messages + chat.messages
+    if rng.random() < 0.3:
+        chat.messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + chat.messages
+    return chat
+
+
+def eval_prompts(seed: int, n_chat: int, n_tool: int, n_think: int) -> dict[str, list[Chat]]:
+    """Held-out prompt sets (prompts never emitted by the training split)."""
+    rng = random.Random(seed)
+    tool = [make_tool_chat(rng, "eval") for _ in range(n_tool)]
+    think = [make_qa(rng, "eval", thinking=True, with_tools=rng.random() < 0.25) for _ in range(n_think)]
+    plain = [make_qa(rng, "eval", thinking=False, with_tools=rng.random() < 0.25) for _ in range(n_chat)]
+    return {"tool": tool, "think": think, "plain": plain}
+
+
+# --------------------------------------------------------------------------------------
+# Prose
+
+def prose_documents(max_chars: int = 1200) -> list[str]:
+    """Plain English from the stdlib's own documentation (``pydoc_data.topics``), in chunks."""
+    from pydoc_data.topics import topics
+
+    docs: list[str] = []
+    for key in sorted(topics):
+        paras = [p.strip() for p in topics[key].split("\n\n") if p.strip()]
+        buf = ""
+        for para in paras:
+            para = " ".join(line.strip() for line in para.splitlines()) if not para.startswith("   ") else para
+            if buf and len(buf) + len(para) > max_chars:
+                docs.append(buf)
+                buf = ""
+            buf = f"{buf}\n\n{para}" if buf else para
+        if buf:
+            docs.append(buf)
+    return docs

@@ -1,0 +1,112 @@
+"""Chats -> text with the project's DeepSeek-V3 chat template, and the BPE tokenizer.
+
+The template (server/text/templates/deepseek_v3.jinja) drops reasoning from assistant turns
+it renders, so the last assistant turn is rendered as the model would write it after the
+generation prompt: ``REASONING</think>\\n\\nANSWER<｜end▁of▁sentence｜>`` when thinking is on
+(the prompt already ends with ``<think>\\n``), ``ANSWER<｜end▁of▁sentence｜>`` otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from server.text import special_tokens as st
+from server.text.chat_template import DEEPSEEK_V3_CHAT_TEMPLATE, render_chat_template
+
+from .corpus import Chat
+
+SPECIAL_VARS = {"bos_token": st.BOS, "eos_token": st.EOS, "pad_token": st.PAD}
+
+
+def render_prompt(messages: list[dict[str, Any]], tools: list[dict] | None, thinking: bool) -> str:
+    """The text the daemon would feed the model for this conversation (generation prompt on)."""
+    return render_chat_template(DEEPSEEK_V3_CHAT_TEMPLATE, messages, tools=tools, add_generation_prompt=True,
+                                special_tokens=SPECIAL_VARS, thinking=thinking)
+
+
+def render_completion(msg: dict[str, Any], thinking: bool) -> str:
+    """What the model writes for the final assistant turn ``msg``."""
+    out = ""
+    if thinking:
+        out += f"{msg.get('reasoning_content', '')}{st.THINK_END}\n\n"
+    out += msg.get("content") or ""
+    if msg.get("tool_calls"):
+        blocks = [f"{st.TOOL_CALL_BEGIN}function{st.TOOL_SEP}{c['function']['name']}\n```json\n"
+                  f"{c['function']['arguments']}\n```{st.TOOL_CALL_END}" for c in msg["tool_calls"]]
+        out += st.TOOL_CALLS_BEGIN + "\n".join(blocks) + st.TOOL_CALLS_END
+    return out + st.EOS
+
+
+def render_chat(chat: Chat) -> str:
+    """Full training text: template-rendered context + the final assistant completion."""
+    return render_prompt(chat.messages[:-1], chat.tools, chat.thinking) + render_completion(chat.messages[-1], chat.thinking)
+
+
+def render_eval_prompt(chat: Chat) -> str:
+    """Context up to (not including) the first assistant turn the model must write."""
+    if chat.kind == "tool":
+        first = next(i for i, m in enumerate(chat.messages) if m.get("tool_calls"))
+    else:
+        first = len(chat.messages) - 1
+    return render_prompt(chat.messages[:first], chat.tools, chat.thinking)
+
+
+def prose_text(doc: str) -> str:
+    return st.BOS + doc + st.EOS
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Byte-level BPE with DeepSeek's special tokens as single, unsplittable entries.
+
+    Digits are split one per token (as small models learn arithmetic better that way).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    specials = list(st.DEEPSEEK_SPECIAL_TOKENS)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Mark which added tokens are "special" (skipped on decode): only BOS/EOS/PAD, like the real
+    # DeepSeek tokenizer; markers stay visible so reasoning / tool parsers can see them.
+    data = json.loads(tok.to_str())
+    for t in data["added_tokens"]:
+        t["special"] = t["content"] in st.CONTROL_SPECIAL_TOKENS
+        t["normalized"] = False
+    return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+
+
+def write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
+    """tokenizer.json + tokenizer_config.json (chat template, bos/eos/pad) in HF layout."""
+    tok.save(str(out / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    added = {}
+    for content in st.DEEPSEEK_SPECIAL_TOKENS:
+        added[str(vocab[content])] = {
+            "content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": content in st.CONTROL_SPECIAL_TOKENS,
+        }
+    cfg = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "bos_token": st.BOS,
+        "eos_token": st.EOS,
+        "pad_token": st.PAD,
+        "clean_up_tokenization_spaces": False,
+        "legacy": True,
+        "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": DEEPSEEK_V3_CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

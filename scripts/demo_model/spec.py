@@ -1,0 +1,84 @@
+"""Architecture and training settings of the bundled demo model (one place, written to the card)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from server.text import special_tokens as st
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    seed: int = 1234                 # model init, data order
+    corpus_seed: int = 20240501      # synthetic chats (training split)
+    eval_seed: int = 777             # held-out prompts (evaluation split)
+    num_chats: int = 24000
+    prose_repeats: int = 1
+    vocab_size: int = 2048
+    seq_len: int = 384
+    batch_size: int = 8
+    steps: int = 800
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    threads: int = 1                  # one thread: a second one stalls at barriers when the 2 cores are shared
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def hf_config(vocab_size: int, bos_id: int, eos_id: int, max_len: int = 1024) -> dict[str, Any]:
+    """config.json of the demo model: DeepSeek-V3 layout, scaled down."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_len,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def generation_config(bos_id: int, eos_id: int) -> dict[str, Any]:
+    return {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id,
+            "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+
+
+SPECIALS = {"bos": st.BOS, "eos": st.EOS, "pad": st.PAD}

@@ -1,0 +1,164 @@
+"""Corpus -> token rows -> joint main + MTP training of server.model's DeepseekV3ForCausalLM.
+
+The model class is the daemon's own (server.model.deepseek_v3), trained through its
+cache-free ``forward_full`` / ``mtp_forward_full`` path, so the weights we ship are exactly
+what the serving code computes with.
+
+Loss = CE(main logits at i, token i+1) + mtp_weight * CE(MTP logits at i, token i+2), where
+the MTP layer sees (final-norm hidden h_i, embedding of token i+1), as in DeepSeek-V3.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from server.model.config import DeepseekConfig
+from server.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+from . import corpus, render
+from .spec import TrainSettings
+
+IGNORE = -100
+
+
+# --------------------------------------------------------------------------------------
+# Data
+
+def build_texts(s: TrainSettings) -> tuple[list[str], list[str]]:
+    """(chat texts, prose texts), deterministic in ``s.corpus_seed``."""
+    rng = random.Random(s.corpus_seed)
+    chats = [render.render_chat(corpus.make_chat(rng, "train")) for _ in range(s.num_chats)]
+    prose = [render.prose_text(d) for d in corpus.prose_documents()] * s.prose_repeats
+    return chats, prose
+
+
+def pack_rows(docs: list[list[int]], seq_len: int, pad_id: int, seed: int) -> torch.Tensor:
+    """Pack token documents into rows of ``seq_len + 1`` tokens (inputs plus one shifted target).
+
+    Documents longer than a row are cut into row-sized pieces. Rows are filled first-fit in a
+    seeded random order; the tail of a row is ``pad_id`` (its targets are ignored).
+    """
+    width = seq_len + 1
+    pieces: list[list[int]] = []
+    for d in docs:
+        for i in range(0, len(d), width):
+            pieces.append(d[i:i + width])
+    random.Random(seed).shuffle(pieces)
+    rows: list[list[int]] = []
+    open_rows: list[list[int]] = []               # rows with room left (small list, first-fit)
+    for p in pieces:
+        for r in open_rows:
+            if len(r) + len(p) <= width:
+                r.extend(p)
+                break
+        else:
+            r = list(p)
+            rows.append(r)
+            open_rows.append(r)
+        open_rows = [r for r in open_rows if width - len(r) >= 24][-16:]
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Model
+
+def init_model(cfg: DeepseekConfig, seed: int) -> DeepseekV3ForCausalLM:
+    """Fresh model: N(0, 0.02) matrices, residual outputs scaled by 1/sqrt(2 * layers), unit norms.
+
+    The MTP layer shares the main embedding (it has none of its own) and its shared_head.head
+    is tied to lm_head during training, as DeepSeek-V3 shares them.
+    """
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    depth = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        with torch.no_grad():
+            if name.endswith("e_score_correction_bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                std = 0.02
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    std = 0.02 / math.sqrt(2 * depth)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    for j in range(cfg.num_nextn_predict_layers):
+        model.model.layers[cfg.num_hidden_layers + j].shared_head.head.weight = model.lm_head.weight
+    return model
+
+
+def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main CE, MTP CE) on a batch of packed rows [B, L+1]."""
+    x = rows[:, :-1]
+    y1 = rows[:, 1:].clone()
+    y1[y1 == pad_id] = IGNORE
+    hidden = model.forward_full(x)
+    logits = model.compute_logits(hidden)
+    main = F.cross_entropy(logits.flatten(0, 1), y1.flatten(), ignore_index=IGNORE)
+    # MTP at position i: (h_i, token i+1) -> token i+2.  next_ids[:, i] = token i+1 = y1 source.
+    next_ids = rows[:, 1:]
+    h_mtp = model.mtp_forward_full(next_ids, hidden)
+    mlogits = model.mtp_compute_logits(h_mtp[:, :-1])
+    y2 = y1[:, 1:]
+    mtp = F.cross_entropy(mlogits.flatten(0, 1), y2.flatten(), ignore_index=IGNORE)
+    return main, mtp
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    t = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, s: TrainSettings, pad_id: int,
+          log: Callable[[str], None] = print) -> list[dict]:
+    """AdamW + warmup/cosine; returns the loss history (every 20 steps)."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "gate.weight" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "gate.weight" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(s.seed + 1)
+    order = torch.randperm(len(rows), generator=g)
+    cursor = 0
+    history: list[dict] = []
+    t0 = time.time()
+    acc_main = acc_mtp = 0.0
+    model.train()
+    for step in range(s.steps):
+        if cursor + s.batch_size > len(order):
+            order = torch.randperm(len(rows), generator=g)
+            cursor = 0
+        batch = rows[order[cursor:cursor + s.batch_size]]
+        cursor += s.batch_size
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, s)
+        main, mtp = losses(model, batch, pad_id)
+        loss = main + s.mtp_weight * mtp
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        acc_main += main.item()
+        acc_mtp += mtp.item()
+        if (step + 1) % 20 == 0 or step == s.steps - 1:
+            n = 20 if (step + 1) % 20 == 0 else (step + 1) % 20
+            rec = {"step": step + 1, "main": acc_main / n, "mtp": acc_mtp / n, "lr": lr_at(step, s),
+                   "elapsed_s": time.time() - t0}
+            history.append(rec)
+            eta = (time.time() - t0) / (step + 1) * (s.steps - step - 1)
+            log(f"step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} "
+                f"lr {rec['lr']:.2e} {rec['elapsed_s']:.0f}s eta {eta:.0f}s")
+            acc_main = acc_mtp = 0.0
+    model.eval()
+    return history
