@@ -197,5 +197,8 @@ def run_daemon(cfg: Any) -> int:
         return asyncio.run(Daemon(cfg).run())
     except DaemonError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        log.error("%s", exc)
+        return EXIT_FAIL
+    except Exception as exc:       # e.g. CheckpointError while loading: say what, not only where
+        log.debug("daemon failed", exc_info=True)
+        print(f"error: daemon failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAIL
