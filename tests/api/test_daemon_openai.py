@@ -156,6 +156,15 @@ def test_tools_and_thinking_shapes_on_random_model(client):
                                            tool_choice=choice, max_tokens=12, temperature=0)
         msg = r.choices[0].message
         assert msg.tool_calls is not None or msg.content is not None
+    for choice in ("auto", "required"):
+        chunks = list(client.chat.completions.create(
+            model=MODEL_NAME, messages=MSG, tools=tools, tool_choice=choice, max_tokens=12,
+            temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        for c in chunks:
+            for tc in c.choices[0].delta.tool_calls or []:
+                assert tc.index == 0 or tc.index is not None
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=6,
                                        temperature=0,
                                        extra_body={"chat_template_kwargs": {"thinking": True},
