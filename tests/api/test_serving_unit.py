@@ -292,3 +292,24 @@ def test_sampling_params_from_request_and_generation_defaults(tokenizer):
     assert (p.presence_penalty, p.repetition_penalty, p.min_p) == (0.5, 1.1, 0.05)
     assert p.skip_special_tokens is False and p.stop_token_ids == (4,)
     assert q.greedy and q.max_tokens == 64          # capped by maxIterTimes
+
+
+def test_required_tool_choice_streams_the_forced_call(tokenizer):
+    # The prompt ends with "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>";
+    # the model writes the name and arguments.
+    rest = "get_time\n```json\n{\"city\": \"Oslo\"}\n```" + TOOL_CALL_END + TOOL_CALLS_END
+
+    async def go():
+        client, engine, _ = make_client(tokenizer, rest)
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+            "tool_choice": "required", "stream": True})
+        return r, engine
+    r, engine = run(go())
+    prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith(TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP)
+    events = sse_events(r.text)
+    calls = [tc for e in events[:-1] for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_time" and calls[0]["type"] == "function"
+    assert json.loads("".join(c["function"].get("arguments", "") for c in calls)) == {"city": "Oslo"}
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
