@@ -313,3 +313,37 @@ def test_required_tool_choice_streams_the_forced_call(tokenizer):
     assert calls[0]["function"]["name"] == "get_time" and calls[0]["type"] == "function"
     assert json.loads("".join(c["function"].get("arguments", "") for c in calls)) == {"city": "Oslo"}
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_turns_go_through_the_template(tokenizer):
+    from server.text.special_tokens import TOOL_OUTPUT_BEGIN, TOOL_OUTPUTS_END
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "think",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    ]
+
+    async def go():
+        client, engine, _ = make_client(tokenizer, "It is 21.")
+        r = await client.post("/v1/chat/completions", json={"messages": history, "tools": TOOLS})
+        return r, engine
+    r, engine = run(go())
+    assert r.status_code == 200, r.text
+    prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert TOOL_SEP + 'get_weather\n```json\n{"city": "Paris"}\n```' in prompt
+    assert TOOL_OUTPUT_BEGIN + '{"temp": 21}' in prompt and TOOL_OUTPUTS_END in prompt
+    assert "get_weather" in prompt.split(TOOL_CALLS_BEGIN)[0]      # the tools section
+
+
+def test_v31_tool_format_from_config(tokenizer):
+    text = (TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "get_time" + TOOL_SEP + '{"city": "Oslo"}' +
+            TOOL_CALL_END + TOOL_CALLS_END)
+
+    async def go():
+        client, _, _ = make_client(tokenizer, text, tool_call_parser="deepseek_v31")
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    call = run(go()).json()["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_time", "arguments": '{"city": "Oslo"}'}
