@@ -18,10 +18,10 @@ class TrainSettings:
     vocab_size: int = 2048
     seq_len: int = 384
     batch_size: int = 8
-    steps: int = 800
-    lr: float = 2e-3
+    steps: int = 1000
+    lr: float = 2.5e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 60
+    warmup_steps: int = 80
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     mtp_weight: float = 0.3
