@@ -9,6 +9,7 @@ the event loop stays responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import random
@@ -262,9 +263,10 @@ class AsyncEngine:
                     engine_config: EngineConfig | None = None, device: str | None = None) -> "AsyncEngine":
         """Build from an AppConfig; loads the checkpoint and tokenizer unless given."""
         cfg = engine_config or engine_config_from_app(app_config)
+        if device is None and engine_config is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if device is not None:
-            from dataclasses import replace
-            cfg = replace(cfg, device=device)
+            cfg = dataclasses.replace(cfg, device=device)
         if model is None:
             from server.model.loader import load_checkpoint
             model, _info = load_checkpoint(app_config.model_weight_path,

@@ -335,3 +335,39 @@ def test_async_engine_streams_aborts_and_drains():
     assert res[0][-1].counters.num_accepted_tokens > 0
     assert st.num_requests_aborted == 1 and st.kv_blocks_used == 0 and st.num_running == 0
     assert st.num_drafts > 0 and len(st.accepted_per_position) == 2
+
+
+# ---- configuration -------------------------------------------------------------------------
+def test_from_config_reads_the_shipped_config(tmp_path):
+    import json
+    from pathlib import Path
+
+    from server.config import parse_config
+    from server.engine.config import engine_config_from_app
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=0)
+    doc = json.loads(Path("conf/config.json").read_text())
+    doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(ckpt)
+    doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["npuMemSize"] = 1
+    app = parse_config(doc, base_dir=tmp_path)
+    cfg = engine_config_from_app(app)
+    sched = app.schedule
+    assert cfg.block_size == sched.cache_block_size and cfg.max_batch_size == sched.max_batch_size
+    assert cfg.num_speculative_tokens == app.num_speculative_tokens and cfg.mem_size_gb == 1.0
+
+    async def main():
+        eng = AsyncEngine.from_config(app, device="cpu")
+        await eng.start()
+        req = EngineRequest("c", eng.engine.tokenizer.encode("hello"),
+                            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        outs = [o async for o in eng.submit(req)]
+        await eng.shutdown()
+        return eng, outs
+
+    eng, outs = asyncio.run(main())
+    assert len(tokens_of(outs)) == 5 and outs[-1].finished
+    st = eng.stats()
+    assert st.num_speculative_tokens == app.num_speculative_tokens
+    # 1 GiB of pool, capped at what maxBatchSize x maxSeqLen can use
+    assert st.kv_blocks_total > 0 and st.block_size == sched.cache_block_size
