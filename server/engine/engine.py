@@ -99,7 +99,7 @@ class LLMEngine:
                                              self.cfg.max_seq_len - n),
                        seed=int(seed) & ((1 << 63) - 1),
                        arrival_time=req.arrival_time or self.clock(), stop_ids=stop_ids)
-        seq.counters.prompt_tokens = 0
+        seq.counters.prompt_tokens = n
         self._seqs[req.request_id] = seq
         error = self._check(seq)
         if error:
@@ -202,8 +202,7 @@ class LLMEngine:
         st.last_step_time_s = dt
         st.last_step_num_tokens = batch.num_tokens
         st.last_step_batch_size = len(batch)
-        st.num_prompt_tokens += sum(s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1
-                                    or s.start_pos < s.seq.num_prompt_tokens)
+        st.num_prompt_tokens += sum(s.num_new_tokens for s in batch.seqs if s.is_prefill)
         st.num_generation_tokens += sum(len(r.new_token_ids) for r in results)
         for s, r in zip(batch.seqs, results):
             if s.num_drafts:

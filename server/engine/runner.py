@@ -64,6 +64,19 @@ def build_metadata(starts: list[int], query_lens: list[int], tables: list[list[i
     )
 
 
+def _has_penalties(p) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def _penalty_context(seq) -> tuple[list[int], list[int]]:
+    """(prompt ids, output ids) for penalties; empty lists when the request has none
+    (copying every sequence's tokens each step would cost O(length) per step)."""
+    p = seq.sampling
+    if not _has_penalties(p):
+        return [], []
+    return (seq.prompt_token_ids if p.repetition_penalty != 1.0 else []), seq.output_token_ids
+
+
 class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
                  policy: M.SpecPolicy, device: torch.device | str = "cpu") -> None:
@@ -125,8 +138,7 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, meta, self.kv_caches)       # [T, H]
         logits = self.model.compute_logits(hidden[meta.logits_indices])     # [R, V]
         samp = [S.SeqSamplingInput(seq.sampling, seq.seed, r, st + n, seq.num_output_tokens,
-                                   seq.prompt_token_ids if seq.sampling.repetition_penalty != 1.0 else [],
-                                   seq.output_token_ids, seq.stop_ids)
+                                   *_penalty_context(seq), seq.stop_ids)
                 for seq, r, st, n in zip(seqs, rows, starts, n_new)]
         smeta = S.SamplingMetadata.build(samp, self.vocab_size, dev)
         row_seq_d, row_off_d = row_seq.to(dev), row_off.to(dev)
@@ -165,8 +177,9 @@ class ModelRunner:
                        top_lp.tolist() if top_lp is not None else None)
 
         # ---- the step's host sync ------------------------------------------------------
-        tokens_h = tokens.tolist()
-        acc_h = num_acc.tolist()
+        both = torch.cat([tokens, num_acc.to(tokens.dtype).unsqueeze(1)], dim=1).tolist()
+        tokens_h = [row[:-1] for row in both]
+        acc_h = [row[-1] for row in both]
         sampled = [row[:a + 1] for row, a in zip(tokens_h, acc_h)]
         for s, d, a in zip(seqs, nd, acc_h):
             if d:
@@ -217,11 +230,14 @@ class ModelRunner:
             return build_metadata([b - 1 + c for b in base], [1] * len(seqs), tables,
                                   self.block_size, dev)
 
-        samp = [S.SeqSamplingInput(seq.sampling, seq.seed, 1, b + 1,
-                                   seq.num_output_tokens + len(toks),
-                                   seq.prompt_token_ids if seq.sampling.repetition_penalty != 1.0 else [],
-                                   seq.output_token_ids + toks, seq.stop_ids)
-                for seq, b, toks in zip(seqs, base, sampled)]
+        samp = []
+        for seq, b, toks in zip(seqs, base, sampled):
+            prompt, output = _penalty_context(seq)
+            if _has_penalties(seq.sampling):
+                output = output + toks
+            samp.append(S.SeqSamplingInput(seq.sampling, seq.seed, 1, b + 1,
+                                           seq.num_output_tokens + len(toks), prompt, output,
+                                           seq.stop_ids))
         res = M.propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden, last_rows,
                         samp, self.vocab_size, chain_meta)
         for i, seq in enumerate(seqs):

@@ -18,6 +18,7 @@ verification the same ratio test (accept iff draft == argmax).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ class SamplingMetadata:
     temperature: torch.Tensor         # [R] float32, 1.0 on greedy rows
     greedy: torch.Tensor              # [R] bool
     all_greedy: bool
+    any_greedy: bool                  # host copies of greedy.all() / greedy.any(): no sync
     top_k: torch.Tensor | None        # [R] int64, vocab size where off
     top_p: torch.Tensor | None        # [R] float32
     min_p: torch.Tensor | None        # [R] float32
@@ -159,7 +161,7 @@ class SamplingMetadata:
         if m_rows:
             mask_index = (torch.tensor(m_rows, device=device), torch.tensor(m_toks, device=device))
         return cls(num_rows, row_seq.to(device), row_offset.to(device), token_index.to(device),
-                   seeds, temperature, greedy, all_greedy, top_k, top_p, min_p, rep, freq, pres,
+                   seeds, temperature, greedy, all_greedy, any(greedy_l), top_k, top_p, min_p, rep, freq, pres,
                    output_counts, prompt_mask, bias_index, bias_value, mask_index)
 
     @property
@@ -169,7 +171,7 @@ class SamplingMetadata:
 
 def _counts(lists: list[list[int]], vocab_size: int) -> torch.Tensor:
     lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
-    flat = torch.tensor([t for x in lists for t in x], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
     seq = torch.repeat_interleave(torch.arange(len(lists)), lens)
     out = torch.zeros(len(lists), vocab_size, dtype=torch.float32)
     out.index_put_((seq, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
@@ -226,7 +228,7 @@ def to_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * top, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    if meta.greedy.any():
+    if meta.any_greedy:
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(meta.greedy.unsqueeze(1), onehot, probs)
     return probs

@@ -36,6 +36,7 @@ class ScheduledSeq:
     num_new_tokens: int          # known tokens fed: token_ids[num_computed:num_computed+this]
     num_drafts: int              # drafts fed after them (held by the runner)
     start_pos: int               # num_computed_tokens when scheduled
+    is_prefill: bool = False     # admitted from the queue this step (prompt or recompute)
 
 
 @dataclass(slots=True)
@@ -227,13 +228,12 @@ class Scheduler:
             if reserve:
                 seq.reserved_blocks = worst
                 self._reserved_outstanding += max(0, worst - len(seq.block_table))
-            if seq.counters.prompt_tokens == 0:
-                seq.counters.prompt_tokens = seq.num_prompt_tokens
+            if seq.num_preemptions == 0:            # first admission
                 seq.counters.cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, 0,
-                                           seq.num_computed_tokens))
+                                           seq.num_computed_tokens, is_prefill=True))
             num_tokens += n_new
             num_prefills += 1
         batch.num_prefills = num_prefills
