@@ -40,12 +40,14 @@ def test_seeded_request_reproduces_alone_and_in_a_busy_batch(k):
 
 
 # ---- preemption and pool accounting ------------------------------------------------------
-@pytest.mark.parametrize("k,preempt", [(0, 3), (1, 3), (2, 0)])
-def test_tiny_pool_completes_everything_identically(k, preempt):
+@pytest.mark.parametrize("k,preempt,prefix", [(0, 3, False), (1, 3, False), (2, 3, True),
+                                               (2, 0, False)])
+def test_tiny_pool_completes_everything_identically(k, preempt, prefix):
     model = tiny_model()
     ps = prompts(8, seed=5, lo=10, hi=30)
     ref = run_tokens(make_engine(model, k), requests(ps, GREEDY))
-    eng = make_engine(model, k, num_blocks=20, max_preempt_count=preempt)
+    eng = make_engine(model, k, num_blocks=20, max_preempt_count=preempt,
+                      enable_prefix_cache=prefix)
     outs = eng.generate(requests(ps, GREEDY))
     assert {r: tokens_of(v) for r, v in outs.items()} == ref
     assert all(v[-1].finish_reason is FinishReason.LENGTH for v in outs.values())
