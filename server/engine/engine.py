@@ -160,8 +160,6 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        for seq in batch.preempted:
-            self.runner.drop(seq.request_id)
         if not batch.seqs:
             return outputs
         try:

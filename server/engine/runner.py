@@ -25,6 +25,18 @@ from server.model.batch import BatchMetadata
 
 
 @dataclass(slots=True)
+class _Window:
+    """One step's main-forward inputs (built by ModelRunner._window)."""
+    input_ids: torch.Tensor      # [T] int64
+    meta: BatchMetadata
+    cu: list[int]                # cumulative query lengths (host)
+    row_seq: torch.Tensor        # [R] sequence of each logits row
+    row_off: torch.Tensor        # [R] row index inside its sequence's window
+    drafts: torch.Tensor         # [S, K] held drafts (0-padded)
+    K: int                       # most drafts any sequence holds
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     sampled: list[list[int]]                       # per scheduled seq: accepted drafts + final token
     num_drafts_next: list[int]                     # drafts now held for the next step
@@ -97,105 +109,101 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         scheds = batch.seqs
-        dev = self.device
         seqs = [s.seq for s in scheds]
-        nd = [s.num_drafts for s in scheds]
-        K = max(nd)
         starts = [s.start_pos for s in scheds]
         n_new = [s.num_new_tokens for s in scheds]
-        qlens = [a + b for a, b in zip(n_new, nd)]
-        rows = [d + 1 for d in nd]
-        tables = [s.block_table for s in seqs]
+        nd = [s.num_drafts for s in scheds]
+        w = self._window(seqs, starts, n_new, nd)
 
-        # ---- inputs: known tokens from the host, drafts scattered from the device ------
+        hidden = self.model.forward(w.input_ids, w.meta, self.kv_caches)   # [T, H]
+        logits = self.model.compute_logits(hidden[w.meta.logits_indices])  # [R, V]
+        tokens, num_acc = self._verify(seqs, starts, n_new, nd, w, logits)
+        want_lp = [seq.sampling.logprobs for seq in seqs]
+        lp = None
+        if any(want_lp):
+            row_tokens = tokens[w.row_seq, w.row_off]
+            lp = S.token_logprobs(logits, row_tokens, max(s.sampling.top_logprobs for s in seqs))
+
+        # ---- the step's host sync: emitted tokens and acceptance counts, one transfer ----
+        both = torch.cat([tokens, num_acc.to(tokens.dtype).unsqueeze(1)], dim=1).tolist()
+        sampled = [row[:row[-1] + 1] for row in both]
+        for d, row in zip(nd, both):
+            if d:
+                self.policy.observe(d, row[-1])
+        logprobs = self._logprobs(sampled, [d + 1 for d in nd], want_lp, lp,
+                                  [s.sampling.top_logprobs for s in seqs])
+
+        # ---- drafts for the next step (stay on the device) -----------------------------
+        k = self.policy.num_draft_tokens(len(seqs)) if self.mtp_enabled else 0
+        if k:
+            self._draft(seqs, starts, n_new, sampled, w.cu, hidden, k)
+        else:
+            for seq in seqs:
+                self._drafts.pop(seq.request_id, None)
+        return RunnerOutput(sampled, [k] * len(seqs), logprobs)
+
+    def _window(self, seqs, starts, n_new, nd) -> "_Window":
+        """Main-forward inputs: each sequence's new tokens, then its drafts.
+
+        Rows: sequence s with d drafts owns d+1 logits rows, its last d+1 tokens (the last
+        known token and each draft); row j predicts the token after draft j.
+        """
+        dev = self.device
+        K = max(nd)
+        qlens = [a + b for a, b in zip(n_new, nd)]
         flat: list[int] = []
         for seq, st, n, d in zip(seqs, starts, n_new, nd):
             flat.extend(seq.token_ids[st:st + n])
-            flat.extend([0] * d)
+            flat.extend([0] * d)                      # placeholders, filled from the device
         input_ids = torch.tensor(flat, dtype=torch.int64).to(dev)
         cu = [0]
         for ql in qlens:
             cu.append(cu[-1] + ql)
-        last = torch.tensor(cu[1:], dtype=torch.int64)
-        nrows = torch.tensor(rows, dtype=torch.int64)
+        nrows = torch.tensor(nd, dtype=torch.int64) + 1
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), nrows)
-        row_start = torch.cumsum(nrows, 0) - nrows
-        row_off = torch.arange(int(nrows.sum())) - row_start[row_seq]
-        logits_indices = last[row_seq] - nrows[row_seq] + row_off      # last d+1 tokens of each seq
-        drafts = None
+        row_off = torch.arange(int(nrows.sum())) - (torch.cumsum(nrows, 0) - nrows)[row_seq]
+        logits_indices = torch.tensor(cu[1:])[row_seq] - nrows[row_seq] + row_off
+        drafts = torch.zeros(len(seqs), K, dtype=torch.int64, device=dev)   # [S, K]
         if K:
-            drafts = torch.zeros(len(seqs), K, dtype=torch.int64, device=dev)
             for i, (seq, d) in enumerate(zip(seqs, nd)):
                 if d:
                     drafts[i, :d] = self._drafts[seq.request_id][0][:d]
-            draft_pos = logits_indices.view(-1)[(row_off < nrows[row_seq] - 1)]  # rows with a draft after
-            cols = row_off[row_off < nrows[row_seq] - 1]
-            which = row_seq[row_off < nrows[row_seq] - 1]
-            input_ids[(draft_pos + 1).to(dev)] = drafts[which.to(dev), cols.to(dev)]
-        meta = build_metadata(starts, qlens, tables, self.block_size, dev, logits_indices)
+            before = row_off < nrows[row_seq] - 1     # rows followed by a draft token
+            input_ids[(logits_indices[before] + 1).to(dev)] = \
+                drafts[row_seq[before].to(dev), row_off[before].to(dev)]
+        meta = build_metadata(starts, qlens, [s.block_table for s in seqs], self.block_size, dev,
+                              logits_indices)
+        return _Window(input_ids, meta, cu, row_seq.to(dev), row_off.to(dev), drafts, K)
 
-        # ---- main forward + verification --------------------------------------------
-        hidden = self.model.forward(input_ids, meta, self.kv_caches)       # [T, H]
-        logits = self.model.compute_logits(hidden[meta.logits_indices])     # [R, V]
-        samp = [S.SeqSamplingInput(seq.sampling, seq.seed, r, st + n, seq.num_output_tokens,
+    def _verify(self, seqs, starts, n_new, nd, w: "_Window", logits: torch.Tensor):
+        """Process the window rows, then verify: tokens [S, K+1], num_accepted [S]."""
+        dev, K, S_ = self.device, w.K, len(seqs)
+        samp = [S.SeqSamplingInput(seq.sampling, seq.seed, d + 1, st + n, seq.num_output_tokens,
                                    *_penalty_context(seq), seq.stop_ids)
-                for seq, r, st, n in zip(seqs, rows, starts, n_new)]
+                for seq, d, st, n in zip(seqs, nd, starts, n_new)]
         smeta = S.SamplingMetadata.build(samp, self.vocab_size, dev)
-        row_seq_d, row_off_d = row_seq.to(dev), row_off.to(dev)
         context = None
-        if K and smeta.has_penalties:
-            ctx = drafts[row_seq_d]                                          # [R, K]
-            context = torch.where(torch.arange(K, device=dev)[None] < row_off_d[:, None], ctx, -1)
+        if K and smeta.has_penalties:                 # accepted-draft prefix as context
+            ctx = w.drafts[w.row_seq]                 # [R, K]
+            context = torch.where(torch.arange(K, device=dev)[None] < w.row_off[:, None], ctx, -1)
         processed = S.process_logits(logits, smeta, context)
-        pad_index = (row_seq_d * (K + 1) + row_off_d)
-        argmax_pad = torch.zeros(len(seqs) * (K + 1), dtype=torch.int64, device=dev)
+        pad_index = w.row_seq * (K + 1) + w.row_off
+        argmax_pad = torch.zeros(S_ * (K + 1), dtype=torch.int64, device=dev)
         argmax_pad[pad_index] = processed.argmax(-1)
-        argmax_pad = argmax_pad.view(len(seqs), K + 1)
+        argmax_pad = argmax_pad.view(S_, K + 1)
         nd_t = torch.tensor(nd, dtype=torch.int64, device=dev)
-        draft_ids = drafts if drafts is not None else torch.zeros(len(seqs), 0, dtype=torch.int64, device=dev)
         if smeta.all_greedy:
-            tokens, num_acc = S.verify(None, argmax_pad, draft_ids, None, nd_t, None, None)
-        else:
-            probs = S.to_probs(processed, smeta)
-            probs_pad = probs.new_zeros(len(seqs) * (K + 1), probs.shape[-1])
-            probs_pad[pad_index] = probs
-            probs_pad = probs_pad.view(len(seqs), K + 1, -1)
-            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
-            first = torch.tensor([st + n for st, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
-            idx = first[:, None] + torch.arange(K + 1, device=dev)[None]
-            u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
-            u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
-            q = self._draft_probs(seqs, nd, K, draft_ids) if K else None
-            tokens, num_acc = S.verify(probs_pad, argmax_pad, draft_ids, q, nd_t, u_acc, u_smp)
-        want_lp = [seq.sampling.logprobs for seq in seqs]
-        lp_host = None
-        if any(want_lp):
-            n_top = max(seq.sampling.top_logprobs for seq in seqs)
-            row_tokens = tokens[row_seq_d, row_off_d]
-            chosen, top_ids, top_lp = S.token_logprobs(logits, row_tokens, n_top)
-            lp_host = (chosen.tolist(), top_ids.tolist() if top_ids is not None else None,
-                       top_lp.tolist() if top_lp is not None else None)
-
-        # ---- the step's host sync ------------------------------------------------------
-        both = torch.cat([tokens, num_acc.to(tokens.dtype).unsqueeze(1)], dim=1).tolist()
-        tokens_h = [row[:-1] for row in both]
-        acc_h = [row[-1] for row in both]
-        sampled = [row[:a + 1] for row, a in zip(tokens_h, acc_h)]
-        for s, d, a in zip(seqs, nd, acc_h):
-            if d:
-                self.policy.observe(d, a)
-        logprobs = self._logprobs(sampled, rows, want_lp, lp_host, [s.sampling.top_logprobs for s in seqs])
-
-        # ---- drafts for the next step --------------------------------------------------
-        k = self.policy.num_draft_tokens(len(seqs)) if self.mtp_enabled else 0
-        num_next = [0] * len(seqs)
-        if k:
-            self._draft(seqs, starts, n_new, sampled, cu, hidden, k)
-            num_next = [k] * len(seqs)
-        else:
-            for seq in seqs:
-                self._drafts.pop(seq.request_id, None)
-        return RunnerOutput(sampled, num_next, logprobs)
+            return S.verify(None, argmax_pad, w.drafts, None, nd_t, None, None)
+        probs = S.to_probs(processed, smeta)
+        probs_pad = probs.new_zeros(S_ * (K + 1), probs.shape[-1])
+        probs_pad[pad_index] = probs
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+        first = torch.tensor([st + n for st, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
+        idx = first[:, None] + torch.arange(K + 1, device=dev)[None]    # token index of each row
+        u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
+        u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
+        q = self._draft_probs(seqs, nd, K, w.drafts) if K else None
+        return S.verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t, u_acc, u_smp)
 
     def _draft_probs(self, seqs, nd, K, draft_ids) -> torch.Tensor | None:
         """q [S, K, V] for verification: the stored q of sampled drafts, one-hot for greedy ones."""
@@ -245,8 +253,13 @@ class ModelRunner:
                                             and not seq.sampling.greedy else None)
 
     @staticmethod
-    def _logprobs(sampled, rows, want, lp_host, n_tops) -> list[list[TokenLogprob] | None]:
+    def _logprobs(sampled, rows, want, lp, n_tops) -> list[list[TokenLogprob] | None]:
         out: list[list[TokenLogprob] | None] = []
+        lp_host = None
+        if lp is not None:
+            chosen, top_ids, top_lp = lp
+            lp_host = (chosen.tolist(), top_ids.tolist() if top_ids is not None else None,
+                       top_lp.tolist() if top_lp is not None else None)
         r0 = 0
         for toks, r, w, nt in zip(sampled, rows, want, n_tops):
             if not w or lp_host is None:

@@ -103,6 +103,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        seq.num_draft_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -112,7 +113,6 @@ class Scheduler:
             self._reserved_outstanding -= max(0, seq.reserved_blocks - len(seq.block_table))
             seq.reserved_blocks = 0
         self.blocks.free(seq)
-        seq.num_draft_tokens = 0
 
     # ---- block helpers --------------------------------------------------------------
     def _room(self, seq: Sequence) -> int:
@@ -134,6 +134,9 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        # The drafts it holds survive (the runner keeps them): the recompute step verifies
+        # them exactly as the next decode step would have, so a seeded request's random
+        # draws, and so its output, do not depend on whether it was preempted.
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
@@ -216,7 +219,7 @@ class Scheduler:
             n_new = seq.num_tokens - match.num_blocks * self.blocks.block_size
             if num_prefills and num_tokens + n_new > cfg.max_prefill_tokens:
                 break
-            slots = seq.num_tokens + self.lookahead
+            slots = seq.num_tokens + seq.num_draft_tokens + self.lookahead
             need = self.blocks.blocks_for(slots) - match.num_blocks + match.num_free_hits
             reserve = cfg.max_preempt_count == 0 or seq.num_preemptions >= cfg.max_preempt_count
             worst = self.worst_case_blocks(seq) if reserve else 0
@@ -232,8 +235,9 @@ class Scheduler:
                 seq.counters.cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, 0,
-                                           seq.num_computed_tokens, is_prefill=True))
+            batch.seqs.append(ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens,
+                                           seq.num_draft_tokens, seq.num_computed_tokens,
+                                           is_prefill=True))
             num_tokens += n_new
             num_prefills += 1
         batch.num_prefills = num_prefills

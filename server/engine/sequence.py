@@ -5,7 +5,8 @@ Token counting (the whole scheduler is built on it):
   num_computed_tokens  positions whose KV (main and MTP layers) is final; after every
                        step it is n - 1: the last emitted token is fed next step.
   num_draft_tokens     drafts held on the device by the runner for the next step; they
-                       are fed after the last token and verified.  A step that accepts
+                       are fed after the last token and verified (also by the recompute
+                       step after a preemption).  A step that accepts
                        ``a`` of them advances num_computed_tokens by (new tokens) + a,
                        i.e. rejected drafts roll back.
 Prefill, decode and recompute after preemption are the same: feed

@@ -203,3 +203,18 @@ def test_abort_frees_blocks_in_any_state():
     s.finish(b, FinishReason.ABORT)
     assert a.status is SequenceStatus.FINISHED and not s.has_work()
     assert s.blocks.num_free_blocks == 16
+
+
+def test_preempted_sequence_keeps_its_drafts_for_the_recompute_step():
+    s = make(num_blocks=4, block_size=4, k=2, max_preempt_count=2)
+    old, new = req(5, max_tokens=12), req(5, max_tokens=12)
+    s.add(old)
+    s.add(new)
+    step(s, drafts=2)                              # 2 blocks each (6 tokens + 2 drafts + 1)
+    b = s.schedule()                               # old needs a 3rd block: new is preempted
+    assert b.preempted == [new] and new.num_draft_tokens == 2 and new.num_computed_tokens == 0
+    s.update(b, [[7, 7, 7]], [2])
+    s.finish(old, FinishReason.ABORT)
+    b = s.schedule()
+    x = b.seqs[0]
+    assert x.seq is new and x.is_prefill and (x.num_new_tokens, x.num_drafts) == (6, 2)
