@@ -26,8 +26,9 @@ def test_seeded_request_reproduces_alone_and_in_a_busy_batch(k):
     again = run_tokens(make_engine(model, k), [EngineRequest("target", target.prompt_token_ids,
                                                              seeded)])["target"]
     assert alone == again
-    others = [SamplingParams(max_tokens=30 + i, temperature=0.5 + 0.1 * i, top_k=10 * (i + 1))
-              for i in range(7)]
+    # (the others are seeded too, only so that the test itself is deterministic)
+    others = [SamplingParams(max_tokens=30 + i, temperature=0.5 + 0.1 * i, top_k=10 * (i + 1),
+                             seed=100 + i) for i in range(7)]
     busy = requests(prompts(7, seed=4), others, "o")
     busy.insert(3, EngineRequest("target", target.prompt_token_ids, seeded))
     out = run_staggered(make_engine(model, k), busy, every=1)
