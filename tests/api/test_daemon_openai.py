@@ -221,7 +221,7 @@ def test_client_disconnect_frees_kv(daemon):
             assert next(lines).startswith("data: ")
             next(lines)                                   # the blank line after each event
         busy = daemon.status()
-        assert busy["kv_cache"]["usage"] > 0 and busy["in_flight"] == 1
+        assert busy["kv_cache"]["usage"] > 0 and busy["in_flight"] >= 1, busy
     # Leaving the block closes the connection mid-stream.
     st = daemon.wait_kv_free(timeout_s=5)
     assert st["in_flight"] == 0 and st["engine"]["num_requests_aborted"] >= 1
