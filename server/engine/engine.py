@@ -25,8 +25,8 @@ from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_f
 from server.engine.mtp import FixedK, SpecPolicy
 from server.engine.output import RequestOutput, final_output
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
-from server.engine.runner import ModelRunner
-from server.engine.scheduler import Scheduler
+from server.engine.runner import ModelRunner, RunnerOutput
+from server.engine.scheduler import ScheduledBatch, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.stats import EngineStats
 
@@ -122,6 +122,11 @@ class LLMEngine:
             return "max_tokens must be at least 1"
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
             return f"prompt token ids must lie in [0, {vocab})"
+        p = seq.sampling
+        for what, ids in (("logit_bias", list(p.logit_bias or ())), ("stop_token_ids", p.stop_token_ids)):
+            bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                return f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
         need = self.scheduler.worst_case_blocks(seq)
         if need > self.blocks.num_blocks:
             return (f"request needs up to {need} KV blocks ({n} prompt + {seq.max_output_tokens} "
@@ -164,9 +169,12 @@ class LLMEngine:
             return outputs
         try:
             result = self.runner.execute(batch)
-        except Exception as exc:              # the model failed: fail this batch, keep serving
-            log.exception("engine step failed")
-            return outputs + [self._fail(s.seq, f"engine step failed: {exc!r}") for s in batch.seqs]
+        except Exception:                     # find the request(s) that break the step
+            log.exception("engine step failed; retrying its %d requests one by one", len(batch))
+            batch, result, failed = self._isolate(batch)
+            outputs += failed
+            if not batch.seqs:
+                return outputs
         results = self.scheduler.update(batch, result.sampled, result.num_drafts_next)
         now = self.clock()
         by_seq = {id(s.seq): i for i, s in enumerate(batch.seqs)}
@@ -192,6 +200,24 @@ class LLMEngine:
                 outputs.append(self._fail(seq, f"output processing failed: {exc!r}"))
         self._observe(batch, results, time.perf_counter() - t0)
         return outputs
+
+    def _isolate(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, RunnerOutput, list[EngineOutput]]:
+        """Run each sequence of a failed step alone: the ones that still fail finish with
+        an error, the rest continue (their KV for this step is simply rewritten)."""
+        ok = ScheduledBatch(preempted=batch.preempted)
+        merged = RunnerOutput([], [], [])
+        failed = []
+        for sched in batch.seqs:
+            try:
+                one = self.runner.execute(ScheduledBatch([sched]))
+            except Exception as exc:
+                failed.append(self._fail(sched.seq, f"engine step failed: {exc!r}"))
+                continue
+            ok.seqs.append(sched)
+            merged.sampled += one.sampled
+            merged.num_drafts_next += one.num_drafts_next
+            merged.logprobs += one.logprobs
+        return ok, merged, failed
 
     def _observe(self, batch, results, dt: float) -> None:
         st = self._stats

@@ -383,3 +383,32 @@ def test_from_config_reads_the_shipped_config(tmp_path):
     assert st.num_speculative_tokens == app.num_speculative_tokens
     # 1 GiB of pool, capped at what maxBatchSize x maxSeqLen can use
     assert st.kv_blocks_total > 0 and st.block_size == sched.cache_block_size
+
+
+def test_a_request_that_breaks_the_model_fails_alone(monkeypatch):
+    model = tiny_model()
+    real = type(model).forward
+
+    def forward(self, input_ids, meta, kv_caches):
+        if (input_ids == 499).any():
+            raise RuntimeError("poisoned token")
+        return real(self, input_ids, meta, kv_caches)
+
+    monkeypatch.setattr(type(model), "forward", forward)
+    eng = make_engine(model, 1)
+    ps = prompts(3, seed=15, vocab=400)
+    ps[1] = ps[1] + [499]
+    outs = eng.generate(requests(ps, SamplingParams(max_tokens=10, temperature=0)))
+    assert outs["r1"][-1].finish_reason is FinishReason.ERROR and "poisoned" in outs["r1"][-1].error
+    assert len(tokens_of(outs["r0"])) == 10 and len(tokens_of(outs["r2"])) == 10
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    monkeypatch.undo()
+    ref = make_engine(model, 1).generate(requests([ps[0], ps[2]], SamplingParams(max_tokens=10, temperature=0)))
+    assert tokens_of(outs["r0"]) == tokens_of(ref["r0"]) and tokens_of(outs["r2"]) == tokens_of(ref["r1"])
+
+
+def test_out_of_vocabulary_sampling_ids_are_refused():
+    eng = make_engine(tiny_model(), 0)
+    outs = eng.generate([EngineRequest("b", [5, 6], SamplingParams(logit_bias={9999: 1.0})),
+                         EngineRequest("s", [5, 6], SamplingParams(stop_token_ids=(-1,)))])
+    assert all(v[-1].finish_reason is FinishReason.ERROR for v in outs.values())
