@@ -31,6 +31,7 @@ from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.stats import EngineStats
 
 log = logging.getLogger("server.engine")
+LOG_INTERVAL_S = 10.0          # period of the "SpecDecoding metrics" / throughput log line
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,6 +85,7 @@ class LLMEngine:
         self._stats = EngineStats(kv_blocks_total=num_blocks, block_size=cfg.block_size,
                                   num_speculative_tokens=k, accepted_per_position=[0] * k)
         self._rng = random.Random()
+        self._last_log = (time.monotonic(), 0, 0, 0, 0)   # time, steps, drafts, draft tokens, accepted
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -235,6 +237,22 @@ class LLMEngine:
                 st.num_accepted_tokens += r.num_accepted
                 for i in range(r.num_accepted):
                     st.accepted_per_position[i] += 1
+        now = time.monotonic()
+        if now - self._last_log[0] >= LOG_INTERVAL_S:
+            self._log_metrics(now)
+
+    def _log_metrics(self, now: float) -> None:
+        st = self._stats
+        t0, steps0, drafts0, dtok0, acc0 = self._last_log
+        self._last_log = (now, st.num_steps, st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+        drafts, dtok, acc = st.num_drafts - drafts0, st.num_draft_tokens - dtok0, st.num_accepted_tokens - acc0
+        msg = (f"engine: {st.num_steps - steps0} steps in {now - t0:.1f} s, running "
+               f"{len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}, "
+               f"KV usage {self.blocks.usage():.1%}")
+        if dtok:
+            msg += (f"; SpecDecoding: mean acceptance length {1 + acc / drafts:.2f}, "
+                    f"acceptance rate {acc / dtok:.1%} ({acc}/{dtok} draft tokens)")
+        log.info(msg)
 
     def stats(self) -> EngineStats:
         st = self._stats
