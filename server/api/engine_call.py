@@ -47,6 +47,7 @@ class EngineCall:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pump: asyncio.Task | None = None
         self._spec = (0, 0, 0)
+        self._reported = False
 
     async def _run_pump(self) -> None:
         try:
@@ -56,6 +57,24 @@ class EngineCall:
             self._queue.put_nowait(exc)
         finally:
             self._queue.put_nowait(_END)
+
+    def close(self) -> None:
+        """Abort unless finished.  Callers call this in ``finally``: leaving an ``async for``
+        early does not close the inner generator, whose own ``finally`` would then run only
+        when it is garbage-collected."""
+        self.abort("stream closed early")
+        self._report(self.finished and self.last is not None and self.last.finish_reason
+                     not in (FinishReason.ERROR, FinishReason.ABORT))
+
+    def _report(self, ok: bool) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        req = self.request
+        c = self.last.counters if self.last else None
+        self.metrics.on_finished(ok, c.prompt_tokens if c else len(req.prompt_token_ids),
+                                 self.num_tokens, time.monotonic() - req.arrival_time,
+                                 c.num_preemptions if c else 0)
 
     def abort(self, why: str) -> None:
         if not self._aborted and not self.finished:
@@ -115,10 +134,7 @@ class EngineCall:
         finally:
             if not self.finished:
                 self.abort("stream closed early")
-            c = self.last.counters if self.last else None
-            self.metrics.on_finished(ok, c.prompt_tokens if c else len(req.prompt_token_ids),
-                                     self.num_tokens, time.monotonic() - start,
-                                     c.num_preemptions if c else 0)
+            self._report(ok)
 
     def _observe(self, out: EngineOutput, now: float, prev: float, start: float) -> None:
         n = len(out.token_ids)
@@ -145,3 +161,16 @@ def engine_failure(out: EngineOutput | None) -> APIError | None:
     if out.finish_reason == FinishReason.ABORT:
         return APIError(503, f"request aborted by the server: {out.error or 'shutting down'}")
     return None
+
+
+async def close_stream(body: Any, calls: list, release: Callable[[], None]) -> None:
+    """After an SSE response, even one cut by a disconnect: close the body generator (it may
+    be suspended at a ``yield`` that will never resume), abort unfinished requests, free the
+    admission slot."""
+    try:
+        await body.aclose()
+    finally:
+        for call in calls:
+            if call is not None:
+                call.close()
+        release()

@@ -10,7 +10,8 @@ from starlette.responses import Response, StreamingResponse
 
 from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_format,
                                      parse_full_text)
-from server.api.engine_call import ClientDisconnected, EngineCall, engine_failure
+from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
+                                     engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.protocol import ChatCompletionRequest, ignored_fields, parse_request
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
@@ -191,13 +192,15 @@ async def create_chat_completion(state: ServerState, raw: Any,
                       token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
                       is_disconnected=None if req.stream else is_disconnected)
     if req.stream:
-        return StreamingResponse(_stream(plan, call, release), media_type="text/event-stream",
-                                 headers=SSE_HEADERS, background=BackgroundTask(release))
+        body = _stream(plan, call, release)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(close_stream, body, [call], release))
     try:
         return json_response(await _complete(plan, call))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
+        call.close()
         release()
 
 
@@ -287,5 +290,6 @@ async def _stream(plan: ChatPlan, call: EngineCall, release: Callable[[], None]
     except Exception as exc:  # a bug must still end the stream in the documented shape
         yield event(openai_body(500, f"internal error: {type(exc).__name__}: {exc}"))
     finally:
+        call.close()
         release()
     yield DONE

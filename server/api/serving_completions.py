@@ -8,7 +8,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from server.api.engine_call import ClientDisconnected, EngineCall, engine_failure
+from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
+                                     engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.protocol import CompletionRequest, ignored_fields, parse_request
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
@@ -94,8 +95,9 @@ async def create_completion(state: ServerState, raw: Any,
             token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
             is_disconnected=None if req.stream else is_disconnected))
     if req.stream:
-        return StreamingResponse(_stream(plan, calls, release), media_type="text/event-stream",
-                                 headers=SSE_HEADERS, background=BackgroundTask(release))
+        body = _stream(plan, calls, release)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(close_stream, body, calls, release))
     tasks = [asyncio.ensure_future(_one(plan, i, c)) for i, c in enumerate(calls)]
     try:
         results = await asyncio.gather(*tasks)
@@ -104,6 +106,9 @@ async def create_completion(state: ServerState, raw: Any,
     finally:
         for t in tasks:           # one prompt failed: stop the others (aborts their requests)
             t.cancel()
+        for c in calls:
+            if c is not None:
+                c.close()
         release()
     choices = [r[0] for r in results]
     prompt_tokens = sum(len(p) for p in plan.prompts)
@@ -201,5 +206,8 @@ async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
     finally:
         for t in tasks:
             t.cancel()
+        for c in calls:
+            if c is not None:
+                c.close()
         release()
     yield DONE

@@ -347,3 +347,27 @@ def test_v31_tool_format_from_config(tokenizer):
             "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
     call = run(go()).json()["choices"][0]["message"]["tool_calls"][0]
     assert call["function"] == {"name": "get_time", "arguments": '{"city": "Oslo"}'}
+
+
+def test_close_stream_aborts_a_body_suspended_at_yield(tokenizer):
+    # A disconnect can cancel the response while the body generator sits at a yield; the
+    # generator's finally would then wait for garbage collection.  close_stream must abort.
+    from server.api.engine_call import EngineCall, close_stream
+    from server.engine.protocol import EngineRequest, SamplingParams
+
+    async def go():
+        engine = FakeEngine(tokenizer, "one two three four five six seven", tokens_per_step=1)
+        call = EngineCall(engine, EngineRequest("r1", [5, 6], SamplingParams(max_tokens=50)),
+                          ServingMetrics(MODEL, 1), token_timeout_s=5, e2e_timeout_s=5)
+        released = []
+
+        async def body():
+            async for out in call:
+                yield out.text
+
+        gen = body()
+        await gen.__anext__()                    # suspended at the yield now
+        await close_stream(gen, [call], lambda: released.append(True))
+        return engine, released
+    engine, released = run(go())
+    assert engine.aborted == {"r1"} and released == [True]
