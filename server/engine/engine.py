@@ -230,10 +230,12 @@ class LLMEngine:
         st.last_step_batch_size = len(batch)
         st.num_prompt_tokens += sum(s.num_new_tokens for s in batch.seqs if s.is_prefill)
         st.num_generation_tokens += sum(len(r.new_token_ids) for r in results)
-        for s, r in zip(batch.seqs, results):
-            if s.num_drafts:
+        drafts_of = {id(s.seq): s.num_drafts for s in batch.seqs}
+        for r in results:
+            n = drafts_of[id(r.seq)]
+            if n:
                 st.num_drafts += 1
-                st.num_draft_tokens += s.num_drafts
+                st.num_draft_tokens += n
                 st.num_accepted_tokens += r.num_accepted
                 for i in range(r.num_accepted):
                     st.accepted_per_position[i] += 1
