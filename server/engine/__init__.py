@@ -26,6 +26,7 @@ Module map (one concept each):
     mtp.py            drafting with the MTP layer; SpecPolicy (k per step)
     runner.py         batch -> tensors -> model -> verify -> drafts; the step's host sync
     output.py         detokenization, stop strings, EngineOutput
-    engine.py         LLMEngine.step() and the AsyncEngine thread front
+    core.py           LLMEngine: step() = schedule, execute, update, emit
+    engine.py         AsyncEngine: the engine thread and the async front
     stats.py          EngineStats counters for /metrics
 """
