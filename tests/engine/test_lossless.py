@@ -83,3 +83,17 @@ def test_greedy_with_penalties_counts_accepted_drafts_as_context():
         eng = make_engine(model, k)
         assert run_tokens(eng, requests(ps, sp)) == ref
         assert eng.stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("variant", [{"yarn": True}, {"q_lora_rank": None}, {"fp8": True}])
+def test_mtp_greedy_identical_on_checkpoint_variants(variant, tmp_path):
+    """YaRN RoPE with long prompts (positions past the original context), no q-LoRA, FP8."""
+    from server.model.loader import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=1, **variant))
+    model.eval()
+    ps = prompts(6, seed=2, lo=20, hi=300)
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    ref = run_tokens(make_engine(model, 0), requests(ps, sp))
+    for k in (1, 2):
+        assert run_tokens(make_engine(model, k), requests(ps, sp)) == ref
