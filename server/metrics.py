@@ -19,7 +19,8 @@ import time
 from collections import deque
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0)
@@ -198,4 +199,7 @@ class NullMetrics:
 
 
 def make_metrics(model_name: str, num_speculative_tokens: int, enabled: bool):
+    # MindIE exposes no ``*_created`` series; prometheus_client's switch for them is
+    # process-wide, so the daemon (the only caller) flips it here.
+    disable_created_metrics()
     return ServingMetrics(model_name, num_speculative_tokens) if enabled else NullMetrics()
