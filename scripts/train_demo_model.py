@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from demo_model import corpus, evaluate, export, render, spec, train  # noqa: E402
 from demo_model.card import write_card  # noqa: E402
+from server.text import special_tokens as st  # noqa: E402
 
 DEFAULT_OUT = ROOT / "models" / "deepseek-v3-tiny-mtp"
 
@@ -56,11 +57,16 @@ def main() -> int:
     ap.add_argument("--eval-n", type=int, default=30, help="prompts per evaluation set")
     ap.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     ap.add_argument("--num-chats", type=int, default=None, help="override the number of synthetic chats")
+    ap.add_argument("--sft-steps", type=int, default=None, help="override the number of stage-2 steps")
+    ap.add_argument("--stage2-from", type=Path, default=None,
+                    help="skip stage 1: take tokenizer and weights from this earlier output folder")
     args = ap.parse_args()
 
     s = spec.TrainSettings()
     if args.steps is not None:
         s = dataclasses.replace(s, steps=args.steps)
+    if args.sft_steps is not None:
+        s = dataclasses.replace(s, sft_steps=args.sft_steps)
     if args.num_chats is not None:
         s = dataclasses.replace(s, num_chats=args.num_chats)
     setup(s.threads, s.seed)
@@ -73,12 +79,18 @@ def main() -> int:
     t_start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     chats, prose = train.build_texts(s)
-    tok = render.train_tokenizer(chats + prose, s.vocab_size)
+    if args.stage2_from:                      # reuse the tokenizer and weights of a stage-1 run
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(args.stage2_from / "tokenizer.json"))
+    else:
+        tok = render.train_tokenizer(chats + prose, s.vocab_size)
     render.write_tokenizer_files(tok, out, model_max_length=1024)
-    bos, eos, pad = (tok.token_to_id(t) for t in (spec.SPECIALS["bos"], spec.SPECIALS["eos"], spec.SPECIALS["pad"]))
+    ids = {k: tok.token_to_id(v) for k, v in spec.SPECIALS.items()}
+    bos, eos, pad = ids["bos"], ids["eos"], ids["pad"]
     docs = [e.ids for e in tok.encode_batch(chats + prose)]
     prose_tokens = sum(len(d) for d in docs[len(chats):])
-    rows = train.pack_rows(docs, s.seq_len, pad, seed=s.seed)
+    rows, keep = train.pack_rows(docs, s.seq_len, pad, seed=s.seed)
     print(f"corpus: {len(chats)} chats, {len(prose)} prose docs ({prose_tokens} tokens), {len(rows)} rows "
           f"of {s.seq_len}; vocab {tok.get_vocab_size()} ({time.time() - t_start:.0f}s)")
 
@@ -88,21 +100,49 @@ def main() -> int:
     cfg = DeepseekConfig.from_hf(hf_cfg)
     model = train.init_model(cfg, s.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f} M parameters; training {s.steps} steps of {s.batch_size}x{s.seq_len}")
-    t_train = time.time()
-    history = train.train(model, rows, s, pad)
-    train_seconds = time.time() - t_train
+    if args.stage2_from:
+        from safetensors.torch import load_file
+
+        state = load_file(str(args.stage2_from / "model.safetensors"))
+        state.pop(f"model.layers.{cfg.num_hidden_layers}.embed_tokens.weight")
+        model.load_state_dict(state, strict=True)
+        log1 = json.loads((args.stage2_from / "training_log.json").read_text())
+        history1, seconds1 = log1["history"], float(log1["train_seconds"])
+        print(f"stage 1 weights from {args.stage2_from} ({seconds1:.0f}s of training there)")
+    else:
+        print(f"model: {n_params / 1e6:.2f} M parameters; stage 1: {s.steps} steps of {s.batch_size}x{s.seq_len}")
+        t1 = time.time()
+        history1 = train.train(model, rows, keep, dataclasses.replace(s, stage="pretrain"))
+        seconds1 = time.time() - t1
+
+    # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
+    tok_id = tok.token_to_id
+    masks = [train.assistant_mask(d, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
+                                  tok_id("\u010a"), eos) for d in docs[:len(chats)]]
+    masks += [[True] * len(d) for d in docs[len(chats):]]
+    rows2, keep2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
+    s2 = dataclasses.replace(s, steps=s.sft_steps, lr=s.sft_lr, warmup_steps=s.sft_warmup_steps,
+                             seed=s.seed + 2, stage="sft")
+    print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
+    t2 = time.time()
+    history2 = train.train(model, rows2, keep2, s2)
+    seconds2 = time.time() - t2
+    train_seconds = seconds1 + seconds2
+    history = [dict(h, stage="pretrain") for h in history1] + [dict(h, stage="sft") for h in history2]
     export.write_model(model, out, hf_cfg, spec.generation_config(bos, eos))
-    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); training {train_seconds:.0f}s")
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); "
+          f"training {seconds1:.0f}s + {seconds2:.0f}s")
 
     res = run_eval(out, s, args.eval_n)
     info = {"parameters": n_params, "history": history, "train_seconds": train_seconds,
+            "stage_seconds": [seconds1, seconds2], "sft_targets": int(keep2.sum()),
             "total_seconds": time.time() - t_start, "prose_tokens": prose_tokens, "rows": len(rows),
-            "train_tokens": s.steps * s.batch_size * s.seq_len}
+            "train_tokens": (s.steps + s.sft_steps) * s.batch_size * s.seq_len}
     write_card(out, s, hf_cfg, res, info)
     (out / "training_log.json").write_text(json.dumps(
         {"settings": s.as_dict(), "history": history, "eval": res.figures, "counts": res.counts,
-         "train_seconds": round(train_seconds), "total_seconds": round(info["total_seconds"])}, indent=1) + "\n")
+         "train_seconds": round(train_seconds), "stage_seconds": [round(seconds1), round(seconds2)],
+         "total_seconds": round(info["total_seconds"])}, indent=1) + "\n")
     ok = all(res.figures[k] >= v for k, v in evaluate.TARGETS.items())
     print("targets met" if ok else "targets NOT met")
     return 0 if ok else 1

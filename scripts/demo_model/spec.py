@@ -25,6 +25,11 @@ class TrainSettings:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     mtp_weight: float = 0.3
+    # Stage 2 (SFT): loss only on what the assistant writes (plus prose), from the stage-1 weights.
+    sft_steps: int = 600
+    sft_lr: float = 1.5e-3
+    sft_warmup_steps: int = 20
+    stage: str = ""
     threads: int = 1                  # one thread: a second one stalls at barriers when the 2 cores are shared
 
     def as_dict(self) -> dict[str, Any]:

@@ -38,34 +38,70 @@ def build_texts(s: TrainSettings) -> tuple[list[str], list[str]]:
     return chats, prose
 
 
-def pack_rows(docs: list[list[int]], seq_len: int, pad_id: int, seed: int) -> torch.Tensor:
+def assistant_mask(ids: list[int], assistant: int, outputs_end: int, think: int, newline: int,
+                   eos: int) -> list[bool]:
+    """True for tokens the assistant writes (trained in the SFT stage), False for the context.
+
+    A turn starts after ``<｜Assistant｜>`` (or after ``<｜tool▁outputs▁end｜>``, where DeepSeek
+    answers without a marker) and runs to its ``<｜end▁of▁sentence｜>`` inclusive. A ``<think>``
+    plus newline right after the marker belongs to the prompt (the template adds it).
+    """
+    mask = [False] * len(ids)
+    on = after_marker = after_think = False
+    for i, t in enumerate(ids):
+        if not on:
+            if t in (assistant, outputs_end):
+                on, after_marker = True, True
+            continue
+        if after_marker:
+            after_marker = False
+            if t == think:
+                after_think = True
+                continue
+        if after_think:
+            after_think = False
+            if t == newline:
+                continue
+        mask[i] = True
+        if t == eos:
+            on = False
+    return mask
+
+
+def pack_rows(docs: list[list[int]], seq_len: int, pad_id: int, seed: int,
+              masks: list[list[bool]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack token documents into rows of ``seq_len + 1`` tokens (inputs plus one shifted target).
 
     Documents longer than a row are cut into row-sized pieces. Rows are filled first-fit in a
-    seeded random order; the tail of a row is ``pad_id`` (its targets are ignored).
+    seeded random order; the tail of a row is ``pad_id``. Returns (rows, trainable) where
+    ``trainable`` marks tokens that count as targets (all real tokens when ``masks`` is None).
     """
     width = seq_len + 1
-    pieces: list[list[int]] = []
-    for d in docs:
+    pieces: list[tuple[list[int], list[bool]]] = []
+    for k, d in enumerate(docs):
+        m = masks[k] if masks is not None else [True] * len(d)
         for i in range(0, len(d), width):
-            pieces.append(d[i:i + width])
+            pieces.append((d[i:i + width], m[i:i + width]))
     random.Random(seed).shuffle(pieces)
-    rows: list[list[int]] = []
-    open_rows: list[list[int]] = []               # rows with room left (small list, first-fit)
-    for p in pieces:
+    rows: list[tuple[list[int], list[bool]]] = []
+    open_rows: list[tuple[list[int], list[bool]]] = []   # rows with room left (first-fit)
+    for p, m in pieces:
         for r in open_rows:
-            if len(r) + len(p) <= width:
-                r.extend(p)
+            if len(r[0]) + len(p) <= width:
+                r[0].extend(p)
+                r[1].extend(m)
                 break
         else:
-            r = list(p)
+            r = (list(p), list(m))
             rows.append(r)
             open_rows.append(r)
-        open_rows = [r for r in open_rows if width - len(r) >= 24][-16:]
+        open_rows = [r for r in open_rows if width - len(r[0]) >= 24][-16:]
     out = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
+    keep = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (r, m) in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r)
-    return out
+        keep[i, :len(m)] = torch.tensor(m)
+    return out, keep
 
 
 # --------------------------------------------------------------------------------------
@@ -97,11 +133,11 @@ def init_model(cfg: DeepseekConfig, seed: int) -> DeepseekV3ForCausalLM:
     return model
 
 
-def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(main CE, MTP CE) on a batch of packed rows [B, L+1]."""
+def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main CE, MTP CE) on a batch of packed rows [B, L+1]; only ``keep`` tokens are targets."""
     x = rows[:, :-1]
     y1 = rows[:, 1:].clone()
-    y1[y1 == pad_id] = IGNORE
+    y1[~keep[:, 1:]] = IGNORE
     hidden = model.forward_full(x)
     logits = model.compute_logits(hidden)
     main = F.cross_entropy(logits.flatten(0, 1), y1.flatten(), ignore_index=IGNORE)
@@ -121,7 +157,7 @@ def lr_at(step: int, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, s: TrainSettings, pad_id: int,
+def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, s: TrainSettings,
           log: Callable[[str], None] = print) -> list[dict]:
     """AdamW + warmup/cosine; returns the loss history (every 20 steps)."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "gate.weight" not in n]
@@ -133,17 +169,19 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, s: TrainSettings, pa
     cursor = 0
     history: list[dict] = []
     t0 = time.time()
+    tag = f"[{s.stage}] " if s.stage else ""
     acc_main = acc_mtp = 0.0
     model.train()
     for step in range(s.steps):
         if cursor + s.batch_size > len(order):
             order = torch.randperm(len(rows), generator=g)
             cursor = 0
-        batch = rows[order[cursor:cursor + s.batch_size]]
+        idx = order[cursor:cursor + s.batch_size]
+        batch, batch_keep = rows[idx], keep[idx]
         cursor += s.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        main, mtp = losses(model, batch, pad_id)
+        main, mtp = losses(model, batch, batch_keep)
         loss = main + s.mtp_weight * mtp
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -157,7 +195,7 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, s: TrainSettings, pa
                    "elapsed_s": time.time() - t0}
             history.append(rec)
             eta = (time.time() - t0) / (step + 1) * (s.steps - step - 1)
-            log(f"step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} "
+            log(f"{tag}step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} "
                 f"lr {rec['lr']:.2e} {rec['elapsed_s']:.0f}s eta {eta:.0f}s")
             acc_main = acc_mtp = 0.0
     model.eval()
