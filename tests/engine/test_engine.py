@@ -412,3 +412,14 @@ def test_out_of_vocabulary_sampling_ids_are_refused():
     outs = eng.generate([EngineRequest("b", [5, 6], SamplingParams(logit_bias={9999: 1.0})),
                          EngineRequest("s", [5, 6], SamplingParams(stop_token_ids=(-1,)))])
     assert all(v[-1].finish_reason is FinishReason.ERROR for v in outs.values())
+
+
+def test_select_batch_and_small_prefill_budgets_do_not_change_outputs():
+    model = high_acceptance_model()
+    ps = prompts(12, seed=16)
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    ref = run_tokens(make_engine(model, 0), requests(ps, sp))
+    eng = make_engine(model, 1, support_select_batch=True, max_prefill_tokens=40,
+                      max_prefill_batch_size=2, prefill_time_ms_per_req=20, decode_time_ms_per_req=5)
+    assert run_staggered(eng, requests(ps, sp), every=1) == ref
+    assert eng.stats().num_steps > 24
