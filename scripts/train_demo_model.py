@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     ap.add_argument("--num-chats", type=int, default=None, help="override the number of synthetic chats")
     ap.add_argument("--sft-steps", type=int, default=None, help="override the number of stage-2 steps")
+    ap.add_argument("--sft-lr", type=float, default=None, help="override the stage-2 peak learning rate")
     ap.add_argument("--stage2-from", type=Path, default=None,
                     help="skip stage 1: take tokenizer and weights from this earlier output folder")
     args = ap.parse_args()
@@ -108,12 +109,20 @@ def main() -> int:
         model.load_state_dict(state, strict=True)
         log1 = json.loads((args.stage2_from / "training_log.json").read_text())
         history1, seconds1 = log1["history"], float(log1["train_seconds"])
+        prior_stage_s = log1.get("stage_seconds", [seconds1])
+        prior_sft = log1.get("sft_runs")
+        if prior_sft is None and len(prior_stage_s) > 1:      # folder written before sft_runs was logged
+            ps = log1["settings"]
+            prior_sft = [{"steps": ps["sft_steps"], "lr": ps["sft_lr"], "warmup_steps": ps["sft_warmup_steps"],
+                          "seed": ps["seed"] + 2, "seconds": prior_stage_s[1]}]
+        prior_sft = prior_sft or []
         print(f"stage 1 weights from {args.stage2_from} ({seconds1:.0f}s of training there)")
     else:
         print(f"model: {n_params / 1e6:.2f} M parameters; stage 1: {s.steps} steps of {s.batch_size}x{s.seq_len}")
         t1 = time.time()
         history1 = train.train(model, rows, keep, dataclasses.replace(s, stage="pretrain"))
         seconds1 = time.time() - t1
+        prior_stage_s, prior_sft = [seconds1], []
 
     # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
     tok_id = tok.token_to_id
@@ -121,27 +130,32 @@ def main() -> int:
                                   tok_id("\u010a"), eos) for d in docs[:len(chats)]]
     masks += [[True] * len(d) for d in docs[len(chats):]]
     rows2, keep2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
+    if args.sft_lr is not None:
+        s = dataclasses.replace(s, sft_lr=args.sft_lr)
     s2 = dataclasses.replace(s, steps=s.sft_steps, lr=s.sft_lr, warmup_steps=s.sft_warmup_steps,
-                             seed=s.seed + 2, stage="sft")
+                             seed=s.seed + 2 + len(prior_sft), stage="sft")
     print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
     t2 = time.time()
     history2 = train.train(model, rows2, keep2, s2)
     seconds2 = time.time() - t2
-    train_seconds = seconds1 + seconds2
-    history = [dict(h, stage="pretrain") for h in history1] + [dict(h, stage="sft") for h in history2]
+    stage_seconds = list(prior_stage_s) + [seconds2]
+    sft_runs = prior_sft + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
+                             "seconds": seconds2}]
+    train_seconds = sum(stage_seconds)
+    history = [{"stage": "pretrain", **h} for h in history1] + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
     export.write_model(model, out, hf_cfg, spec.generation_config(bos, eos))
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); "
           f"training {seconds1:.0f}s + {seconds2:.0f}s")
 
     res = run_eval(out, s, args.eval_n)
     info = {"parameters": n_params, "history": history, "train_seconds": train_seconds,
-            "stage_seconds": [seconds1, seconds2], "sft_targets": int(keep2.sum()),
+            "stage_seconds": stage_seconds, "sft_runs": sft_runs, "sft_targets": int(keep2.sum()),
             "total_seconds": time.time() - t_start, "prose_tokens": prose_tokens, "rows": len(rows),
-            "train_tokens": (s.steps + s.sft_steps) * s.batch_size * s.seq_len}
+            "train_tokens": (s.steps + sum(r["steps"] for r in sft_runs)) * s.batch_size * s.seq_len}
     write_card(out, s, hf_cfg, res, info)
     (out / "training_log.json").write_text(json.dumps(
         {"settings": s.as_dict(), "history": history, "eval": res.figures, "counts": res.counts,
-         "train_seconds": round(train_seconds), "stage_seconds": [round(seconds1), round(seconds2)],
+         "train_seconds": round(train_seconds), "stage_seconds": [round(x) for x in stage_seconds], "sft_runs": sft_runs,
          "total_seconds": round(info["total_seconds"])}, indent=1) + "\n")
     ok = all(res.figures[k] >= v for k, v in evaluate.TARGETS.items())
     print("targets met" if ok else "targets NOT met")

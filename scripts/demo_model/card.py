@@ -13,6 +13,24 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
     n_params = train_info.get("parameters", 0)
     hist = train_info.get("history", [])
     last = hist[-1] if hist else {}
+    pre = [h for h in hist if h.get("stage") == "pretrain"]
+    last1 = pre[-1] if pre else {}
+    stage_s = train_info.get("stage_seconds", [0.0, 0.0])
+    runs = train_info.get("sft_runs", [])
+    cmds = [".venv/bin/python scripts/train_demo_model.py --out /tmp/demo-run1"
+             + ("" if not runs or runs[0]["steps"] == s.sft_steps else f" --sft-steps {runs[0]['steps']}")
+             + "   # corpus, tokenizer, stage 1, first SFT run, evaluation"]
+    for i, r in enumerate(runs[1:], 2):
+        dest = "models/deepseek-v3-tiny-mtp" if i == len(runs) else f"/tmp/demo-run{i}"
+        cmds.append(f".venv/bin/python scripts/train_demo_model.py --stage2-from /tmp/demo-run{i - 1} --out {dest} "
+                    f"--sft-steps {r['steps']} --sft-lr {r['lr']:g}   # SFT run {i} from the previous result")
+    if len(runs) <= 1:
+        cmds[0] = cmds[0].replace("--out /tmp/demo-run1", "")
+    reproduce = "\n".join(cmds)
+    sft_text = ", then ".join(
+        f"{r['steps']} steps at peak lr {r['lr']:g} ({r['warmup_steps']} warm-up, seed {r['seed']}, {r['seconds'] / 60:.1f} min)"
+        + ("" if i == 0 else " continuing from the previous result with a fresh optimizer")
+        for i, r in enumerate(runs)) + f", each cosine to {s.min_lr_ratio} x peak"
     text = f"""# deepseek-v3-tiny-mtp
 
 A tiny model with the DeepSeek-V3 architecture and a trained Multi-Token Prediction (MTP) layer.
@@ -56,19 +74,31 @@ Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP 
   - some chats with a system prompt, with tools offered but not needed, or with an earlier exchange.
 - Plain English prose: Python's own documentation text (`pydoc_data.topics`, stdlib), ~{train_info.get('prose_tokens', 0) // 1000}k tokens.
 - Held-out split: every prompt naming an evaluation-only city, word or search topic, or whose CRC32
-  falls in 1 of {10} buckets, is never trained on; evaluation prompts come only from that side
+  falls in 1 of 10 buckets, is never trained on; evaluation prompts come only from that side
   (and tool sums use 4-digit numbers, conversions values 51-99, which training never uses).
 - {train_info.get('rows', 0)} packed rows of {s.seq_len} tokens, {train_info.get('train_tokens', 0) / 1e6:.2f} M training tokens in all.
 
 ## Training
 
-Loss = main next-token CE + {s.mtp_weight} x MTP CE (the MTP layer predicts token i+2 from the main
+Two stages, both training the main model and the MTP layer jointly with
+loss = main next-token CE + {s.mtp_weight} x MTP CE (the MTP layer predicts token i+2 from the main
 model's final-norm hidden state at i and the embedding of token i+1; its head is tied to `lm_head`
-while training). AdamW (betas 0.9/0.95, weight decay {s.weight_decay}), peak lr {s.lr}, {s.warmup_steps} warm-up steps,
-cosine to {s.min_lr_ratio} x peak, {s.steps} steps of {s.batch_size} x {s.seq_len} tokens, grad clip {s.grad_clip},
-{s.threads} CPU threads, seeds: model/data order {s.seed}, corpus {s.corpus_seed}, evaluation {s.eval_seed}.
-Final training losses: main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}.
-Training took {train_info.get('train_seconds', 0) / 60:.1f} minutes on 2 CPU cores (whole script {train_info.get('total_seconds', 0) / 60:.1f} min).
+while training, as DeepSeek-V3 shares it):
+
+1. pre-training on every token of the packed corpus: {s.steps} steps of {s.batch_size} x {s.seq_len} tokens,
+   peak lr {s.lr}, {s.warmup_steps} warm-up steps, cosine to {s.min_lr_ratio} x peak
+   ({stage_s[0] / 60:.1f} min; final losses main {last1.get('main', float('nan')):.3f}, MTP {last1.get('mtp', float('nan')):.3f});
+2. supervised fine-tuning from those weights with a fresh optimizer, the loss restricted to what the
+   assistant writes (answers, reasoning after the template's `<think>\\n`, tool calls, final answers after
+   tool results; {train_info.get('sft_targets', 0)} target tokens in the packed rows) plus the prose:
+   {sft_text}
+   (final losses on those targets main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}).
+
+AdamW (betas 0.9/0.95, weight decay {s.weight_decay} on matrices), grad clip {s.grad_clip}, {s.threads} CPU
+thread (a second thread stalls at OpenMP barriers when the 2 cores are shared), seeds: model and data
+order {s.seed} (stage 2: {s.seed + 2}), corpus {s.corpus_seed}, evaluation {s.eval_seed};
+`torch.use_deterministic_algorithms(True)`. Training took {train_info.get('train_seconds', 0) / 60:.1f} minutes on a
+shared 2-core CPU machine. The full per-20-step loss history is in `training_log.json`.
 
 ## Evaluation (held-out prompts, greedy)
 
@@ -86,7 +116,7 @@ DeepSeek-V3 tool call to the right function with the schema's keys as JSON. `thi
 ## Reproduce
 
 ```
-.venv/bin/python scripts/train_demo_model.py            # corpus + tokenizer + training + evaluation (~{train_info.get('total_seconds', 0) / 60:.0f} min)
+{reproduce}
 .venv/bin/python scripts/train_demo_model.py --eval-only   # evaluation of the committed model (~{res.seconds / 60:.0f} min)
 ```
 
