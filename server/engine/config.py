@@ -29,6 +29,7 @@ class EngineConfig:
     num_blocks: int | None = None           # explicit pool size (tests); overrides mem_size_gb
     # plugins
     num_speculative_tokens: int = 0         # k; 0 = MTP off
+    adaptive_speculation: bool = True       # pick k in 0..num_speculative_tokens per step (mtp.AdaptiveK)
     enable_prefix_cache: bool = False
     kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (refused for now)
     # execution

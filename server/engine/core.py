@@ -15,7 +15,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from server.engine.mtp import FixedK, SpecPolicy
+from server.engine.mtp import AdaptiveK, FixedK, SpecPolicy
 from server.engine.output import RequestOutput, final_output
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runner import ModelRunner, RunnerOutput
@@ -69,15 +69,19 @@ class LLMEngine:
                                    enable_prefix_cache=cfg.enable_prefix_cache,
                                    hash_next_token=k > 0)
         self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k, clock=clock)
-        self.policy = policy or FixedK(k)
+        if policy is None:
+            policy = AdaptiveK(k) if k and cfg.adaptive_speculation else FixedK(k)
+        self.policy = policy
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.policy, device)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._pending: list[EngineOutput] = []          # outputs produced outside step()
         self._stats = EngineStats(kv_blocks_total=num_blocks, block_size=cfg.block_size,
-                                  num_speculative_tokens=k, accepted_per_position=[0] * k)
+                                  num_speculative_tokens=k, accepted_per_position=[0] * k,
+                                  steps_per_k=[0] * (k + 1), spec_current_k=k)
         self._rng = random.Random()
         self._last_log = (time.monotonic(), 0, 0, 0, 0)   # time, steps, drafts, draft tokens, accepted
+        self._last_steps_per_k = [0] * (k + 1)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -192,7 +196,7 @@ class LLMEngine:
                     seq.finish_reason = None
                     self.scheduler.running.append(seq)
                 outputs.append(self._fail(seq, f"output processing failed: {exc!r}"))
-        self._observe(batch, results, time.perf_counter() - t0)
+        self._observe(batch, results, result.num_drafts_next, time.perf_counter() - t0)
         return outputs
 
     def _isolate(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, RunnerOutput, list[EngineOutput]]:
@@ -213,8 +217,16 @@ class LLMEngine:
             merged.logprobs += one.logprobs
         return ok, merged, failed
 
-    def _observe(self, batch, results, dt: float) -> None:
+    def _observe(self, batch, results, num_drafts_next: list[int], dt: float) -> None:
         st = self._stats
+        k = num_drafts_next[0] if num_drafts_next else 0
+        if self.num_spec_tokens:
+            st.spec_current_k = k
+            st.steps_per_k[min(k, self.num_spec_tokens)] += 1
+            # A clean cost sample for the policy: decode only, every sequence verified the
+            # same k it now drafted (the first step after a switch mixes two k's).
+            if all(not s.is_prefill and s.num_new_tokens == 1 and s.num_drafts == k for s in batch.seqs):
+                self.policy.observe_step(len(batch), k, dt)
         st.num_steps += 1
         st.step_time_total_s += dt
         st.last_step_time_s = dt
@@ -246,6 +258,12 @@ class LLMEngine:
         if dtok:
             msg += (f"; SpecDecoding: mean acceptance length {1 + acc / drafts:.2f}, "
                     f"acceptance rate {acc / dtok:.1%} ({acc}/{dtok} draft tokens)")
+        if self.num_spec_tokens:
+            per_k = st.steps_per_k
+            prev = self._last_steps_per_k
+            self._last_steps_per_k = list(per_k)
+            msg += (f"; k now {st.spec_current_k} (steps per k since last: "
+                    + ", ".join(f"{j}:{per_k[j] - prev[j]}" for j in range(len(per_k))) + ")")
         log.info(msg)
 
     def stats(self) -> EngineStats:

@@ -98,7 +98,7 @@ class ModelRunner:
         self.policy = policy
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
-        self.mtp_enabled = bool(model.has_mtp) and policy.num_draft_tokens(1) > 0
+        self.mtp_enabled = bool(model.has_mtp) and policy.max_draft_tokens > 0
         # request id -> (draft ids [k], q [k, V] or None), held between steps on the device.
         self._drafts: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -134,10 +134,21 @@ class ModelRunner:
                                   [s.sampling.top_logprobs for s in seqs])
 
         # ---- drafts for the next step (stay on the device) -----------------------------
-        k = self.policy.num_draft_tokens(len(seqs)) if self.mtp_enabled else 0
-        if k:
-            self._draft(seqs, starts, n_new, sampled, w.cu, hidden, k)
+        # The policy may pick any k in 0..max per step; a sequence holding more or fewer
+        # drafts than the new k was verified on what it held above, and now gets k.
+        # A seeded sampled request pins k to the maximum while it runs: its tokens are
+        # reproducible (alone, batched, preempted) only under a fixed draft schedule.
+        if not self.mtp_enabled:
+            k = 0
+        elif any(seq.sampling.seed is not None and not seq.sampling.greedy for seq in seqs):
+            k = self.policy.max_draft_tokens
         else:
+            k = self.policy.num_draft_tokens(len(seqs))
+        if self.mtp_enabled:
+            # k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the
+            # verified positions, which later drafts attend to once k rises again.
+            self._draft(seqs, starts, n_new, sampled, w.cu, hidden, k)
+        if not k:
             for seq in seqs:
                 self._drafts.pop(seq.request_id, None)
         return RunnerOutput(sampled, [k] * len(seqs), logprobs)
@@ -239,7 +250,7 @@ class ModelRunner:
                                   self.block_size, dev)
 
         samp = []
-        for seq, b, toks in zip(seqs, base, sampled):
+        for seq, b, toks in zip(seqs, base, sampled if k else ()):
             prompt, output = _penalty_context(seq)
             if _has_penalties(seq.sampling):
                 output = output + toks
@@ -248,6 +259,8 @@ class ModelRunner:
                                            seq.stop_ids))
         res = M.propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden, last_rows,
                         samp, self.vocab_size, chain_meta)
+        if res is None:
+            return
         for i, seq in enumerate(seqs):
             self._drafts[seq.request_id] = (res.ids[i], res.probs[i] if res.probs is not None
                                             and not seq.sampling.greedy else None)

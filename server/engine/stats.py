@@ -21,7 +21,8 @@ class EngineStats:
     kv_blocks_cached: int = 0            # blocks findable in the prefix cache (used or free)
     kv_usage: float = 0.0                # kv_blocks_used / kv_blocks_total
     block_size: int = 0
-    num_speculative_tokens: int = 0      # k in effect (0: MTP off)
+    num_speculative_tokens: int = 0      # configured k (0: MTP off); the most any step drafts
+    spec_current_k: int = 0              # drafts per sequence chosen by the last step (adaptive)
     # cumulative counters
     num_steps: int = 0                   # engine steps that ran the model
     num_requests_finished: int = 0
@@ -36,6 +37,7 @@ class EngineStats:
     num_draft_tokens: int = 0            # draft tokens proposed and verified
     num_accepted_tokens: int = 0         # draft tokens accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted at draft i
+    steps_per_k: list[int] = field(default_factory=list)  # [k+1]: steps that drafted j tokens
     step_time_total_s: float = 0.0       # wall time inside step() (schedule..emit)
     last_step_time_s: float = 0.0
     last_step_num_tokens: int = 0        # tokens fed to the main model by the last step

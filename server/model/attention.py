@@ -42,7 +42,7 @@ class AttentionPlan:
     key_valid: torch.Tensor       # [num_seqs, max_seq_len, 1] bool: key inside the sequence
     mask: torch.Tensor            # [num_seqs, 1, max_query_len, max_seq_len] bool: causal + length
     absorbed: bool
-    head_mask: torch.Tensor | None  # absorbed form: mask with heads as rows [B, 1, Lq * nH, S]
+    head_bias: torch.Tensor | None  # absorbed form: additive mask (0 / -inf), heads as rows [B, Lq * nH | 1, S]
     cos: torch.Tensor             # [num_tokens, 1, rope_dim // 2]
     sin: torch.Tensor
 
@@ -77,10 +77,13 @@ def build_plan(
     num_blocks = -(-max_s // meta.block_size)
     cos, sin = rope.cos_sin(meta.positions)
     absorbed = max_q <= absorb_max_query_len
-    head_mask = None
+    head_bias = None
     if absorbed:
-        # Row q * nH + h of the absorbed query is query q, head h: repeat each mask row nH times.
-        head_mask = mask if max_q == 1 else mask.repeat_interleave(num_heads, dim=2)
+        # Row q * nH + h of the absorbed query is query q, head h: repeat each mask row nH
+        # times (one row broadcasts over the heads when max_q == 1).  Additive, built once
+        # per step instead of SDPA converting a bool mask in every layer.
+        rows = mask[:, 0] if max_q == 1 else mask[:, 0].repeat_interleave(num_heads, dim=1)
+        head_bias = torch.zeros(rows.shape, device=device).masked_fill_(~rows, float("-inf"))
     return AttentionPlan(
         num_seqs=num_seqs,
         max_query_len=max_q,
@@ -90,7 +93,7 @@ def build_plan(
         key_valid=key_valid,
         mask=mask,
         absorbed=absorbed,
-        head_mask=head_mask,
+        head_bias=head_bias,
         cos=cos[:, None, :],
         sin=sin[:, None, :],
     )
@@ -134,6 +137,14 @@ class MLA(nn.Module):
         q_pe = self.rope.apply(q_pe, cos, sin)
         k_pe = self.rope.apply(k_pe[..., None, :], cos, sin)[..., 0, :]
         return q_nope, q_pe, latent, k_pe
+
+    def write_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
+        """Only write the cache rows of x [T, H] (what ``forward`` writes), attend nothing."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = self.rope.apply(k_pe[..., None, :], cos, sin)[..., 0, :]
+        row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1).to(cache.dtype)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, row)
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, S, kvr] -> k_nope [B, nH, S, dn], v [B, nH, S, dv]."""
@@ -188,11 +199,11 @@ class MLA(nn.Module):
         q = torch.cat([q_lat, q_pe], dim=-1)                             # [T, nH, kvr + dr]
         b, mq = plan.num_seqs, plan.max_query_len
         q = _pad(q, plan.pad_index, b * mq)                              # [B*Lq, nH, D]
-        # Heads become extra query rows: [B, 1, Lq * nH, D] against keys [B, 1, S, D].
-        q = q.view(b, 1, mq * nh, -1)
-        k = ctx[:, None]
-        v = ctx[:, None, :, :kvr]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.head_mask, scale=self.scale)  # [B, 1, Lq*nH, kvr]
+        # Heads become extra query rows: [B, Lq * nH, D] against keys [B, S, D].  Three
+        # plain kernels: on CPU this is ~2x faster than SDPA's math path at these sizes.
+        q = q.view(b, mq * nh, -1)
+        scores = torch.baddbmm(plan.head_bias.to(q.dtype), q, ctx.transpose(1, 2), alpha=self.scale)
+        o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr])                 # [B, Lq*nH, kvr]
         o = _unpad(o.view(b * mq, nh, kvr), plan.pad_index)                            # [T, nH, kvr]
         out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)       # [T, nH, dv]
         return out.flatten(1)

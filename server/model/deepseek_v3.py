@@ -132,6 +132,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = mtp.combine(self.model.embed_tokens(input_ids), prev_hidden)
         return mtp(x, plan, meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
 
+    def mtp_write_kv(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMetadata,
+                     kv_caches: list[torch.Tensor], layer: int = 0) -> None:
+        """The MTP KV that ``mtp_forward`` would write at positions[i], without running the
+        block: keeps the MTP layer's cache current on steps that draft nothing."""
+        mtp = self._mtp(layer)
+        x = mtp.combine(self.model.embed_tokens(input_ids), prev_hidden)
+        cos, sin = self.rope.cos_sin(meta.positions)
+        mtp.self_attn.write_cache(mtp.input_layernorm(x), cos[:, None, :], sin[:, None, :],
+                                  meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
+
     def mtp_compute_logits(self, h_mtp: torch.Tensor, layer: int = 0) -> torch.Tensor:
         mtp = self._mtp(layer)
         return mtp.shared_head.head(mtp.shared_head.norm(h_mtp)).float()

@@ -54,7 +54,8 @@ def test_mtp_greedy_identical_in_mixed_batches(model_name, k):
     mismatched = [rid for rid in ref if out[rid] != ref[rid]]
     assert not mismatched, mismatched
     st = eng.stats()
-    assert st.num_drafts > 0 and st.num_draft_tokens == k * st.num_drafts
+    # adaptive speculation (on by default) may draft fewer than k on some steps
+    assert st.num_drafts > 0 and st.num_drafts <= st.num_draft_tokens <= k * st.num_drafts
     if model_name == "high_acceptance":
         assert st.acceptance_rate > 0.5, st
         assert all(n > 0 for n in st.accepted_per_position)

@@ -1,0 +1,126 @@
+"""Adaptive speculation (mtp.AdaptiveK): decisions from synthetic step costs and acceptance,
+and k switching mid-generation never changes greedy outputs."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from server.engine.mtp import AdaptiveK, FixedK
+from server.engine.protocol import SamplingParams
+from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_staggered, \
+    run_tokens, tiny_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def trained(max_k: int, acceptance: list[float], cost, num_seqs: int, **kw) -> AdaptiveK:
+    """A policy that has seen ``acceptance`` per position and ``cost(k)`` seconds per step."""
+    p = AdaptiveK(max_k, probe_every=10 ** 9, alpha_acc=1.0, alpha_cost=1.0, **kw)
+    p.acceptance = list(acceptance)
+    for k in range(max_k + 1):
+        p.observe_step(num_seqs, k, cost(k))
+    return p
+
+
+def test_high_acceptance_and_flat_cost_drafts_the_most():
+    p = trained(2, [0.9, 0.85], lambda k: 0.010 + 0.001 * k, num_seqs=1)
+    assert p.num_draft_tokens(1) == 2
+
+
+def test_low_acceptance_falls_to_plain_decoding():
+    p = trained(2, [0.1, 0.1], lambda k: 0.010 + 0.003 * k, num_seqs=1)
+    assert p.num_draft_tokens(1) == 0
+
+
+def test_big_batch_where_verification_costs_scale_with_tokens_falls_to_zero():
+    # 64 sequences: the step is compute bound, cost ~ (k+1) tokens per sequence; with 70%
+    # acceptance k=1 yields 1.7 tokens for 2x the cost.
+    p = trained(2, [0.7, 0.7], lambda k: 0.050 * (k + 1), num_seqs=64)
+    assert p.num_draft_tokens(64) == 0
+    # ...while at batch 1 (cost nearly flat in k) the same acceptance pays.
+    for k in range(3):
+        p.observe_step(1, k, 0.010 + 0.001 * k)
+    assert p.num_draft_tokens(1) == 2
+
+
+def test_expected_tokens_follow_the_chain_of_conditional_acceptances():
+    p = AdaptiveK(3)
+    p.acceptance = [0.8, 0.5, 0.5]
+    assert p.expected_tokens(0) == 1.0
+    assert p.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
+    assert p.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+
+
+def test_observe_updates_only_the_positions_reached():
+    p = AdaptiveK(2, alpha_acc=1.0, prior_acceptance=0.5)
+    p.observe(2, 0)                       # draft 1 rejected: draft 2 never judged
+    assert p.acceptance == [0.0, 0.5]
+    p.observe(2, 1)                       # draft 1 accepted, draft 2 rejected
+    assert p.acceptance == [1.0, 0.0]
+    p.observe(2, 2)
+    assert p.acceptance == [1.0, 1.0]
+
+
+def test_unmeasured_k_are_probed_first_then_the_best_is_kept():
+    p = AdaptiveK(2, probe_len=2, probe_every=10 ** 9)
+    seen = [p.num_draft_tokens(4) for _ in range(2)]
+    assert seen == [0, 0]                               # probe of k=0 lasts probe_len steps
+    p.observe_step(4, 0, 0.010)
+    assert [p.num_draft_tokens(4) for _ in range(2)] == [1, 1]
+    p.observe_step(4, 1, 0.011)
+    assert [p.num_draft_tokens(4) for _ in range(2)] == [2, 2]
+    p.observe_step(4, 2, 0.012)
+    assert p.num_draft_tokens(4) == 2                   # prior acceptance 0.7 pays here
+
+
+def test_raises_k_again_when_acceptance_recovers_and_probes_periodically():
+    p = trained(1, [0.05], lambda k: 0.010 + 0.004 * k, num_seqs=1, probe_len=1)
+    p.probe_every = 5
+    p.alpha_acc = 0.5
+    ks = [p.num_draft_tokens(1) for _ in range(4)]
+    assert ks == [0, 0, 0, 0]
+    assert p.num_draft_tokens(1) == 1                   # 5th decision: a probe of k=1
+    for _ in range(10):                                 # the drafts now get accepted
+        p.observe(1, 1)
+    assert p.num_draft_tokens(1) == 1
+    assert p.current == 1 and p.num_switches == 2        # down to 0, then back up to 1
+
+
+class Scripted(FixedK):
+    """Cycles through ``ks``, one per step: forces every kind of k switch."""
+
+    def __init__(self, max_k: int, ks: list[int]) -> None:
+        super().__init__(max_k)
+        self._ks = itertools.cycle(ks)
+
+    def num_draft_tokens(self, num_seqs: int) -> int:
+        return next(self._ks)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "high"])
+def test_k_switching_mid_generation_keeps_greedy_outputs(model_name):
+    model = tiny_model() if model_name == "tiny" else high_acceptance_model()
+    ps = prompts(6, seed=3)
+    ref = run_tokens(make_engine(model, 0), requests(ps, GREEDY))
+    for ks in ([2, 0, 1, 2, 1, 0, 0, 2], [1, 2, 2, 0]):
+        eng = make_engine(model, 2)
+        eng.policy = eng.runner.policy = Scripted(2, ks)
+        assert run_staggered(eng, requests(ps, GREEDY)) == ref
+        st = eng.stats()
+        assert sum(st.steps_per_k) == st.num_steps and all(st.steps_per_k)
+
+
+def test_engine_adaptive_by_default_and_off_by_config():
+    model = high_acceptance_model()
+    ps = prompts(4, seed=5)
+    ref = run_tokens(make_engine(model, 0), requests(ps, GREEDY))
+    eng = make_engine(model, 2)
+    assert isinstance(eng.policy, AdaptiveK)
+    assert run_tokens(eng, requests(ps, GREEDY)) == ref
+    st = eng.stats()
+    assert sum(st.steps_per_k) == st.num_steps and 0 <= st.spec_current_k <= 2
+    fixed = make_engine(model, 2, adaptive_speculation=False)
+    assert type(fixed.policy) is FixedK
+    assert run_tokens(fixed, requests(ps, GREEDY)) == ref
+    assert fixed.stats().steps_per_k[2] == fixed.stats().num_steps
