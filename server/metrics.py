@@ -12,6 +12,9 @@ Speculative counters (vLLM's names without the ``vllm:`` prefix):
   spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at draft position p
 Acceptance is a prefix (draft p can only be kept if 0..p-1 were), so a step that accepted
 ``a`` drafts counts positions 0..a-1.
+Adaptive speculation (engine/mtp.py AdaptiveK), refreshed at scrape:
+  spec_decode_current_k                      drafts per sequence chosen by the latest step
+  spec_decode_steps_total{k}                 engine steps that drafted k tokens
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ SPEC_METRIC_NAMES = (
     "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
     "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length",
+    "spec_decode_current_k", "spec_decode_steps_total",
 )
 _THROUGHPUT_WINDOW_S = 10.0
 
@@ -100,6 +104,10 @@ class ServingMetrics:
         self.acceptance_rate = gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens.")
         self.mean_accepted_len = gauge("spec_decode_mean_accepted_length",
                                        "Tokens emitted per verification step: 1 + accepted / drafts.")
+        self.current_k = gauge("spec_decode_current_k", "Draft tokens per sequence chosen by the latest step.")
+        steps_k = counter("spec_decode_steps", "Engine steps by the number of draft tokens they chose.", ["k"])
+        self.steps_per_k = [steps_k.labels(model_name, str(k)) for k in range(num_speculative_tokens + 1)]
+        self._steps_per_k_seen = [0] * (num_speculative_tokens + 1)
         self._n_received = self._n_failed = 0
         self._spec = [0, 0, 0]                        # drafts, draft tokens, accepted
         self._recent: deque[tuple[float, int, int]] = deque()   # (time, prompt toks, gen toks)
@@ -176,6 +184,14 @@ class ServingMetrics:
             self._recent.popleft()
         self.prompt_tput.set(sum(p for _, p, _ in self._recent) / _THROUGHPUT_WINDOW_S)
         self.gen_tput.set(sum(g for _, _, g in self._recent) / _THROUGHPUT_WINDOW_S)
+
+    def refresh_spec(self, current_k: int, steps_per_k: list[int]) -> None:
+        """The engine's adaptive-speculation figures (cumulative steps per k)."""
+        self.current_k.set(current_k)
+        for k, n in enumerate(steps_per_k[:len(self.steps_per_k)]):
+            if n > self._steps_per_k_seen[k]:
+                self.steps_per_k[k].inc(n - self._steps_per_k_seen[k])
+                self._steps_per_k_seen[k] = n
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

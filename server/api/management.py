@@ -132,5 +132,7 @@ def add_metrics_route(app: FastAPI, state: ServerState) -> None:
                               int(st["num_requests_waiting"] or 0),
                               int(st.get("num_swapped", 0) or 0),
                               float(st["kv_cache"]["usage"] or 0.0))
+        if st.get("steps_per_k"):
+            state.metrics.refresh_spec(int(st.get("spec_current_k") or 0), list(st["steps_per_k"]))
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
