@@ -45,6 +45,7 @@ class AttentionPlan:
     head_bias: torch.Tensor | None  # absorbed form: additive mask (0 / -inf), heads as rows [B, Lq * nH | 1, S]
     cos: torch.Tensor             # [num_tokens, 1, rope_dim // 2]
     sin: torch.Tensor
+    fresh_lens: list[int] | None = None  # every sequence a prefill from position 0: its length
 
 
 def build_plan(
@@ -96,6 +97,8 @@ def build_plan(
         head_bias=head_bias,
         cos=cos[:, None, :],
         sin=sin[:, None, :],
+        fresh_lens=(list(meta.query_lens_cpu)
+                    if not absorbed and meta.query_lens_cpu == meta.seq_lens_cpu else None),
     )
 
 
@@ -175,6 +178,8 @@ class MLA(nn.Module):
         q_nope, q_pe, latent, k_pe = self._project(x, plan.cos, plan.sin)
         num_blocks, block_size, dim = cache.shape
         cache.view(-1, dim).index_copy_(0, slot_mapping, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
+        if plan.fresh_lens is not None and cache.dtype == x.dtype:
+            return self.o_proj(self._attend_fresh(q_nope, q_pe, latent, k_pe, plan.fresh_lens))
         b, mq, ms = plan.num_seqs, plan.max_query_len, plan.max_seq_len
         ctx = cache[plan.block_tables].flatten(1, 2)[:, :ms]           # [B, S, D]
         # Slots past a sequence's end may hold anything (even NaN): zero them so masked
@@ -189,6 +194,19 @@ class MLA(nn.Module):
             out = self._attend_decompressed(qn, qp, lat, kp, mask=plan.mask)   # [B, Lq, nH*dv]
             out = _unpad(out.flatten(0, 1), plan.pad_index)
         return self.o_proj(out)
+
+    def _attend_fresh(self, q_nope, q_pe, latent, k_pe, lens: list[int]) -> torch.Tensor:
+        """Prefills from position 0 only: each sequence's keys are exactly its own new rows,
+        so attend per sequence with ``is_causal`` (SDPA's fused CPU kernel) instead of
+        gathering the cache into a padded, masked batch (quadratic in the longest prompt
+        times the batch, on the slow masked path).  [T, nH, d] pieces -> [T, nH * dv]."""
+        outs, start = [], 0
+        for n in lens:
+            sl = slice(start, start + n)
+            outs.append(self._attend_decompressed(q_nope[None, sl], q_pe[None, sl], latent[None, sl],
+                                                  k_pe[None, sl], is_causal=True)[0])
+            start += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_absorbed(self, q_nope, q_pe, ctx, plan: AttentionPlan) -> torch.Tensor:
         """Attend in latent space; all heads share one key/value row per token (MQA)."""
