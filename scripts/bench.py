@@ -72,11 +72,12 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int) -> tuple[Path, in
     return path, port, mport
 
 
-def start_daemon(name: str, base_config: Path, spec_tokens: int, timeout: float = 300.0) -> Target:
+def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
+                 timeout: float = 300.0) -> Target:
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens)
     log = open(workdir / "daemon.log", "w")
-    env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1")
+    env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg_path)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -110,7 +111,7 @@ class RequestResult:
     ttft: float
     latency: float
     completion_tokens: int
-    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -125,7 +126,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, messages:
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = time.perf_counter()
     ttft = None
-    tokens = 0
+    tokens = prompt_tokens = 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
@@ -138,13 +139,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, messages:
             chunk = json.loads(data)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
             choices = chunk.get("choices") or []
             if ttft is None and choices:
                 delta = choices[0].get("delta") or {}
                 if delta.get("content") or delta.get("reasoning_content"):
                     ttft = time.perf_counter() - t0
     latency = time.perf_counter() - t0
-    return RequestResult(ttft if ttft is not None else latency, latency, tokens)
+    return RequestResult(ttft if ttft is not None else latency, latency, tokens, prompt_tokens)
 
 
 async def burst(target: Target, model: str, prompts: list[list[dict]], concurrency: int,
@@ -179,6 +181,9 @@ async def burst(target: Target, model: str, prompts: list[list[dict]], concurren
         "tpot_p99": _pct(tpots, 99) if tpots else None,
         "acceptance_rate": accepted / draft_toks if draft_toks else None,
         "mean_accepted_len": 1 + accepted / drafts if drafts else None,
+        "prompt_tokens": statistics.median(r.prompt_tokens for r in results),
+        "steps_per_k": {k: after.get(f"spec_decode_steps_total[{k}]", 0) - before.get(f"spec_decode_steps_total[{k}]", 0)
+                        for k in range(3)},
     }
 
 
@@ -204,6 +209,9 @@ async def scrape(url: str) -> dict[str, float]:
             if s.name.endswith(("_created", "_bucket")):
                 continue
             out[s.name] = out.get(s.name, 0.0) + s.value
+            if "k" in s.labels:                      # adaptive speculation: steps per k
+                key = f"{s.name}[{s.labels['k']}]"
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
@@ -230,6 +238,8 @@ def transformers_peer(weights: Path, prompts: list[list[dict]], max_tokens: int,
                                          add_generation_prompt=True) for i in range(bs)]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         rates = []
+        with torch.inference_mode():             # warm-up: first call pays one-off costs
+            model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
         for _ in range(reps):
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -257,11 +267,19 @@ def prefill_forward_seconds(weights: Path, num_tokens: int, reps: int = 5) -> fl
     return statistics.median(times)
 
 
-def long_prompt(num_tokens: int) -> list[dict]:
+def long_prompt(weights: Path, num_tokens: int) -> list[dict]:
+    """A user message whose text is ``num_tokens`` tokens in the model's tokenizer (the chat
+    template adds a few; the daemon's usage.prompt_tokens is what the prefill is sized to)."""
+    from server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(weights)
     words = ("the engine verifies each draft token against the main model and keeps the "
-             "accepted prefix before it drafts again ").split()
-    text = " ".join(words[i % len(words)] for i in range(num_tokens))
-    return [{"role": "user", "content": text}]
+             "accepted prefix before it drafts again").split()
+    n = num_tokens
+    while True:
+        text = " ".join(words[i % len(words)] for i in range(n))
+        if len(tok.encode(text)) <= num_tokens or n <= 1:
+            return [{"role": "user", "content": text}]
+        n -= 1
 
 
 # --------------------------------------------------------------------------- main
@@ -292,11 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers reference rows")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for every daemon and for the reference rows (default 1: "
+                         "on a small shared machine more threads oversubscribe the cores and "
+                         "OpenMP spin-waits, measured 70x slower on 2 busy cores)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
 
     levels = [int(x) for x in args.concurrency.split(",")]
+    import torch
+    torch.set_num_threads(args.threads)                # the reference rows run in this process
     reps = args.reps or (1 if args.quick else 3)
     max_tokens = 32 if args.quick and args.max_tokens == 64 else args.max_tokens
     prompt_set = json.loads(PROMPTS_FILE.read_text())
@@ -315,13 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for name, k in (("off", 0), ("k1", 1), ("k2", 2)):
                 print(f"starting daemon {name} ...", file=sys.stderr)
-                targets.append(start_daemon(name, args.config_file, k))
+                targets.append(start_daemon(name, args.config_file, k, args.threads))
         model = asyncio.run(model_id(targets[0]))
-        ttft_prompt = long_prompt(200)
+        ttft_prompt = long_prompt(weights, 200)
         total = reps * len(levels) * len(targets) + reps * len(targets)
         prog = Progress(total)
         raw: dict[str, dict[int, list[dict]]] = {t.name: {c: [] for c in levels} for t in targets}
         ttft_raw: dict[str, list[float]] = {t.name: [] for t in targets}
+        ttft_prompt_tokens = 0
         for t in targets:   # warm-up: first requests pay one-off costs
             asyncio.run(burst(t, model, prompts, 4, 4, 8))
         for _ in range(reps):
@@ -333,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             for t in targets:
                 r = asyncio.run(burst(t, model, [ttft_prompt], 1, 3, 4))
                 ttft_raw[t.name].append(r["ttft_median"])
+                ttft_prompt_tokens = int(r["prompt_tokens"])
                 prog.step(f"{t.name} ttft200")
     finally:
         for t in targets:
@@ -342,16 +368,18 @@ def main(argv: list[str] | None = None) -> int:
     ttft200 = {name: statistics.median(v) for name, v in ttft_raw.items()}
     peer = {}
     prefill_s = None
+    if not args.url:
+        prefill_s = prefill_forward_seconds(weights, ttft_prompt_tokens or 200)
     if not args.url and not args.no_peer:
         print("transformers reference ...", file=sys.stderr)
         peer_bs = [1, 16] if 16 in levels or not args.quick else [1]
-        peer = transformers_peer(weights, prompts, max_tokens, peer_bs, reps)
-        prefill_s = prefill_forward_seconds(weights, 200)
+        peer = transformers_peer(weights, prompts, max_tokens, peer_bs, max(reps, 2))
 
-    report = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    report = {"machine": _machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "reps": reps,
               "results": table, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
-              "prefill_forward_200_s": prefill_s}
+              "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
+              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -389,7 +417,7 @@ def print_table(rep: dict) -> None:
     res = rep["results"]
     base = res.get("off")
     print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
-          f"max_tokens: {rep['max_tokens']}   reps: {rep['reps']} (medians)")
+          f"max_tokens: {rep['max_tokens']}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
     print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x off':>6} {'req/s':>6} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}")
     for name, per in res.items():
@@ -408,8 +436,8 @@ def print_table(rep: dict) -> None:
     if rep["prefill_forward_200_s"]:
         p = rep["prefill_forward_200_s"]
         for name, t in rep["ttft_200_prompt_s"].items():
-            print(f"TTFT 200-token prompt ({name}): {t * 1e3:.0f} ms = {t / p:.2f}x one prefill forward "
-                  f"({p * 1e3:.0f} ms)")
+            print(f"TTFT {rep.get('ttft_prompt_tokens') or 200}-token prompt ({name}): {t * 1e3:.0f} ms = "
+                  f"{t / p:.2f}x one prefill forward ({p * 1e3:.0f} ms)")
 
 
 def plot(rep: dict, path: Path) -> None:
