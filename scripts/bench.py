@@ -92,7 +92,7 @@ def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
     raise RuntimeError(f"daemon {name} did not start; log:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
 
 
-def stop_daemon(t: Target) -> None:
+def stop_daemon(t: Target, keep_logs: bool = False) -> None:
     if t.proc is None:
         return
     try:
@@ -100,7 +100,9 @@ def stop_daemon(t: Target) -> None:
         t.proc.wait(timeout=30)
     except Exception:
         t.proc.kill()
-    if t.workdir:
+    if t.workdir and keep_logs:
+        print(f"daemon {t.name} log kept: {t.workdir / 'daemon.log'}", file=sys.stderr)
+    elif t.workdir:
         shutil.rmtree(t.workdir, ignore_errors=True)
 
 
@@ -155,12 +157,16 @@ async def burst(target: Target, model: str, prompts: list[list[dict]], concurren
     before = await scrape(target.metrics_url)
     sem = asyncio.Semaphore(concurrency)
     results: list[RequestResult] = []
+    errors: list[str] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def run(i: int) -> None:
             async with sem:
-                results.append(await one_request(client, target.base_url, model,
-                                                 prompts[i % len(prompts)], max_tokens))
+                try:
+                    results.append(await one_request(client, target.base_url, model,
+                                                     prompts[i % len(prompts)], max_tokens))
+                except (httpx.HTTPError, RuntimeError) as exc:   # counted, reported, not fatal
+                    errors.append(repr(exc))
         t0 = time.perf_counter()
         await asyncio.gather(*(run(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
@@ -170,6 +176,11 @@ async def burst(target: Target, model: str, prompts: list[list[dict]], concurren
                   - before.get("spec_decode_num_draft_tokens_total", 0))
     accepted = (after.get("spec_decode_num_accepted_tokens_total", 0)
                 - before.get("spec_decode_num_accepted_tokens_total", 0))
+    if errors:
+        print(f"\n{target.name} c={concurrency}: {len(errors)} failed requests, first: {errors[0]}",
+              file=sys.stderr)
+    if not results:
+        raise RuntimeError(f"every request of the burst failed: {errors[0]}")
     tokens = sum(r.completion_tokens for r in results)
     tpots = [r.tpot for r in results if r.tpot is not None]
     return {
@@ -182,6 +193,7 @@ async def burst(target: Target, model: str, prompts: list[list[dict]], concurren
         "acceptance_rate": accepted / draft_toks if draft_toks else None,
         "mean_accepted_len": 1 + accepted / drafts if drafts else None,
         "prompt_tokens": statistics.median(r.prompt_tokens for r in results),
+        "errors": len(errors),
         "steps_per_k": {k: after.get(f"spec_decode_steps_total[{k}]", 0) - before.get(f"spec_decode_steps_total[{k}]", 0)
                         for k in range(3)},
     }
@@ -333,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = (args.config_file.parent / weights).resolve()
 
     targets: list[Target] = []
+    failed = True
     try:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
@@ -360,9 +373,11 @@ def main(argv: list[str] | None = None) -> int:
                 ttft_raw[t.name].append(r["ttft_median"])
                 ttft_prompt_tokens = int(r["prompt_tokens"])
                 prog.step(f"{t.name} ttft200")
+        # keep the daemons' logs when any request failed, to see why
+        failed = any(r.get("errors") for per in raw.values() for runs in per.values() for r in runs)
     finally:
         for t in targets:
-            stop_daemon(t)
+            stop_daemon(t, keep_logs=failed)
 
     table = {name: {c: _median_dict(runs) for c, runs in per.items()} for name, per in raw.items()}
     ttft200 = {name: statistics.median(v) for name, v in ttft_raw.items()}
@@ -392,7 +407,12 @@ def _median_dict(runs: list[dict]) -> dict:
     out = {}
     for key in runs[0]:
         vals = [r[key] for r in runs if r[key] is not None]
-        out[key] = statistics.median(vals) if vals else None
+        if key == "errors":
+            out[key] = sum(vals)
+        elif vals and isinstance(vals[0], dict):          # counts (steps per k): summed over reps
+            out[key] = {k: sum(v.get(k, 0) for v in vals) for k in vals[0]}
+        else:
+            out[key] = statistics.median(vals) if vals else None
     return out
 
 
@@ -413,13 +433,20 @@ def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _steps_share(per_k: dict | None) -> str:
+    """Share of engine steps that drafted k tokens (adaptive speculation), e.g. 10%/85%/5%."""
+    counts = [float((per_k or {}).get(k, (per_k or {}).get(str(k), 0))) for k in range(3)]
+    total = sum(counts)
+    return "-" if not total else "/".join(f"{c / total:.0%}" for c in counts)
+
+
 def print_table(rep: dict) -> None:
     res = rep["results"]
     base = res.get("off")
     print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
           f"max_tokens: {rep['max_tokens']}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
     print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x off':>6} {'req/s':>6} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}")
+          f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}  steps at k=0/1/2")
     for name, per in res.items():
         for c, r in per.items():
             ratio = r["output_tok_s"] / base[c]["output_tok_s"] if base and base[c]["output_tok_s"] else None
@@ -428,7 +455,8 @@ def print_table(rep: dict) -> None:
                   f"{_fmt(r['ttft_p99'] * 1e3, '.0f'):>7}ms "
                   f"{_fmt(r['tpot_median'] and r['tpot_median'] * 1e3, '.1f'):>7}ms "
                   f"{_fmt(r['tpot_p99'] and r['tpot_p99'] * 1e3, '.1f'):>7}ms "
-                  f"{_fmt(r['acceptance_rate'], '.2f'):>7} {_fmt(r['mean_accepted_len'], '.2f'):>7}")
+                  f"{_fmt(r['acceptance_rate'], '.2f'):>7} {_fmt(r['mean_accepted_len'], '.2f'):>7}  "
+                  f"{_steps_share(r.get('steps_per_k'))}")
     for bs, rate in rep["transformers_tok_s"].items():
         ours = [r for n, per in res.items() if n == "k1" for c, r in per.items() if c == bs]
         ratio = f"  ours(k1, conc {bs}) / transformers: {ours[0]['output_tok_s'] / rate:.2f}x" if ours else ""
