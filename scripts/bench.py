@@ -123,9 +123,11 @@ class RequestResult:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
-                      max_tokens: int) -> RequestResult:
+                      max_tokens: int, ignore_eos: bool = False) -> RequestResult:
+    # Greedy and lossless: every configuration emits the same tokens, so stopping at EOS
+    # still gives each configuration identical work, on text the model was trained for.
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     t0 = time.perf_counter()
     ttft = None
     tokens = prompt_tokens = 0
@@ -152,7 +154,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, messages:
 
 
 async def burst(target: Target, model: str, prompts: list[list[dict]], concurrency: int,
-                num_requests: int, max_tokens: int) -> dict:
+                num_requests: int, max_tokens: int, ignore_eos: bool = False) -> dict:
     """`num_requests` requests with at most `concurrency` in flight; returns aggregate figures."""
     before = await scrape(target.metrics_url)
     sem = asyncio.Semaphore(concurrency)
@@ -164,7 +166,7 @@ async def burst(target: Target, model: str, prompts: list[list[dict]], concurren
             async with sem:
                 try:
                     results.append(await one_request(client, target.base_url, model,
-                                                     prompts[i % len(prompts)], max_tokens))
+                                                     prompts[i % len(prompts)], max_tokens, ignore_eos))
                 except (httpx.HTTPError, RuntimeError) as exc:   # counted, reported, not fatal
                     errors.append(repr(exc))
         t0 = time.perf_counter()
@@ -320,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="run every request to max_tokens (past the model's answer) instead of stopping at EOS")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers reference rows")
     ap.add_argument("--threads", type=int, default=1,
@@ -366,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             for c in levels:
                 n = max(c * (2 if args.quick else 3), 4)
                 for t in targets:        # alternate so drift hits every configuration
-                    raw[t.name][c].append(asyncio.run(burst(t, model, prompts, c, n, max_tokens)))
+                    raw[t.name][c].append(asyncio.run(burst(t, model, prompts, c, n, max_tokens,
+                                                                args.ignore_eos)))
                     prog.step(f"{t.name} c={c}")
             for t in targets:
                 r = asyncio.run(burst(t, model, [ttft_prompt], 1, 3, 4))
@@ -391,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = transformers_peer(weights, prompts, max_tokens, peer_bs, max(reps, 2))
 
     report = {"machine": _machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "reps": reps,
+              "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos, "reps": reps,
               "results": table, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
               "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
@@ -444,7 +449,7 @@ def print_table(rep: dict) -> None:
     res = rep["results"]
     base = res.get("off")
     print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
-          f"max_tokens: {rep['max_tokens']}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
+          f"max_tokens: {rep['max_tokens']}{' (ignore_eos)' if rep.get('ignore_eos') else ' (stop at EOS)'}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
     print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x off':>6} {'req/s':>6} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}  steps at k=0/1/2")
     for name, per in res.items():

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_serializer, field_validator
 from pydantic_core import PydanticCustomError
 
 # MindIE's order in its "Unsupported plugin type" message.
@@ -23,8 +23,13 @@ MAX_SPECULATIVE_TOKENS = 5
 
 @dataclass(frozen=True, slots=True)
 class MtpSettings:
-    """MTP is on and drafts ``num_speculative_tokens`` (>= 1) tokens per decode step."""
+    """MTP is on and drafts up to ``num_speculative_tokens`` (>= 1) tokens per decode step.
+
+    ``adaptive_speculation`` (our extension, default on) lets the engine draft fewer
+    tokens, down to none, in steps where drafting does not pay; outputs are unchanged.
+    """
     num_speculative_tokens: int
+    adaptive_speculation: bool = True
 
 
 def compact_json(value: Any) -> str:
@@ -70,6 +75,9 @@ class PluginParams(BaseModel):
     num_speculative_tokens: StrictInt | None = Field(
         None, ge=0, le=MAX_SPECULATIVE_TOKENS,
         description="MTP draft tokens per step; 0 keeps the MTP layer unused.")
+    adaptive_speculation: StrictBool | None = Field(
+        None, description="Our extension: pick k in 0..num_speculative_tokens per step "
+                          "from measured cost and acceptance (default true).")
     level: StrictInt | None = Field(None, description="Lookahead (la) setting; kept, not used.")
     window: StrictInt | None = Field(None, description="Lookahead (la) setting; kept, not used.")
     guess_set_size: StrictInt | None = Field(None, description="Lookahead (la) setting; kept, not used.")
@@ -109,7 +117,8 @@ class PluginParams(BaseModel):
         """MTP settings, or None when MTP is off or ``num_speculative_tokens`` is 0."""
         if not self.has("mtp") or not self.num_speculative_tokens:
             return None
-        return MtpSettings(self.num_speculative_tokens)
+        return MtpSettings(self.num_speculative_tokens,
+                           adaptive_speculation=self.adaptive_speculation is not False)
 
     @property
     def prefix_cache(self) -> bool:

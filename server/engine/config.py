@@ -55,5 +55,6 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         mem_size_gb=float(app.model_config.npu_mem_size),
         num_speculative_tokens=app.num_speculative_tokens,
         enable_prefix_cache=app.prefix_cache_enabled,
+        adaptive_speculation=app.mtp.adaptive_speculation if app.mtp else True,
     )
     return replace(cfg, **overrides) if overrides else cfg

@@ -102,7 +102,7 @@ def test_check_valid_prints_effective_json(build):
     assert model["modelWeightPath"] == str(path.parent / "tiny-model")
     assert out["ServerConfig"]["port"] == 1025                       # defaults resolved
     assert out["BackendConfig"]["ScheduleConfig"]["cacheBlockSize"] == 128
-    assert out["Derived"]["mtp"] == {"num_speculative_tokens": 1}
+    assert out["Derived"]["mtp"] == {"num_speculative_tokens": 1, "adaptive_speculation": True}
     assert out["Derived"]["effectiveMaxInputTokenLen"] == 2048
 
 

@@ -367,6 +367,12 @@ def test_from_config_reads_the_shipped_config(tmp_path):
     sched = app.schedule
     assert cfg.block_size == sched.cache_block_size and cfg.max_batch_size == sched.max_batch_size
     assert cfg.num_speculative_tokens == app.num_speculative_tokens and cfg.mem_size_gb == 1.0
+    assert cfg.adaptive_speculation is True                     # on by default
+    mc = doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    mc["plugin_params"] = {"plugin_type": "mtp", "num_speculative_tokens": 2,
+                           "adaptive_speculation": False}
+    fixed = engine_config_from_app(parse_config(doc, base_dir=tmp_path))
+    assert fixed.adaptive_speculation is False and fixed.num_speculative_tokens == 2
 
     async def main():
         eng = AsyncEngine.from_config(app, device="cpu")
