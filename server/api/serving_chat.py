@@ -13,11 +13,11 @@ from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_
 from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
-from server.api.protocol import ChatCompletionRequest, ignored_fields, parse_request
+from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
                                   usage)
-from server.api.serving_common import (build_sampling, check_model, check_request_rules,
-                                       fit_prompt, max_new_tokens, new_id, warn_ignored)
+from server.api.serving_common import (build_sampling, fit_prompt, max_new_tokens, new_id,
+                                       plan_request)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
@@ -177,15 +177,8 @@ async def create_chat_completion(state: ServerState, raw: Any,
                                  is_disconnected: Callable[[], Awaitable[bool]],
                                  release: Callable[[], None]) -> Response:
     """Validate, plan and run one chat request; ``release`` frees its admission slot."""
-    try:
-        req = parse_request(ChatCompletionRequest, raw)
-        warn_ignored("chat", ignored_fields(req))
-        check_model(req, state.settings)
-        check_request_rules(req, state.settings)
-        plan = ChatPlan(state, req)
-    except BaseException:
-        release()
-        raise
+    plan = plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release)
+    req = plan.req
     state.metrics.on_received()
     s = state.settings
     call = EngineCall(state.engine, plan.engine_request(), state.metrics,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+P = TypeVar("P")
 
 from server.api.errors import APIError, bad_request
-from server.api.protocol import SamplingFields
+from server.api.protocol import SamplingFields, ignored_fields, parse_request
 from server.api.settings import ApiSettings
 from server.engine.protocol import SamplingParams
 
@@ -137,3 +139,18 @@ def warn_ignored(kind: str, fields: list[str]) -> None:
     if fields:
         log.warning("The following fields were present in the %s request but ignored: %s",
                     kind, fields)
+
+
+def plan_request(kind: str, request_cls: type, plan_cls: Callable[[Any, Any], P], state: Any,
+                 raw: Any, release: Callable[[], None]) -> P:
+    """Parse, check and plan one request; a refusal frees its admission slot before raising,
+    because no engine call will exist to free it later."""
+    try:
+        req = parse_request(request_cls, raw)
+        warn_ignored(kind, ignored_fields(req))
+        check_model(req, state.settings)
+        check_request_rules(req, state.settings)
+        return plan_cls(state, req)
+    except BaseException:
+        release()
+        raise

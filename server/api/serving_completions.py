@@ -11,10 +11,10 @@ from starlette.responses import Response, StreamingResponse
 from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
-from server.api.protocol import CompletionRequest, ignored_fields, parse_request
+from server.api.protocol import CompletionRequest
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
-from server.api.serving_common import (build_sampling, check_model, check_request_rules,
-                                       fit_prompt, max_new_tokens, new_id, warn_ignored)
+from server.api.serving_common import (build_sampling, fit_prompt, max_new_tokens, new_id,
+                                       plan_request)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
@@ -77,15 +77,8 @@ class CompletionPlan:
 async def create_completion(state: ServerState, raw: Any,
                             is_disconnected: Callable[[], Awaitable[bool]],
                             release: Callable[[], None]) -> Response:
-    try:
-        req = parse_request(CompletionRequest, raw)
-        warn_ignored("completion", ignored_fields(req))
-        check_model(req, state.settings)
-        check_request_rules(req, state.settings)
-        plan = CompletionPlan(state, req)
-    except BaseException:
-        release()
-        raise
+    plan = plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release)
+    req = plan.req
     s = state.settings
     calls = []
     for i in range(len(plan.prompts)):
