@@ -21,21 +21,19 @@ def model_card(state: ServerState) -> dict:
 
 def add_business_routes(app: FastAPI, state: ServerState) -> None:
     async def _run(request: Request, handler) -> Response:
-        state.admission.acquire()
+        # The ticket is the handler's ``release``: calling it frees every slot it holds
+        # (one now, n for a request with n choices), once.
+        ticket = state.admission.ticket()
         try:
             raw = await read_json(request, state.settings.max_request_bytes)
         except BaseException:
-            state.admission.release()
+            ticket()
             raise
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                state.admission.release()
-
-        return await handler(state, raw, request.is_disconnected, release)
+        try:
+            return await handler(state, raw, request.is_disconnected, ticket)
+        except BaseException:     # a failure before the handler's own cleanup took over
+            ticket()
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -13,6 +13,7 @@ from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_
 from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
+from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
                                   usage)
@@ -71,8 +72,10 @@ class ChatPlan:
                                 forced_prefix=self.forced,
                                 parallel_tool_calls=self.req.parallel_tool_calls)
 
-    def engine_request(self) -> EngineRequest:
-        return EngineRequest(self.request_id, list(self.prompt_ids), self.sampling,
+    def engine_request(self, i: int = 0) -> EngineRequest:
+        """Choice ``i``'s engine request; with n > 1 ids get ``-i`` and seeds ``seed + i``."""
+        rid = self.request_id if self.req.n == 1 else f"{self.request_id}-{i}"
+        return EngineRequest(rid, list(self.prompt_ids), choice_sampling(self.sampling, i),
                              arrival_time=time.monotonic())
 
     def finish(self, engine_reason: str | None, has_calls: bool) -> str | None:
@@ -86,17 +89,40 @@ class ChatPlan:
         end = self.state.think_end_id
         return count_reasoning_tokens(token_ids, end) if end is not None else len(token_ids)
 
-    def usage(self, out: Any, token_ids: list[int]) -> dict:
-        c = out.counters if out is not None else None
-        prompt = (c.prompt_tokens if c and c.prompt_tokens else len(self.prompt_ids))
-        completion = c.completion_tokens if c and c.completion_tokens else len(token_ids)
-        return usage(prompt, completion, c.cached_tokens if c else 0,
-                     self.reasoning_tokens(token_ids))
+    def usage(self, choices: list["ChoiceState"]) -> dict:
+        """Prompt counted once, completion and reasoning tokens summed over the choices
+        (OpenAI's rule for n > 1); cached tokens as ``prompt_cached_tokens`` says."""
+        first = choices[0].last.counters if choices[0].last is not None else None
+        prompt = first.prompt_tokens if first and first.prompt_tokens else len(self.prompt_ids)
+        completion = sum(ch.completion_tokens() for ch in choices)
+        cached = prompt_cached_tokens([ch.cached_tokens() for ch in choices], len(choices))
+        return usage(prompt, completion, cached,
+                     sum(self.reasoning_tokens(ch.token_ids) for ch in choices))
 
     def chunk(self, choices: list, **extra: Any) -> dict:
         return {"id": self.request_id, "object": "chat.completion.chunk",
                 "created": self.created, "model": self.state.settings.model_name,
                 "choices": choices, **extra}
+
+
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    def __init__(self, index: int, parser: ChatOutputParser | None = None) -> None:
+        self.index = index
+        self.parser = parser
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: dict | None = None
+        self.last: Any = None
+        self.shown = {"content": "", "reasoning_content": ""}
+
+    def completion_tokens(self) -> int:
+        c = self.last.counters if self.last is not None else None
+        return c.completion_tokens if c and c.completion_tokens else len(self.token_ids)
+
+    def cached_tokens(self) -> int:
+        return self.last.counters.cached_tokens if self.last is not None else 0
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
@@ -176,41 +202,50 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict:
 async def create_chat_completion(state: ServerState, raw: Any,
                                  is_disconnected: Callable[[], Awaitable[bool]],
                                  release: Callable[[], None]) -> Response:
-    """Validate, plan and run one chat request; ``release`` frees its admission slot."""
+    """Validate, plan and run one chat request (``n`` engine requests, one per choice);
+    ``release`` frees its admission slots."""
     plan = plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release)
     req = plan.req
-    state.metrics.on_received()
     s = state.settings
-    call = EngineCall(state.engine, plan.engine_request(), state.metrics,
-                      token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
-                      is_disconnected=None if req.stream else is_disconnected)
+    calls = []
+    for i in range(req.n):
+        state.metrics.on_received()
+        calls.append(EngineCall(state.engine, plan.engine_request(i), state.metrics,
+                                token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
+                                is_disconnected=None if req.stream else is_disconnected))
     if req.stream:
-        body = _stream(plan, call, release)
+        body = _stream(plan, calls, release)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
-                                 background=BackgroundTask(close_stream, body, [call], release))
+                                 background=BackgroundTask(close_stream, body, calls, release))
+    merged = Interleave(calls)
     try:
-        return json_response(await _complete(plan, call))
+        return json_response(await _complete(plan, merged))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
-        call.close()
+        merged.close()          # one choice failed or the client left: abort the others
         release()
 
 
-async def _complete(plan: ChatPlan, call: EngineCall) -> dict:
-    token_ids: list[int] = []
-    text = []
-    logprobs = None
-    last = None
-    async for out in call:
-        token_ids.extend(out.token_ids)
-        text.append(out.text)
-        logprobs = merge_logprobs(logprobs, chat_logprobs(out.logprobs, plan.state.text_of))
-        last = out
-    failure = engine_failure(last)
-    if failure:
-        raise failure
-    msg = parse_full_text("".join(text), reasoning=plan.reasoning, tool_format=plan.tool_format,
+async def _complete(plan: ChatPlan, merged: Interleave) -> dict:
+    states = [ChoiceState(i) for i in range(len(merged.calls))]
+    async for i, out in merged:
+        st = states[i]
+        st.token_ids.extend(out.token_ids)
+        st.text.append(out.text)
+        st.logprobs = merge_logprobs(st.logprobs, chat_logprobs(out.logprobs, plan.state.text_of))
+        st.last = out
+        failure = engine_failure(out) if out.finished else None
+        if failure:
+            raise failure
+    return {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
+            "model": plan.state.settings.model_name,
+            "choices": [_choice_body(plan, st) for st in states],
+            "system_fingerprint": None, "usage": plan.usage(states)}
+
+
+def _choice_body(plan: ChatPlan, st: ChoiceState) -> dict:
+    msg = parse_full_text("".join(st.text), reasoning=plan.reasoning, tool_format=plan.tool_format,
                           forced_prefix=plan.forced,
                           parallel_tool_calls=plan.req.parallel_tool_calls)
     message: dict = {"role": "assistant", "content": msg.content, "refusal": None,
@@ -218,12 +253,9 @@ async def _complete(plan: ChatPlan, call: EngineCall) -> dict:
     if plan.reasoning:
         message["reasoning_content"] = msg.reasoning
         message["reasoning"] = msg.reasoning
-    choice = {"index": 0, "message": message, "logprobs": logprobs,
-              "finish_reason": plan.finish(finish_reason(last), bool(msg.tool_calls)),
-              "stop_reason": stop_reason(last)}
-    return {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
-            "model": plan.state.settings.model_name, "choices": [choice],
-            "system_fingerprint": None, "usage": plan.usage(last, token_ids)}
+    return {"index": st.index, "message": message, "logprobs": st.logprobs,
+            "finish_reason": plan.finish(finish_reason(st.last), bool(msg.tool_calls)),
+            "stop_reason": stop_reason(st.last)}
 
 
 def _mirror(delta: dict) -> dict:
@@ -232,50 +264,51 @@ def _mirror(delta: dict) -> dict:
     return delta
 
 
-async def _stream(plan: ChatPlan, call: EngineCall, release: Callable[[], None]
+async def _stream(plan: ChatPlan, calls: list[EngineCall], release: Callable[[], None]
                   ) -> AsyncIterator[bytes]:
+    """Chunks of all choices, interleaved as they come; each carries its choice index, each
+    choice opens with its own role delta and ends with its own finish_reason."""
     req = plan.req
     full_text = plan.state.settings.full_text
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    parser = plan.parser()
-    token_ids: list[int] = []
-    shown = {"content": "", "reasoning_content": ""}
-    last = None
+    states = [ChoiceState(i, plan.parser()) for i in range(len(calls))]
+    merged = Interleave(calls)
     try:
-        async for out in call:
-            if last is None:
-                yield event(plan.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+        async for i, out in merged:
+            st = states[i]
+            if st.last is None:
+                yield event(plan.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]))
-            last = out
-            token_ids.extend(out.token_ids)
+            st.last = out
+            st.token_ids.extend(out.token_ids)
             failure = engine_failure(out)
             if failure:
                 raise failure
-            delta = parser.feed(out.text)
-            final_delta, message = parser.finish() if out.finished else ({}, None)
+            delta = st.parser.feed(out.text)
+            final_delta, message = st.parser.finish() if out.finished else ({}, None)
             for key, value in final_delta.items():
                 if key == "tool_calls":
                     delta.setdefault("tool_calls", []).extend(value)
                 else:
                     delta[key] = delta.get(key, "") + value
             if full_text:
-                for key in shown:
+                for key in st.shown:
                     if key in delta:
-                        shown[key] += delta[key]
-                        delta[key] = shown[key]
+                        st.shown[key] += delta[key]
+                        delta[key] = st.shown[key]
             lp = chat_logprobs(out.logprobs, plan.state.text_of)
-            extra = {"usage": plan.usage(out, token_ids)} if continuous else {}
+            extra = {"usage": plan.usage(states)} if continuous else {}
             if out.finished:
                 reason = plan.finish(finish_reason(out), bool(message and message.tool_calls))
-                yield event(plan.chunk([{"index": 0, "delta": _mirror(delta), "logprobs": lp,
+                yield event(plan.chunk([{"index": i, "delta": _mirror(delta), "logprobs": lp,
                                          "finish_reason": reason,
                                          "stop_reason": stop_reason(out)}], **extra))
             elif delta or lp:
-                yield event(plan.chunk([{"index": 0, "delta": _mirror(delta), "logprobs": lp,
+                yield event(plan.chunk([{"index": i, "delta": _mirror(delta), "logprobs": lp,
                                          "finish_reason": None}], **extra))
         if include_usage:
-            yield event(plan.chunk([], usage=plan.usage(last, token_ids)))
+            yield event(plan.chunk([], usage=plan.usage(states)))
     except APIError as exc:
         yield event(openai_body(exc.status, exc.message, exc.param))
     except ClientDisconnected:
@@ -283,6 +316,6 @@ async def _stream(plan: ChatPlan, call: EngineCall, release: Callable[[], None]
     except Exception as exc:  # a bug must still end the stream in the documented shape
         yield event(openai_body(500, f"internal error: {type(exc).__name__}: {exc}"))
     finally:
-        call.close()
+        merged.close()          # abort every sibling still running
         release()
     yield DONE

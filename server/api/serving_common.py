@@ -3,7 +3,8 @@
 Every refusal is a 400 (404 for the model) that names the parameter and says what is
 allowed.  MTP rules follow MindIE's endpoint (infer_param.cpp): ``n``/``best_of`` > 1 and
 beam search cannot be used with the mtp plugin; ``response_format`` needs structured
-output, which this server does not implement yet.
+output, which this server does not implement yet.  Without MTP, ``n`` runs up to
+``MAX_N`` choices, each its own engine request holding its own admission slot.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from server.api.settings import ApiSettings
 from server.engine.protocol import SamplingParams
 
 log = logging.getLogger("server.api")
+MAX_N = 16          # choices per prompt (n) without MTP; each one is an engine request
 
 
 def new_id(prefix: str) -> str:
@@ -37,7 +39,11 @@ def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
         if plugin:
             raise bad_request(f"n > 1 cannot be used with plugin {plugin} "
                               f"(speculative decoding); got n={req.n}, allowed: 1", "n")
-        raise bad_request(f"n > 1 is not supported by this server; got n={req.n}", "n")
+        if req.n > MAX_N:
+            raise bad_request(f"n must be at most {MAX_N}; got n={req.n}", "n")
+        if req.n > settings.max_link_num:
+            raise bad_request(f"n={req.n} choices need {req.n} request slots, more than "
+                              f"maxLinkNum ({settings.max_link_num}) allows", "n")
     if req.best_of is not None and req.best_of > 1:
         what = f"plugin {plugin}" if plugin else "this server"
         raise bad_request(f"best_of > 1 cannot be used with {what}; got best_of={req.best_of}, "
@@ -143,13 +149,16 @@ def warn_ignored(kind: str, fields: list[str]) -> None:
 
 def plan_request(kind: str, request_cls: type, plan_cls: Callable[[Any, Any], P], state: Any,
                  raw: Any, release: Callable[[], None]) -> P:
-    """Parse, check and plan one request; a refusal frees its admission slot before raising,
-    because no engine call will exist to free it later."""
+    """Parse, check and plan one request; a refusal frees its admission slots before raising,
+    because no engine call will exist to free them later.  ``release`` is the request's
+    ``limits.Ticket``: with ``n`` > 1 it grows to one slot per choice (503 when full)."""
     try:
         req = parse_request(request_cls, raw)
         warn_ignored(kind, ignored_fields(req))
         check_model(req, state.settings)
         check_request_rules(req, state.settings)
+        if req.n > 1:                   # one slot per choice, taken before any tokenizing
+            release.grow(req.n - 1)     # type: ignore[attr-defined]
         return plan_cls(state, req)
     except BaseException:
         release()

@@ -1,7 +1,9 @@
-"""POST /v1/completions: prompt(s) as text or token ids -> one choice per prompt."""
+"""POST /v1/completions: prompt(s) as text or token ids -> ``n`` choices per prompt.
+
+Choice ``k`` is prompt ``k // n``'s choice ``k % n`` (OpenAI's ``index = prompt * n + i``)
+and is its own engine request."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -11,6 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
+from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
 from server.api.protocol import CompletionRequest
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
 from server.api.serving_common import (build_sampling, fit_prompt, max_new_tokens, new_id,
@@ -54,9 +57,14 @@ class CompletionPlan:
         if req.suffix is not None:
             raise bad_request("suffix is not currently supported", "suffix")
         self.state, self.req = state, req
+        self.n = req.n
         self.request_id = new_id("cmpl")
         self.created = int(time.time())
         self.prompts = [fit_prompt(ids, s, "prompt") for ids in _prompts(req, state.tokenizer)]
+        if len(self.prompts) * self.n > MAX_PROMPTS:
+            raise bad_request(f"{len(self.prompts)} prompts x n={self.n} is "
+                              f"{len(self.prompts) * self.n} choices; at most {MAX_PROMPTS} "
+                              "per request", "n")
         top = req.logprobs
         self.samplings = [build_sampling(
             req, max_tokens=max_new_tokens(req.max_tokens, len(ids), s),
@@ -65,13 +73,27 @@ class CompletionPlan:
         self.echo = [state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
                      for ids in self.prompts]
 
-    def engine_request(self, i: int) -> EngineRequest:
-        return EngineRequest(f"{self.request_id}-{i}", list(self.prompts[i]), self.samplings[i],
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, k: int) -> int:
+        return k // self.n
+
+    def engine_request(self, k: int) -> EngineRequest:
+        p = self.prompt_of(k)
+        return EngineRequest(f"{self.request_id}-{k}", list(self.prompts[p]),
+                             choice_sampling(self.samplings[p], k % self.n),
                              arrival_time=time.monotonic())
 
     def body(self, choices: list, **extra: Any) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.state.settings.model_name, "choices": choices, **extra}
+
+    def usage(self, counts: list[int], cached: list[int]) -> dict:
+        """Each prompt counted once, completion tokens summed over every choice."""
+        return usage(sum(len(p) for p in self.prompts), sum(counts),
+                     prompt_cached_tokens(cached, self.n))
 
 
 async def create_completion(state: ServerState, raw: Any,
@@ -81,115 +103,94 @@ async def create_completion(state: ServerState, raw: Any,
     req = plan.req
     s = state.settings
     calls = []
-    for i in range(len(plan.prompts)):
+    for k in range(plan.num_choices):
         state.metrics.on_received()
-        calls.append(None if plan.samplings[i].max_tokens == 0 else EngineCall(
-            state.engine, plan.engine_request(i), state.metrics,
+        calls.append(None if plan.samplings[plan.prompt_of(k)].max_tokens == 0 else EngineCall(
+            state.engine, plan.engine_request(k), state.metrics,
             token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
             is_disconnected=None if req.stream else is_disconnected))
     if req.stream:
         body = _stream(plan, calls, release)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(close_stream, body, calls, release))
-    tasks = [asyncio.ensure_future(_one(plan, i, c)) for i, c in enumerate(calls)]
+    merged = Interleave(calls)
     try:
-        results = await asyncio.gather(*tasks)
+        states = await _collect(plan, merged)
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
-        for t in tasks:           # one prompt failed: stop the others (aborts their requests)
-            t.cancel()
-        for c in calls:
-            if c is not None:
-                c.close()
+        merged.close()           # one choice failed: stop the others (aborts their requests)
         release()
-    choices = [r[0] for r in results]
-    prompt_tokens = sum(len(p) for p in plan.prompts)
-    completion_tokens = sum(r[1] for r in results)
-    cached = sum(r[2] for r in results)
-    return json_response(plan.body(choices, usage=usage(prompt_tokens, completion_tokens, cached)))
+    choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
+    return json_response(plan.body(choices, usage=plan.usage(
+        [st["n"] for st in states], [st["cached"] for st in states])))
 
 
-async def _one(plan: CompletionPlan, i: int, call: EngineCall | None) -> tuple[dict, int, int]:
-    text, logprob_parts, last, n = [plan.echo[i]], None, None, 0
-    if call is not None:
-        async for out in call:
-            text.append(out.text)
-            n += len(out.token_ids)
-            lp = completion_logprobs(out.logprobs, plan.state.text_of)
-            if lp is not None:
-                logprob_parts = lp if logprob_parts is None else {
-                    k: logprob_parts[k] + v for k, v in lp.items()}
-            last = out
-        failure = engine_failure(last)
+async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:
+    states = [{"text": [plan.echo[plan.prompt_of(k)]], "logprobs": None, "last": None, "n": 0,
+               "cached": 0} for k in range(plan.num_choices)]
+    async for k, out in merged:
+        if out is None:          # max_tokens 0: the echo alone
+            continue
+        st = states[k]
+        st["text"].append(out.text)
+        st["n"] += len(out.token_ids)
+        lp = completion_logprobs(out.logprobs, plan.state.text_of)
+        if lp is not None:
+            st["logprobs"] = lp if st["logprobs"] is None else {
+                key: st["logprobs"][key] + v for key, v in lp.items()}
+        st["last"] = out
+        st["cached"] = out.counters.cached_tokens
+        failure = engine_failure(out) if out.finished else None
         if failure:
             raise failure
-    if logprob_parts is not None:   # offsets run over the returned text
-        offsets, pos = [], len(plan.echo[i])
-        for token in logprob_parts["tokens"]:
+    return states
+
+
+def _choice_body(plan: CompletionPlan, k: int, st: dict) -> dict:
+    parts, last = st["logprobs"], st["last"]
+    if parts is not None:   # offsets run over the returned text
+        offsets, pos = [], len(plan.echo[plan.prompt_of(k)])
+        for token in parts["tokens"]:
             offsets.append(pos)
             pos += len(token)
-        logprob_parts["text_offset"] = offsets
-    choice = {"index": i, "text": "".join(text), "logprobs": logprob_parts,
-              "finish_reason": finish_reason(last) or "length", "stop_reason": stop_reason(last)}
-    cached = last.counters.cached_tokens if last is not None else 0
-    return choice, n, cached
+        parts["text_offset"] = offsets
+    return {"index": k, "text": "".join(st["text"]), "logprobs": parts,
+            "finish_reason": finish_reason(last) or "length", "stop_reason": stop_reason(last)}
 
 
 async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
                   ) -> AsyncIterator[bytes]:
-    """Interleave the prompts' streams; each chunk carries its choice index."""
+    """Interleave the choices' streams; each chunk carries its choice index."""
     req = plan.req
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    queue: asyncio.Queue = asyncio.Queue()
     counts = [0] * len(calls)
     cached = [0] * len(calls)
-    full = [plan.echo[i] for i in range(len(calls))]
-
-    async def pump(i: int, call: EngineCall | None) -> None:
-        try:
-            if call is None:
-                queue.put_nowait((i, None))
-                return
-            async for out in call:
-                queue.put_nowait((i, out))
-        except BaseException as exc:
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, StopAsyncIteration))
-
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(calls)]
-    live = len(calls)
+    full = [plan.echo[plan.prompt_of(k)] for k in range(len(calls))]
     sent_echo = [False] * len(calls)
+    merged = Interleave(calls)
     try:
-        while live:
-            i, item = await queue.get()
-            if item is StopAsyncIteration:
-                live -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            text = plan.echo[i] if not sent_echo[i] else ""
-            sent_echo[i] = True
+        async for k, item in merged:
+            text = plan.echo[plan.prompt_of(k)] if not sent_echo[k] else ""
+            sent_echo[k] = True
             if item is None:     # max_tokens 0
-                yield event(plan.body([{"index": i, "text": text, "logprobs": None,
+                yield event(plan.body([{"index": k, "text": text, "logprobs": None,
                                         "finish_reason": "length", "stop_reason": None}]))
                 continue
             failure = engine_failure(item)
             if failure:
                 raise failure
-            counts[i] += len(item.token_ids)
-            cached[i] = item.counters.cached_tokens
-            full[i] += item.text
-            out_text = full[i] if plan.state.settings.full_text else text + item.text
+            counts[k] += len(item.token_ids)
+            cached[k] = item.counters.cached_tokens
+            full[k] += item.text
+            out_text = full[k] if plan.state.settings.full_text else text + item.text
             yield event(plan.body([{
-                "index": i, "text": out_text,
+                "index": k, "text": out_text,
                 "logprobs": completion_logprobs(item.logprobs, plan.state.text_of),
                 "finish_reason": finish_reason(item) if item.finished else None,
                 "stop_reason": stop_reason(item) if item.finished else None}]))
         if include_usage:
-            yield event(plan.body([], usage=usage(sum(len(p) for p in plan.prompts),
-                                                  sum(counts), sum(cached))))
+            yield event(plan.body([], usage=plan.usage(counts, cached)))
     except APIError as exc:
         yield event(openai_body(exc.status, exc.message, exc.param))
     except ClientDisconnected:
@@ -197,10 +198,6 @@ async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
     except Exception as exc:
         yield event(openai_body(500, f"internal error: {type(exc).__name__}: {exc}"))
     finally:
-        for t in tasks:
-            t.cancel()
-        for c in calls:
-            if c is not None:
-                c.close()
+        merged.close()
         release()
     yield DONE
