@@ -37,6 +37,17 @@ def setup(threads: int, seed: int) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (for the card: training time depends on it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores"
+
+
 def run_eval(out: Path, s: spec.TrainSettings, n: int) -> evaluate.EvalResult:
     from server.model.loader import load_checkpoint
 
@@ -59,6 +70,8 @@ def main() -> int:
     ap.add_argument("--num-chats", type=int, default=None, help="override the number of synthetic chats")
     ap.add_argument("--sft-steps", type=int, default=None, help="override the number of stage-2 steps")
     ap.add_argument("--sft-lr", type=float, default=None, help="override the stage-2 peak learning rate")
+    ap.add_argument("--sft-distill", type=float, default=None, help="override the stage-2 MTP distillation weight")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the settings')")
     ap.add_argument("--stage2-from", type=Path, default=None,
                     help="skip stage 1: take tokenizer and weights from this earlier output folder")
     args = ap.parse_args()
@@ -70,6 +83,10 @@ def main() -> int:
         s = dataclasses.replace(s, sft_steps=args.sft_steps)
     if args.num_chats is not None:
         s = dataclasses.replace(s, num_chats=args.num_chats)
+    if args.sft_distill is not None:
+        s = dataclasses.replace(s, sft_mtp_distill=args.sft_distill)
+    if args.threads is not None:
+        s = dataclasses.replace(s, threads=args.threads)
     setup(s.threads, s.seed)
     out: Path = args.out
     if args.eval_only:
@@ -133,14 +150,14 @@ def main() -> int:
     if args.sft_lr is not None:
         s = dataclasses.replace(s, sft_lr=args.sft_lr)
     s2 = dataclasses.replace(s, steps=s.sft_steps, lr=s.sft_lr, warmup_steps=s.sft_warmup_steps,
-                             seed=s.seed + 2 + len(prior_sft), stage="sft")
+                             mtp_distill=s.sft_mtp_distill, seed=s.seed + 2 + len(prior_sft), stage="sft")
     print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
     t2 = time.time()
     history2 = train.train(model, rows2, keep2, s2)
     seconds2 = time.time() - t2
     stage_seconds = list(prior_stage_s) + [seconds2]
     sft_runs = prior_sft + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
-                             "seconds": seconds2}]
+                             "mtp_distill": s2.mtp_distill, "seconds": seconds2}]
     train_seconds = sum(stage_seconds)
     history = [{"stage": "pretrain", **h} for h in history1] + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
     export.write_model(model, out, hf_cfg, spec.generation_config(bos, eos))
@@ -151,7 +168,8 @@ def main() -> int:
     info = {"parameters": n_params, "history": history, "train_seconds": train_seconds,
             "stage_seconds": stage_seconds, "sft_runs": sft_runs, "sft_targets": int(keep2.sum()),
             "total_seconds": time.time() - t_start, "prose_tokens": prose_tokens, "rows": len(rows),
-            "train_tokens": (s.steps + sum(r["steps"] for r in sft_runs)) * s.batch_size * s.seq_len}
+            "train_tokens": (s.steps + sum(r["steps"] for r in sft_runs)) * s.batch_size * s.seq_len,
+            "sft_distill": s2.mtp_distill, "cpu": cpu_name()}
     write_card(out, s, hf_cfg, res, info)
     (out / "training_log.json").write_text(json.dumps(
         {"settings": s.as_dict(), "history": history, "eval": res.figures, "counts": res.counts,

@@ -25,12 +25,22 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         cmds.append(f".venv/bin/python scripts/train_demo_model.py --stage2-from /tmp/demo-run{i - 1} --out {dest} "
                     f"--sft-steps {r['steps']} --sft-lr {r['lr']:g}   # SFT run {i} from the previous result")
     if len(runs) <= 1:
-        cmds[0] = cmds[0].replace("--out /tmp/demo-run1", "")
+        total_min = train_info.get("total_seconds", 0) / 60
+        cmds[0] = (".venv/bin/python scripts/train_demo_model.py   # corpus, tokenizer, both stages, "
+                   f"evaluation; writes this folder (~{total_min:.0f} min on 2 cores)")
     reproduce = "\n".join(cmds)
     sft_text = ", then ".join(
         f"{r['steps']} steps at peak lr {r['lr']:g} ({r['warmup_steps']} warm-up, seed {r['seed']}, {r['seconds'] / 60:.1f} min)"
         + ("" if i == 0 else " continuing from the previous result with a fresh optimizer")
         for i, r in enumerate(runs)) + f", each cosine to {s.min_lr_ratio} x peak"
+    distill = train_info.get("sft_distill", 0.0)
+    distill_text = (
+        f"The SFT loss adds {distill:g} x KL(main || MTP): at each MTP position i, the MTP layer's "
+        "distribution for token i+2 is pulled towards the main model's own (detached) distribution "
+        "at position i+1, which predicts the same token. A draft is accepted when it agrees with the "
+        "main model, not with the corpus, so this self-distillation (as EAGLE and Medusa-2 train "
+        "their drafters) is the signal acceptance needs." if distill else "")
+    cpu = train_info.get("cpu", "CPU")
     text = f"""# deepseek-v3-tiny-mtp
 
 A tiny model with the DeepSeek-V3 architecture and a trained Multi-Token Prediction (MTP) layer.
@@ -80,7 +90,7 @@ Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP 
 
 ## Training
 
-Two stages, both training the main model and the MTP layer jointly with
+Two stages in one run, both training the main model and the MTP layer jointly with
 loss = main next-token CE + {s.mtp_weight} x MTP CE (the MTP layer predicts token i+2 from the main
 model's final-norm hidden state at i and the embedding of token i+1; its head is tied to `lm_head`
 while training, as DeepSeek-V3 shares it):
@@ -93,12 +103,14 @@ while training, as DeepSeek-V3 shares it):
    tool results; {train_info.get('sft_targets', 0)} target tokens in the packed rows) plus the prose:
    {sft_text}
    (final losses on those targets main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}).
+   {distill_text}
 
 AdamW (betas 0.9/0.95, weight decay {s.weight_decay} on matrices), grad clip {s.grad_clip}, {s.threads} CPU
-thread (a second thread stalls at OpenMP barriers when the 2 cores are shared), seeds: model and data
-order {s.seed} (stage 2: {s.seed + 2}), corpus {s.corpus_seed}, evaluation {s.eval_seed};
-`torch.use_deterministic_algorithms(True)`. Training took {train_info.get('train_seconds', 0) / 60:.1f} minutes on a
-shared 2-core CPU machine. The full per-20-step loss history is in `training_log.json`.
+thread{"s" if s.threads > 1 else ""}, seeds: model and data order {s.seed} (stage 2: {s.seed + 2}), corpus {s.corpus_seed},
+evaluation {s.eval_seed}; `torch.use_deterministic_algorithms(True)`. Training took
+{train_info.get('train_seconds', 0) / 60:.1f} minutes ({train_info.get('total_seconds', 0) / 60:.1f} minutes for the whole script,
+corpus and evaluation included) on a shared 2-core CPU machine ({cpu}). The full per-20-step loss
+history is in `training_log.json`.
 
 ## Evaluation (held-out prompts, greedy)
 

@@ -18,19 +18,21 @@ class TrainSettings:
     vocab_size: int = 2048
     seq_len: int = 384
     batch_size: int = 8
-    steps: int = 1000
+    steps: int = 1100
     lr: float = 2.5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 80
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     mtp_weight: float = 0.3
+    mtp_distill: float = 0.0         # weight of KL(main || MTP) (see train.losses); the SFT stage sets its own
     # Stage 2 (SFT): loss only on what the assistant writes (plus prose), from the stage-1 weights.
-    sft_steps: int = 600
+    sft_steps: int = 1300
     sft_lr: float = 1.5e-3
     sft_warmup_steps: int = 20
+    sft_mtp_distill: float = 3.0
     stage: str = ""
-    threads: int = 1                  # one thread: a second one stalls at barriers when the 2 cores are shared
+    threads: int = 2                  # the 2 cores of the reference machine; keep it otherwise idle (OpenMP barriers stall when shared)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

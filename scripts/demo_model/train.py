@@ -133,8 +133,16 @@ def init_model(cfg: DeepseekConfig, seed: int) -> DeepseekV3ForCausalLM:
     return model
 
 
-def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(main CE, MTP CE) on a batch of packed rows [B, L+1]; only ``keep`` tokens are targets."""
+def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
+           distill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(main CE, MTP CE, MTP distillation KL) on packed rows [B, L+1]; only ``keep`` tokens are targets.
+
+    The distillation term is KL(main || MTP) at each MTP position i, against the main model's
+    own (detached) distribution at position i+1, which predicts the same token i+2. Acceptance
+    is agreement with the main model's choice, not with the corpus, so this is the signal that
+    raises it (self-distillation, as EAGLE and Medusa-2 train their drafters); it is 0 unless
+    ``distill``.
+    """
     x = rows[:, :-1]
     y1 = rows[:, 1:].clone()
     y1[~keep[:, 1:]] = IGNORE
@@ -147,7 +155,13 @@ def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor)
     mlogits = model.mtp_compute_logits(h_mtp[:, :-1])
     y2 = y1[:, 1:]
     mtp = F.cross_entropy(mlogits.flatten(0, 1), y2.flatten(), ignore_index=IGNORE)
-    return main, mtp
+    kl = mtp.new_zeros(())
+    if distill:
+        sel = y2 != IGNORE
+        teacher = F.log_softmax(logits[:, 1:][sel].detach(), dim=-1)
+        student = F.log_softmax(mlogits[sel], dim=-1)
+        kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+    return main, mtp, kl
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -170,7 +184,7 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
     history: list[dict] = []
     t0 = time.time()
     tag = f"[{s.stage}] " if s.stage else ""
-    acc_main = acc_mtp = 0.0
+    acc_main = acc_mtp = acc_kl = 0.0
     model.train()
     for step in range(s.steps):
         if cursor + s.batch_size > len(order):
@@ -181,22 +195,23 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
         cursor += s.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        main, mtp = losses(model, batch, batch_keep)
-        loss = main + s.mtp_weight * mtp
+        main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0)
+        loss = main + s.mtp_weight * mtp + s.mtp_distill * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
         acc_main += main.item()
         acc_mtp += mtp.item()
+        acc_kl += kl.item()
         if (step + 1) % 20 == 0 or step == s.steps - 1:
             n = 20 if (step + 1) % 20 == 0 else (step + 1) % 20
-            rec = {"step": step + 1, "main": acc_main / n, "mtp": acc_mtp / n, "lr": lr_at(step, s),
+            rec = {"step": step + 1, "main": acc_main / n, "mtp": acc_mtp / n, "kl": acc_kl / n, "lr": lr_at(step, s),
                    "elapsed_s": time.time() - t0}
             history.append(rec)
             eta = (time.time() - t0) / (step + 1) * (s.steps - step - 1)
-            log(f"{tag}step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} "
+            log(f"{tag}step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} kl {rec['kl']:.3f} "
                 f"lr {rec['lr']:.2e} {rec['elapsed_s']:.0f}s eta {eta:.0f}s")
-            acc_main = acc_mtp = 0.0
+            acc_main = acc_mtp = acc_kl = 0.0
     model.eval()
     return history

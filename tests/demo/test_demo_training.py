@@ -1,0 +1,89 @@
+"""Pieces of the demo model's training (scripts/demo_model/train.py) that decide what it learns.
+
+Why: the shipped model's MTP acceptance comes from these losses and masks; a shifted index
+or a wrong mask trains the MTP layer on the wrong token and nothing downstream would say so
+except a lower figure on the card.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from demo_model import spec, train  # noqa: E402
+from server.model.config import DeepseekConfig  # noqa: E402
+
+
+def _tiny_model(seed: int = 0):
+    hf = spec.hf_config(vocab_size=64, bos_id=0, eos_id=1, max_len=64)
+    hf.update(num_hidden_layers=2, hidden_size=32, intermediate_size=48, moe_intermediate_size=16)
+    return train.init_model(DeepseekConfig.from_hf(hf), seed)
+
+
+def test_losses_match_hand_computed_main_mtp_and_distillation():
+    torch.manual_seed(0)
+    model = _tiny_model()
+    rows = torch.randint(2, 64, (2, 13))
+    keep = torch.rand(rows.shape) > 0.3
+    with torch.no_grad():
+        main, mtp, kl = train.losses(model, rows, keep, distill=True)
+        hidden = model.forward_full(rows[:, :-1])
+        logits = model.compute_logits(hidden)                      # position i predicts token i+1
+        mlog = model.mtp_compute_logits(model.mtp_forward_full(rows[:, 1:], hidden))
+    exp_main, exp_mtp, exp_kl, n1, n2 = 0.0, 0.0, 0.0, 0, 0
+    for b in range(rows.shape[0]):
+        for i in range(rows.shape[1] - 1):
+            if keep[b, i + 1]:
+                exp_main += -F.log_softmax(logits[b, i], -1)[rows[b, i + 1]].item()
+                n1 += 1
+            if i + 2 < rows.shape[1] and keep[b, i + 2]:
+                # MTP at i sees (h_i, token i+1) and predicts token i+2; its teacher is the
+                # main model at i+1, which predicts the same token.
+                exp_mtp += -F.log_softmax(mlog[b, i], -1)[rows[b, i + 2]].item()
+                t = F.log_softmax(logits[b, i + 1], -1)
+                s = F.log_softmax(mlog[b, i], -1)
+                exp_kl += (t.exp() * (t - s)).sum().item()
+                n2 += 1
+    assert abs(main.item() - exp_main / n1) < 1e-5
+    assert abs(mtp.item() - exp_mtp / n2) < 1e-5
+    assert abs(kl.item() - exp_kl / n2) < 1e-5
+    assert kl.item() > 0
+    _, _, off = train.losses(model, rows, keep, distill=False)
+    assert off.item() == 0.0
+
+
+def test_distillation_moves_the_mtp_layer_towards_the_main_model():
+    """The teacher side is detached (the main model is not pulled towards its drafter: its
+    gradient equals that of a hand-built KL against detached teacher logits), and a few steps
+    on the KL alone, MTP layer only, must lower it."""
+    torch.manual_seed(1)
+    model = _tiny_model(1)
+    rows = torch.randint(2, 64, (4, 17))
+    keep = torch.ones_like(rows, dtype=torch.bool)
+    _, _, kl0 = train.losses(model, rows, keep, distill=True)
+    kl0.backward()
+    got = model.model.norm.weight.grad.clone()
+    model.zero_grad()
+    hidden = model.forward_full(rows[:, :-1])
+    teacher = F.log_softmax(model.compute_logits(hidden)[:, 1:].detach(), -1)
+    student = F.log_softmax(model.mtp_compute_logits(model.mtp_forward_full(rows[:, 1:], hidden)[:, :-1]), -1)
+    ref = (teacher.exp() * (teacher - student)).sum(-1).mean()
+    ref.backward()
+    assert torch.allclose(got, model.model.norm.weight.grad, atol=1e-6)
+    model.zero_grad()
+    mtp_params = [p for n, p in model.named_parameters() if n.startswith(f"model.layers.{model.config.num_hidden_layers}.")
+                  and "shared_head.head" not in n]
+    opt = torch.optim.Adam(mtp_params, lr=3e-3)
+    for _ in range(20):
+        _, _, kl = train.losses(model, rows, keep, distill=True)
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+    _, _, kl1 = train.losses(model, rows, keep, distill=True)
+    assert kl1.item() < 0.5 * kl0.item(), (kl0.item(), kl1.item())
