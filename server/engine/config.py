@@ -33,6 +33,7 @@ class EngineConfig:
     enable_prefix_cache: bool = False
     kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (refused for now)
     # execution
+    async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
     device: str = "cpu"
     dtype: str | None = None                # None = checkpoint dtype
 
@@ -56,5 +57,6 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         num_speculative_tokens=app.num_speculative_tokens,
         enable_prefix_cache=app.prefix_cache_enabled,
         adaptive_speculation=app.mtp.adaptive_speculation if app.mtp else True,
+        async_scheduling=app.async_scheduling,
     )
     return replace(cfg, **overrides) if overrides else cfg

@@ -1,34 +1,49 @@
 """The synchronous engine core: LLMEngine.step() = schedule -> execute -> update -> emit.
 
-One thread calls it (the AsyncEngine thread in engine.py, or a test); it owns the model,
-the KV pool, the scheduler and the runner.
+One thread calls it (the AsyncEngine thread in engine.py, or a test).  It owns the
+scheduler (requests, KV block bookkeeping) and the output processing; device state lives
+with the worker behind the executor, reached only through step messages (messages.py).
+
+Asynchronous scheduling (``EngineConfig.async_scheduling``, MindIE's
+MINDIE_ASYNC_SCHEDULING_ENABLE=1) keeps two steps in flight: step() schedules and launches
+step n+1, then applies and emits step n while n+1 executes.  Off, the same step() waits for
+the step it just launched.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import random
 import time
+from collections import deque
 from typing import Any
-
-import torch
 
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
-from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from server.engine.mtp import AdaptiveK, FixedK, SpecPolicy
-from server.engine.output import RequestOutput, final_output
+from server.engine.executor import InProcessExecutor
+from server.engine.messages import ModelRunnerOutput, SchedulerOutput
+from server.engine.output import OutputProcessor, final_output
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
-from server.engine.runner import ModelRunner, RunnerOutput
-from server.engine.scheduler import ScheduledBatch, Scheduler
+from server.engine.runtime import RuntimeInfo
+from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.stats import EngineStats
+from server.engine.spec_policy import SpecPolicy
+from server.engine.stats import EngineStats, StatsRecorder
+from server.engine.worker import Worker
 
 log = logging.getLogger("server.engine")
-LOG_INTERVAL_S = 10.0          # period of the "SpecDecoding metrics" / throughput log line
 
 
 class EngineError(ValueError):
     """The engine cannot be built from this configuration (message says what and why)."""
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    ids = set(tokenizer.eos_token_ids if tokenizer is not None else ())
+    if not ids:
+        eos = model.config.eos_token_id
+        ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    return frozenset(ids)
 
 
 class LLMEngine:
@@ -36,12 +51,11 @@ class LLMEngine:
 
     def __init__(self, model: Any, cfg: EngineConfig, tokenizer: Any = None, *,
                  eos_token_ids: set[int] | None = None, policy: SpecPolicy | None = None,
-                 clock=time.monotonic) -> None:
+                 blocks: BlockManager | None = None, clock=time.monotonic) -> None:
         if cfg.kv_cache_dtype != "auto":
             raise EngineError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is not supported yet; "
                               "allowed: 'auto' (the model's dtype)")
         self.cfg = cfg
-        self.model = model
         self.tokenizer = tokenizer
         self.clock = clock
         k = cfg.num_speculative_tokens
@@ -49,56 +63,52 @@ class LLMEngine:
             log.warning("num_speculative_tokens=%d but the checkpoint has no MTP weights: "
                         "decoding without MTP", k)
             k = 0
-        self.num_spec_tokens = k
-        if eos_token_ids is None:
-            eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
-            if not eos_token_ids:
-                eos = getattr(model.config, "eos_token_id", None)
-                eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else
-                                    ([eos] if eos is not None else []))
-        self.eos_token_ids = frozenset(eos_token_ids)
-        device = torch.device(cfg.device)
-        dtype = next(model.parameters()).dtype
-        spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim, dtype)
-        per_seq = -(-(cfg.max_seq_len + 2 * k) // cfg.block_size)
-        num_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=device,
-                                    max_useful_blocks=cfg.max_batch_size * per_seq + 1,
-                                    num_blocks=cfg.num_blocks)
-        self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size,
-                                   enable_prefix_cache=cfg.enable_prefix_cache,
-                                   hash_next_token=k > 0)
-        self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k, clock=clock)
-        if policy is None:
-            policy = AdaptiveK(k) if k and cfg.adaptive_speculation else FixedK(k)
-        self.policy = policy
-        self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.policy, device)
-        self._seqs: dict[str, Sequence] = {}
-        self._outputs: dict[str, RequestOutput] = {}
+        eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
+        self.vocab_size = model.config.vocab_size
+        self.worker = Worker(model, cfg, k, policy)
+        self.executor = InProcessExecutor(self.worker, async_scheduling=cfg.async_scheduling)
+        self.runtime = RuntimeInfo(
+            num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
+            adaptive_speculation=bool(k) and cfg.adaptive_speculation,
+            async_scheduling=cfg.async_scheduling, num_kv_blocks=self.worker.num_kv_blocks,
+            block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len)
+        self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
+                                             enable_prefix_cache=cfg.enable_prefix_cache,
+                                             hash_next_token=k > 0)
+        self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k,
+                                   async_scheduling=cfg.async_scheduling, clock=clock)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._stats = EngineStats(kv_blocks_total=self.runtime.num_kv_blocks,
+                                  block_size=cfg.block_size, num_speculative_tokens=k,
+                                  accepted_per_position=[0] * k, steps_per_k=[0] * (k + 1),
+                                  spec_current_k=k)
+        self._recorder = StatsRecorder(self._stats, k, log)
         self._pending: list[EngineOutput] = []          # outputs produced outside step()
-        self._stats = EngineStats(kv_blocks_total=num_blocks, block_size=cfg.block_size,
-                                  num_speculative_tokens=k, accepted_per_position=[0] * k,
-                                  steps_per_k=[0] * (k + 1), spec_current_k=k)
+        self._in_flight: deque[tuple[SchedulerOutput, cf.Future[ModelRunnerOutput]]] = deque()
+        self._max_in_flight = 2 if cfg.async_scheduling else 1
         self._rng = random.Random()
-        self._last_log = (time.monotonic(), 0, 0, 0, 0)   # time, steps, drafts, draft tokens, accepted
-        self._last_steps_per_k = [0] * (k + 1)
+        log.info(self.runtime.describe())
+
+    @property
+    def policy(self) -> SpecPolicy | None:
+        """The speculation policy the MTP proposer asks for k (None with MTP off)."""
+        return self.worker.policy
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Queue ``req``; a request the engine cannot serve finishes at once with an error."""
-        if req.request_id in self._seqs:
+        if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         p = req.sampling
         n = len(req.prompt_token_ids)
         seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
-        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.runtime.eos_token_ids)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), n, p,
                        max_output_tokens=min(p.max_tokens, self.cfg.max_iter_times,
                                              self.cfg.max_seq_len - n),
                        seed=int(seed) & ((1 << 63) - 1),
                        arrival_time=req.arrival_time or self.clock(), stop_ids=stop_ids)
         seq.counters.prompt_tokens = n
-        self._seqs[req.request_id] = seq
         error = self._check(seq)
         if error:
             seq.status = SequenceStatus.FINISHED
@@ -106,12 +116,11 @@ class LLMEngine:
             self._finish_bookkeeping(seq)
             self._pending.append(final_output(seq, FinishReason.ERROR, error))
             return
-        self._outputs[req.request_id] = RequestOutput(seq, self.tokenizer)
+        self.output_processor.add(seq)
         self.scheduler.add(seq)
 
     def _check(self, seq: Sequence) -> str | None:
-        n = seq.num_prompt_tokens
-        vocab = self.model.config.vocab_size
+        n, vocab = seq.num_prompt_tokens, self.vocab_size
         if n == 0:
             return "the prompt is empty"
         if n >= self.cfg.max_seq_len:
@@ -133,20 +142,29 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """End a request now; its KV blocks are free when this returns."""
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.finished:
+        seq = self.scheduler.requests.get(request_id)
+        if seq is None:
             return
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._finish_bookkeeping(seq)
         self._pending.append(final_output(seq, FinishReason.ABORT))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return (self.scheduler.has_work() or self.scheduler.has_finished_to_report
+                or bool(self._pending) or bool(self._in_flight))
+
+    def fail_all(self, error: str) -> list[EngineOutput]:
+        """End every request with ``error`` (the engine loop's last resort after a bug)."""
+        for _so, fut in self._in_flight:
+            fut.exception()                   # wait; whatever it produced is discarded
+        self._in_flight.clear()
+        outputs, self._pending = self._pending, []
+        for seq in list(self.scheduler.requests.values()):
+            outputs.append(self._fail(seq, error))
+        return outputs
 
     def _finish_bookkeeping(self, seq: Sequence) -> None:
-        self.runner.drop(seq.request_id)
-        self._seqs.pop(seq.request_id, None)
-        self._outputs.pop(seq.request_id, None)
+        self.output_processor.remove(seq.request_id)
         st = self._stats
         st.num_requests_finished += 1
         st.num_requests_failed += seq.finish_reason is FinishReason.ERROR
@@ -154,117 +172,42 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, error: str) -> EngineOutput:
         log.error("request %s failed: %s", seq.request_id, error)
+        if seq.finished:                      # e.g. its last output could not be processed
+            seq.finish_reason = FinishReason.ERROR
         self.scheduler.finish(seq, FinishReason.ERROR)
         self._finish_bookkeeping(seq)
         return final_output(seq, FinishReason.ERROR, error)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """Schedule and launch the next step; apply and emit the oldest one in flight."""
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return outputs
-        try:
-            result = self.runner.execute(batch)
-        except Exception:                     # find the request(s) that break the step
-            log.exception("engine step failed; retrying its %d requests one by one", len(batch))
-            batch, result, failed = self._isolate(batch)
-            outputs += failed
-            if not batch.seqs:
-                return outputs
-        results = self.scheduler.update(batch, result.sampled, result.num_drafts_next)
-        now = self.clock()
-        by_seq = {id(s.seq): i for i, s in enumerate(batch.seqs)}
-        for res in results:
-            seq = res.seq
-            i = by_seq[id(seq)]
-            try:
-                if seq.first_token_time is None and res.new_token_ids:
-                    seq.first_token_time = now
-                out, hit = self._outputs[seq.request_id].process(
-                    res.new_token_ids, result.logprobs[i], res.finished)
-                if hit is not None and not seq.finished:
-                    self.scheduler.finish(seq, FinishReason.STOP, hit.stop)
-                if out.finished:
-                    self._finish_bookkeeping(seq)
-                outputs.append(out)
-            except Exception as exc:          # this request only
-                log.exception("output processing failed for %s", seq.request_id)
-                if seq.finished:
-                    seq.status = SequenceStatus.RUNNING   # let _fail do the bookkeeping
-                    seq.finish_reason = None
-                    self.scheduler.running.append(seq)
-                outputs.append(self._fail(seq, f"output processing failed: {exc!r}"))
-        self._observe(batch, results, result.num_drafts_next, time.perf_counter() - t0)
+        so = self.scheduler.schedule()
+        if so.num_scheduled or so.finished_request_ids:
+            self._in_flight.append((so, self.executor.execute_model(so)))
+        if self._in_flight and (len(self._in_flight) >= self._max_in_flight or not so.num_scheduled):
+            done, fut = self._in_flight.popleft()
+            outputs += self._apply(done, fut.result(), t0)
         return outputs
 
-    def _isolate(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, RunnerOutput, list[EngineOutput]]:
-        """Run each sequence of a failed step alone: the ones that still fail finish with
-        an error, the rest continue (their KV for this step is simply rewritten)."""
-        ok = ScheduledBatch(preempted=batch.preempted)
-        merged = RunnerOutput([], [], [])
-        failed = []
-        for sched in batch.seqs:
-            try:
-                one = self.runner.execute(ScheduledBatch([sched]))
-            except Exception as exc:
-                failed.append(self._fail(sched.seq, f"engine step failed: {exc!r}"))
-                continue
-            ok.seqs.append(sched)
-            merged.sampled += one.sampled
-            merged.num_drafts_next += one.num_drafts_next
-            merged.logprobs += one.logprobs
-        return ok, merged, failed
-
-    def _observe(self, batch, results, num_drafts_next: list[int], dt: float) -> None:
-        st = self._stats
-        k = num_drafts_next[0] if num_drafts_next else 0
-        if self.num_spec_tokens:
-            st.spec_current_k = k
-            st.steps_per_k[min(k, self.num_spec_tokens)] += 1
-            # A clean cost sample for the policy: decode only, every sequence verified the
-            # same k it now drafted (the first step after a switch mixes two k's).
-            if all(not s.is_prefill and s.num_new_tokens == 1 and s.num_drafts == k for s in batch.seqs):
-                self.policy.observe_step(len(batch), k, dt)
-        st.num_steps += 1
-        st.step_time_total_s += dt
-        st.last_step_time_s = dt
-        st.last_step_num_tokens = batch.num_tokens
-        st.last_step_batch_size = len(batch)
-        st.num_prompt_tokens += sum(s.num_new_tokens for s in batch.seqs if s.is_prefill)
-        st.num_generation_tokens += sum(len(r.new_token_ids) for r in results)
-        drafts_of = {id(s.seq): s.num_drafts for s in batch.seqs}
-        for r in results:
-            n = drafts_of[id(r.seq)]
-            if n:
-                st.num_drafts += 1
-                st.num_draft_tokens += n
-                st.num_accepted_tokens += r.num_accepted
-                for i in range(r.num_accepted):
-                    st.accepted_per_position[i] += 1
-        now = time.monotonic()
-        if now - self._last_log[0] >= LOG_INTERVAL_S:
-            self._log_metrics(now)
-
-    def _log_metrics(self, now: float) -> None:
-        st = self._stats
-        t0, steps0, drafts0, dtok0, acc0 = self._last_log
-        self._last_log = (now, st.num_steps, st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
-        drafts, dtok, acc = st.num_drafts - drafts0, st.num_draft_tokens - dtok0, st.num_accepted_tokens - acc0
-        msg = (f"engine: {st.num_steps - steps0} steps in {now - t0:.1f} s, running "
-               f"{len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}, "
-               f"KV usage {self.blocks.usage():.1%}")
-        if dtok:
-            msg += (f"; SpecDecoding: mean acceptance length {1 + acc / drafts:.2f}, "
-                    f"acceptance rate {acc / dtok:.1%} ({acc}/{dtok} draft tokens)")
-        if self.num_spec_tokens:
-            per_k = st.steps_per_k
-            prev = self._last_steps_per_k
-            self._last_steps_per_k = list(per_k)
-            msg += (f"; k now {st.spec_current_k} (steps per k since last: "
-                    + ", ".join(f"{j}:{per_k[j] - prev[j]}" for j in range(len(per_k))) + ")")
-        log.info(msg)
+    def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput, t0: float) -> list[EngineOutput]:
+        """Update the scheduler with one executed step and turn it into EngineOutputs."""
+        emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in out.failed.items()
+                   if rid in self.scheduler.requests]
+        results = self.scheduler.update(out)
+        outputs, stops, failures = self.output_processor.process(results, out, self.clock())
+        for seq, stop in stops:
+            self.scheduler.finish(seq, FinishReason.STOP, stop)
+        for seq, o in outputs:
+            if o.finished:
+                self._finish_bookkeeping(seq)
+        emitted += [o for _seq, o in outputs] + [self._fail(seq, err) for seq, err in failures]
+        if out.request_ids:
+            self._recorder.observe(out, results, so.num_prefill_tokens, time.perf_counter() - t0)
+            self._recorder.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting),
+                                     self.blocks.usage())
+        return emitted
 
     def stats(self) -> EngineStats:
         st = self._stats
@@ -276,11 +219,14 @@ class LLMEngine:
         st.num_preemptions = self.scheduler.num_preemptions
         st.prefix_cache_queries = self.blocks.num_prefix_queries
         st.prefix_cache_hits = self.blocks.num_prefix_hits
+        st.num_worker_requests = self.executor.num_held_requests
         return EngineStats(**{f: (list(v) if isinstance(v, list) else v)
                               for f, v in ((f, getattr(st, f)) for f in EngineStats.__slots__)})
 
     def idle_wait_s(self) -> float | None:
         """Seconds until queued prefills must run (maxQueueDelayMicroseconds), if idle."""
+        if self._in_flight:
+            return None
         deadline = self.scheduler.next_deadline()
         return None if deadline is None else max(0.0, deadline - self.clock())
 
@@ -296,3 +242,6 @@ class LLMEngine:
             for o in self.step():
                 outs[o.request_id].append(o)
         return outs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

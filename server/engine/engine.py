@@ -20,6 +20,7 @@ import torch
 from server.engine.config import EngineConfig, engine_config_from_app
 from server.engine.core import EngineError, LLMEngine
 from server.engine.protocol import EngineOutput, EngineRequest
+from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
 
 __all__ = ["AsyncEngine", "EngineError", "LLMEngine"]
@@ -99,6 +100,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def runtime(self) -> RuntimeInfo:
+        """What the engine runs with (effective k, async scheduling, KV blocks, EOS ids)."""
+        return self.engine.runtime
+
     async def shutdown(self, drain: bool = True) -> None:
         """Stop accepting; finish (drain) or abort what is in flight; stop the thread."""
         self._accepting = False
@@ -113,6 +119,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
             self._thread = None
+        self.engine.shutdown()
 
     # ---- engine thread ----------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -153,10 +160,8 @@ class AsyncEngine:
             try:
                 outputs = eng.step()
             except Exception:                      # a scheduler bug must not kill the thread
-                log.exception("engine step raised; aborting the running requests")
-                outputs = []
-                for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting):
-                    outputs.append(eng._fail(seq, "internal engine error"))
+                log.exception("engine step raised; failing the requests in the engine")
+                outputs = eng.fail_all("internal engine error")
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

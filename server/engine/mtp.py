@@ -1,4 +1,4 @@
-"""Drafting with the checkpoint's MTP layer, and the policy that picks k per step.
+"""The MTP proposer: drafting with the checkpoint's MTP layer, and the drafts it holds.
 
 After verification the runner knows, for every sequence, the positions whose KV just
 became final (``start .. start+m-1``: prompt tokens for a prefill, ``t`` and the accepted
@@ -11,144 +11,179 @@ hidden state, giving d_{c+1}.  Those chained positions get their MTP KV rewritte
 hidden states next step, when they are verified.
 
 Index rule: the MTP layer at position j reads token j+1 and predicts token j+2.
+
+The proposer owns everything MTP keeps between steps: the held drafts of every request and
+the distributions q they were sampled from (for ratio verification), the inputs of the
+draft passes, and the per-step choice of k (its SpecPolicy, plus seeded pinning).  With MTP
+off the worker uses ``NoProposer``: the same interface, nothing held, nothing drafted.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from server.engine import sampler as S
+from server.engine.metadata import build_metadata
+from server.engine.request_state import RequestState
+from server.engine.spec_policy import SpecPolicy
 from server.model.batch import BatchMetadata
 
 
-class SpecPolicy(Protocol):
-    """Chooses how many tokens to draft for the next step.
+class NoProposer:
+    """MTP off: every window is one row, nothing is drafted."""
+    max_draft_tokens = 0
+    policy = None
 
-    ``max_draft_tokens`` bounds every choice (KV lookahead is sized for it).  The runner
-    reports each verified window (``observe``), the core each finished step
-    (``observe_step``), and asks ``num_draft_tokens`` once per step, after verification.
-    """
+    def num_held(self, request_id: str) -> int:
+        return 0
 
-    max_draft_tokens: int
+    @property
+    def num_held_requests(self) -> int:
+        return 0
 
-    def num_draft_tokens(self, num_seqs: int) -> int: ...
+    def held_drafts(self, states, num_drafts, K: int, device) -> torch.Tensor:
+        return torch.zeros(len(states), 0, dtype=torch.int64, device=device)
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None: ...
+    def draft_probs(self, states, num_drafts, K, draft_ids):
+        return None
 
-    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None: ...
+    def choose_k(self, states) -> int:
+        return 0
+
+    def propose(self, states, starts, n_new, sampled, cu, hidden, k):
+        return None
+
+    def commit(self, states, drafts, k, num_drafts, sampled) -> None:
+        pass
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        pass
+
+    def drop(self, request_id: str) -> None:
+        pass
 
 
-@dataclass
-class FixedK:
-    """Always draft ``k`` tokens (num_speculative_tokens)."""
-    k: int
+class MTPProposer:
+    """Drafts with the MTP layer; holds each request's drafts on the device between steps."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
+                 policy: SpecPolicy, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.policy = policy
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        # request id -> (draft ids [k], q [k, V] or None for greedy drafts)
+        self._held: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     @property
     def max_draft_tokens(self) -> int:
-        return self.k
+        return self.policy.max_draft_tokens
 
-    def num_draft_tokens(self, num_seqs: int) -> int:
-        return self.k
+    def num_held(self, request_id: str) -> int:
+        held = self._held.get(request_id)
+        return 0 if held is None else int(held[0].shape[0])
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        pass
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._held)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's drafts (finished or aborted; a preempted request keeps them:
+        the recompute step verifies them exactly as the next decode step would have)."""
+        self._held.pop(request_id, None)
+
+    def held_drafts(self, states: list[RequestState], num_drafts: list[int], K: int,
+                    device: torch.device) -> torch.Tensor:
+        """[S, K] draft ids (0-padded) fed after each sequence's known tokens."""
+        drafts = torch.zeros(len(states), K, dtype=torch.int64, device=device)
+        for i, (st, d) in enumerate(zip(states, num_drafts)):
+            if d:
+                drafts[i, :d] = self._held[st.request_id][0][:d]
+        return drafts
+
+    def draft_probs(self, states: list[RequestState], num_drafts: list[int], K: int,
+                    draft_ids: torch.Tensor) -> torch.Tensor | None:
+        """q [S, K, V] for verification: the stored q of sampled drafts, one-hot for greedy ones."""
+        stored = [self._held[s.request_id][1] if d else None for s, d in zip(states, num_drafts)]
+        if all(q is None for q in stored):
+            return None
+        q = torch.zeros(len(states), K, self.vocab_size, device=self.device)
+        q.scatter_(2, draft_ids.unsqueeze(2), 1.0)
+        for i, sq in enumerate(stored):
+            if sq is not None:
+                q[i, :sq.shape[0]] = sq[:K]
+        return q
+
+    def choose_k(self, states: list[RequestState]) -> int:
+        """Drafts per sequence for the next step.
+
+        The policy may pick any k in 0..max per step; a sequence holding more or fewer
+        drafts than the new k was verified on what it held, and now gets k.  A seeded
+        sampled request pins k to the maximum while it runs: its tokens are reproducible
+        (alone, batched, preempted) only under a fixed draft schedule.
+        """
+        if any(s.sampling.seed is not None and not s.sampling.greedy for s in states):
+            return self.policy.max_draft_tokens
+        return self.policy.num_draft_tokens(len(states))
+
+    def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
+                sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
+                k: int) -> "DraftResult | None":
+        """Draft k tokens per sequence from the verified positions (module docstring).
+
+        k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
+        positions, which later drafts attend to once k rises again.  Nothing is held until
+        ``commit``: a step that fails later leaves the proposer as it was.
+        """
+        dev = self.device
+        m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
+        ids: list[int] = []
+        rows: list[int] = []
+        for st, s0, n, toks, c0, mm in zip(states, starts, n_new, sampled, cu, m):
+            ids.extend(st.token_ids[s0 + 1:s0 + n])
+            ids.extend(toks)
+            rows.extend(range(c0, c0 + mm))
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
+        tables = [s.block_table for s in states]
+        first = build_metadata(starts, m, tables, self.block_size, dev)
+        last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
+        base = [s0 + mm for s0, mm in zip(starts, m)]     # position of the emitted final token
+
+        def chain_meta(c: int) -> BatchMetadata:
+            return build_metadata([b - 1 + c for b in base], [1] * len(states), tables,
+                                  self.block_size, dev)
+
+        samp = []
+        for st, b, toks in zip(states, base, sampled if k else ()):
+            prompt, output = st.penalty_context()
+            if st.sampling.has_penalties:
+                output = output + toks
+            samp.append(S.SeqSamplingInput(st.sampling, st.seed, 1, b + 1,
+                                           st.num_output_tokens + len(toks), prompt, output,
+                                           st.stop_ids))
+        return propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden, last_rows,
+                       samp, self.vocab_size, chain_meta)
+
+    def commit(self, states: list[RequestState], drafts: "DraftResult | None", k: int,
+               num_drafts: list[int], sampled: list[list[int]]) -> None:
+        """Hold the new drafts and feed the policy the verified windows."""
+        for d, toks in zip(num_drafts, sampled):
+            if d:
+                self.policy.observe(d, len(toks) - 1)
+        if drafts is None or not k:
+            for st in states:
+                self._held.pop(st.request_id, None)
+            return
+        for i, st in enumerate(states):
+            q = drafts.probs[i] if drafts.probs is not None and not st.sampling.greedy else None
+            self._held[st.request_id] = (drafts.ids[i], q)
 
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
-        pass
-
-
-def _bucket(num_seqs: int) -> int:
-    """Batch sizes share cost estimates by power of two: 1, 2, 3-4, 5-8, ..."""
-    return 1 << max(0, num_seqs - 1).bit_length()
-
-
-class AdaptiveK:
-    """Adaptive speculation: the k (0..max_k) with the best measured tokens per second.
-
-    For a batch of B sequences drafting k tokens each, a step emits on average
-    B * (1 + a1 + a1*a2 + ... + a1*...*ak) tokens, where ai is the acceptance rate of
-    draft i given drafts 1..i-1 were accepted (EWMA per position, from ``observe``), and
-    costs c(k, B) seconds (EWMA of decode-only step times per k and power-of-two batch
-    bucket, from ``observe_step``).  The policy picks argmax_k expected_tokens(k) / c(k, B).
-    So k falls when acceptance is low (few extra tokens) or when the batch is large enough
-    that verifying k+1 tokens per sequence costs more than the extra tokens are worth, and
-    rises again when the figures say it pays.
-
-    Exploration: a k with no cost figure yet for this bucket, and every ``probe_every``
-    decisions the k measured longest ago, is run for ``probe_len`` steps (the first step
-    after a switch still verifies the old k, so it is not a clean cost sample).  A switch
-    needs a ``margin`` gain, so noise does not flap k.  k never changes outputs: whatever
-    drafts a sequence holds are verified, then the new k is drafted.
-    """
-
-    def __init__(self, max_k: int, *, probe_every: int = 64, probe_len: int = 3,
-                 alpha_cost: float = 0.2, alpha_acc: float = 0.05, margin: float = 0.03,
-                 prior_acceptance: float = 0.7) -> None:
-        self.max_draft_tokens = max_k
-        self.probe_every, self.probe_len = probe_every, probe_len
-        self.alpha_cost, self.alpha_acc, self.margin = alpha_cost, alpha_acc, margin
-        self.acceptance = [prior_acceptance] * max_k      # [k] conditional rate per position
-        self.cost: dict[tuple[int, int], float] = {}        # (k, bucket) -> seconds per step
-        self._measured_at: dict[tuple[int, int], int] = {}  # (k, bucket) -> decision count
-        self.current = max_k
-        self._probe: tuple[int, int] | None = None          # (k, steps left)
-        self._decisions = 0
-        self.num_switches = 0
-
-    # ---- measurements ----------------------------------------------------------------
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """One verified window: position i was reached iff drafts 0..i-1 were accepted."""
-        a = self.alpha_acc
-        for i in range(min(num_drafts, num_accepted + 1, self.max_draft_tokens)):
-            hit = 1.0 if i < num_accepted else 0.0
-            self.acceptance[i] += a * (hit - self.acceptance[i])
-
-    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
-        """A decode-only step where every sequence verified ``k`` drafts and drafted ``k``."""
-        key = (k, _bucket(num_seqs))
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else old + self.alpha_cost * (seconds - old)
-        self._measured_at[key] = self._decisions
-
-    # ---- decision --------------------------------------------------------------------
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one sequence emits per step with k drafts: 1 + sum_j prod_{i<=j} ai."""
-        total, run = 1.0, 1.0
-        for i in range(k):
-            run *= self.acceptance[i]
-            total += run
-        return total
-
-    def goodput(self, k: int, num_seqs: int) -> float | None:
-        """Expected tokens per second for the batch, or None without a cost figure."""
-        c = self.cost.get((k, _bucket(num_seqs)))
-        return None if c is None or c <= 0 else num_seqs * self.expected_tokens(k) / c
-
-    def num_draft_tokens(self, num_seqs: int) -> int:
-        self._decisions += 1
-        if self._probe is not None:
-            k, left = self._probe
-            self._probe = (k, left - 1) if left > 1 else None
-            return k
-        b = _bucket(num_seqs)
-        ks = range(self.max_draft_tokens + 1)
-        unmeasured = [k for k in ks if (k, b) not in self.cost]
-        if unmeasured or self._decisions % self.probe_every == 0:
-            probe = unmeasured[0] if unmeasured else min(
-                (k for k in ks if k != self.current), key=lambda k: self._measured_at.get((k, b), -1))
-            if probe != self.current or unmeasured:
-                self._probe = (probe, self.probe_len - 1) if self.probe_len > 1 else None
-                return probe
-        rates = {k: self.goodput(k, num_seqs) for k in ks}
-        best = max(ks, key=lambda k: rates[k] or 0.0)
-        cur = rates.get(self.current)
-        if best != self.current and (cur is None or rates[best] > cur * (1 + self.margin)):
-            self.current = best
-            self.num_switches += 1
-        return self.current
-
+        self.policy.observe_step(num_seqs, k, seconds)
 
 @dataclass(slots=True)
 class DraftResult:

@@ -1,5 +1,10 @@
 """Output processing after each step: detokenize, apply stop strings, build EngineOutputs.
 
+It runs on the engine thread after ``Scheduler.update``; under asynchronous scheduling
+that is while the worker executes the next step, so it is off the critical path.  A stop
+string found here finishes the request, and whatever the step already in flight produces
+for it is discarded (Scheduler.update skips finished requests).
+
 Engine-side, after the scheduler's token-level stops (EOS, stop_token_ids, lengths).  Stop
 strings are searched across token boundaries in the accumulated text: the part of the new
 text that could still complete a stop string is held back until it cannot, so a streamed
@@ -12,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from server.engine.messages import ModelRunnerOutput
 from server.engine.protocol import EngineOutput, FinishReason, TokenLogprob
+from server.engine.scheduler import StepResult
 from server.engine.sequence import Sequence
 
 
@@ -94,3 +101,39 @@ def final_output(seq: Sequence, reason: FinishReason, error: str | None = None,
     return EngineOutput(request_id=seq.request_id, token_ids=[], text=text, finished=True,
                         finish_reason=reason, error=error,
                         counters=replace(seq.counters), first_token_time=seq.first_token_time)
+
+
+class OutputProcessor:
+    """The per-request text states and the step's output loop."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestOutput] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self._requests[seq.request_id] = RequestOutput(seq, self.tokenizer)
+
+    def remove(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def process(self, results: list[StepResult], out: ModelRunnerOutput, now: float
+                ) -> tuple[list[tuple[Sequence, EngineOutput]], list[tuple[Sequence, str]],
+                           list[tuple[Sequence, str]]]:
+        """(seq, EngineOutput) for one applied step, plus (seq, stop string) for requests a
+        stop string ended and (seq, error) for requests whose processing failed."""
+        logprobs = dict(zip(out.request_ids, out.logprobs))
+        outputs, stops, failures = [], [], []
+        for res in results:
+            seq = res.seq
+            try:
+                if seq.first_token_time is None and res.new_token_ids:
+                    seq.first_token_time = now
+                o, hit = self._requests[seq.request_id].process(
+                    res.new_token_ids, logprobs.get(seq.request_id), res.finished)
+            except Exception as exc:          # this request only
+                failures.append((seq, f"output processing failed: {exc!r}"))
+                continue
+            if hit is not None and not seq.finished:
+                stops.append((seq, hit.stop))
+            outputs.append((seq, o))
+        return outputs, stops, failures

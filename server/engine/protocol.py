@@ -49,6 +49,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) \
+            or bool(self.presence_penalty)
+
 
 @dataclass(slots=True)
 class EngineRequest:

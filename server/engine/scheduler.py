@@ -8,85 +8,88 @@ every running decode for about prefillTimeMsPerReq each, an under-full decode ba
 decodeTimeMsPerReq per empty seat; prefill runs once the accumulated waste exceeds the
 stall it would cause.
 
-KV blocks.  Every scheduled sequence needs slots for its new tokens, its drafts and
-``lookahead`` more (the chained MTP passes write k-1 positions past the verified ones).
+KV blocks.  Every scheduled sequence needs slots for its new tokens, its drafts and the
+positions the chained MTP passes write past the verified ones (k - 1).  Under
+asynchronous scheduling a sequence whose previous step is still in flight is scheduled
+with placeholders (messages.py): slots for the 1 + d tokens that step may add and up to k
+fresh drafts; the worst case per sequence is ``runtime.lookahead_slots``.
 Two admission modes keep the engine from ever deadlocking:
   * preemptible (maxPreemptCount > 0): blocks are taken as needed; when they run out the
     newest preemptible running sequence is preempted (blocks freed, recomputed later from
     its tokens).  A sequence preempted maxPreemptCount times is re-admitted reserved.
   * reserved (maxPreemptCount == 0, or after the last allowed preemption): admission
     holds back the sequence's worst-case block count, so it always completes.
+Freed blocks may be handed out while a step that still writes them is in flight: the
+worker runs steps in order, so the new owner's step writes them after it.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
+from server.engine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                    SchedulerOutput)
 from server.engine.protocol import FinishReason
+from server.engine.runtime import lookahead_slots
 from server.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int          # known tokens fed: token_ids[num_computed:num_computed+this]
-    num_drafts: int              # drafts fed after them (held by the runner)
-    start_pos: int               # num_computed_tokens when scheduled
-    is_prefill: bool = False     # admitted from the queue this step (prompt or recompute)
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_prefills: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.num_drafts for s in self.seqs)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-
-@dataclass(slots=True)
 class StepResult:
-    """What update() did to one scheduled sequence."""
+    """What update() did to one sequence."""
     seq: Sequence
     new_token_ids: list[int]     # emitted this step, cut after a stop
+    num_drafts: int              # drafts verified
     num_accepted: int
     finished: bool
 
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, *, num_spec_tokens: int = 0,
+                 async_scheduling: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.num_spec_tokens = num_spec_tokens
-        self.lookahead = max(0, num_spec_tokens - 1)
+        self.chained = max(0, num_spec_tokens - 1)    # positions the chained MTP passes write
+        self.worst_case_extra = lookahead_slots(num_spec_tokens, async_scheduling)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}       # every unfinished sequence, by id
+        self._finished_ids: list[str] = []            # the worker drops their state next step
+        self._step_id = 0
         self._reserved_outstanding = 0          # blocks promised to reserved sequences
         self._decode_waste_ms = 0.0
         self.num_preemptions = 0
 
     # ---- queue management -----------------------------------------------------------
     def worst_case_blocks(self, seq: Sequence) -> int:
-        n = seq.num_prompt_tokens + seq.max_output_tokens + self.num_spec_tokens + self.lookahead
+        n = seq.num_prompt_tokens + seq.max_output_tokens + self.worst_case_extra
         return self.blocks.blocks_for(n)
+
+    def _slots_needed(self, seq: Sequence) -> int:
+        """KV slots ``seq``'s next step may touch (positions 0..this-1)."""
+        if seq.num_inflight_steps:      # placeholders: 1 + d tokens in flight, then <= k drafts
+            return seq.num_tokens + 1 + seq.num_draft_tokens + self.num_spec_tokens + self.chained
+        return seq.num_tokens + seq.num_draft_tokens + self.chained
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def has_finished_to_report(self) -> bool:
+        """Finished requests the worker has not been told about (the next step tells it)."""
+        return bool(self._finished_ids)
 
     def next_deadline(self) -> float | None:
         """When an idle engine must schedule the queued prefills (maxQueueDelayMicroseconds)."""
@@ -103,6 +106,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        if self.requests.pop(seq.request_id, None) is not None:
+            self._finished_ids.append(seq.request_id)
         seq.num_draft_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -134,9 +139,10 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        # The drafts it holds survive (the runner keeps them): the recompute step verifies
-        # them exactly as the next decode step would have, so a seeded request's random
-        # draws, and so its output, do not depend on whether it was preempted.
+        # The drafts it holds survive (the worker's proposer keeps them): the recompute step
+        # verifies them exactly as the next decode step would have, so a seeded request's
+        # random draws, and so its output, do not depend on whether it was preempted.  A
+        # step of it still in flight completes; update() appends its tokens.
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
@@ -162,28 +168,35 @@ class Scheduler:
         self._decode_waste_ms += cfg.decode_time_ms_per_req * (cfg.max_batch_size - len(self.running))
         return False
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        now = self.clock()
-        prefill = self._want_prefill(now)
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        new: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        preempted: list[Sequence] = []
+        prefill = self._want_prefill(self.clock())
         prefill_only = self.cfg.support_select_batch and prefill and bool(self.running)
         if not prefill_only:
-            self._schedule_running(batch)
+            self._schedule_running(cached, preempted)
         if prefill:
-            self._schedule_waiting(batch)
-        return batch
+            self._schedule_waiting(new, preempted)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(self._step_id, tuple(new), tuple(cached), finished,
+                               tuple(s.request_id for s in preempted))
 
-    def _schedule_running(self, batch: ScheduledBatch) -> None:
+    def _schedule_running(self, cached: list[CachedRequestData], preempted: list[Sequence]) -> None:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            n_new = seq.num_tokens - seq.num_computed_tokens
-            slots = seq.num_tokens + seq.num_draft_tokens + self.lookahead
+            if seq.num_inflight_steps and seq.num_output_tokens + 1 >= seq.max_output_tokens:
+                i += 1                         # the step in flight is certainly its last
+                continue
+            slots = self._slots_needed(seq)
+            before = len(seq.block_table)
             while not self._grow(seq, slots):
                 victim = self._pick_victim(i)
                 if victim is None:
                     break
-                batch.preempted.append(victim)
+                preempted.append(victim)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -192,10 +205,13 @@ class Scheduler:
             if self.blocks.blocks_for(slots) > len(seq.block_table):
                 i += 1                         # reserved everywhere: wait for blocks to free
                 continue
-            batch.seqs.append(ScheduledSeq(seq, n_new, seq.num_draft_tokens, seq.num_computed_tokens))
+            placeholders = 1 + seq.num_draft_tokens if seq.num_inflight_steps else 0
+            cached.append(CachedRequestData(seq.request_id, tuple(seq.block_table[before:]),
+                                            seq.num_computed_tokens, placeholders))
+            seq.num_inflight_steps += 1
             i += 1
         # Preempted sequences go back to the front of the queue, oldest first.
-        for victim in sorted(batch.preempted, key=lambda s: s.arrival_time, reverse=True):
+        for victim in sorted(preempted, key=lambda s: s.arrival_time, reverse=True):
             self.waiting.appendleft(victim)
 
     def _pick_victim(self, first: int) -> Sequence | None:
@@ -205,21 +221,20 @@ class Scheduler:
                 return seq
         return None
 
-    def _schedule_waiting(self, batch: ScheduledBatch) -> None:
+    def _schedule_waiting(self, new: list[NewRequestData], preempted: list[Sequence]) -> None:
         cfg = self.cfg
         num_tokens = 0
-        num_prefills = 0
-        preempted = {id(s) for s in batch.preempted}
+        skip = {id(s) for s in preempted}
         while self.waiting and len(self.running) < cfg.max_batch_size \
-                and num_prefills < cfg.max_prefill_batch_size:
+                and len(new) < cfg.max_prefill_batch_size:
             seq = self.waiting[0]
-            if id(seq) in preempted:
-                break                          # freed this step for someone else: not now
+            if id(seq) in skip or seq.num_inflight_steps:
+                break                          # freed this step, or its last step is in flight
             match = self.blocks.match_prefix(seq)
             n_new = seq.num_tokens - match.num_blocks * self.blocks.block_size
-            if num_prefills and num_tokens + n_new > cfg.max_prefill_tokens:
+            if new and num_tokens + n_new > cfg.max_prefill_tokens:
                 break
-            slots = seq.num_tokens + seq.num_draft_tokens + self.lookahead
+            slots = self._slots_needed(seq)
             need = self.blocks.blocks_for(slots) - match.num_blocks + match.num_free_hits
             reserve = cfg.max_preempt_count == 0 or seq.num_preemptions >= cfg.max_preempt_count
             worst = self.worst_case_blocks(seq) if reserve else 0
@@ -235,38 +250,50 @@ class Scheduler:
                 seq.counters.cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens,
-                                           seq.num_draft_tokens, seq.num_computed_tokens,
-                                           is_prefill=True))
+            new.append(NewRequestData(seq.request_id, tuple(seq.token_ids), seq.num_prompt_tokens,
+                                      seq.num_computed_tokens, tuple(seq.block_table),
+                                      seq.sampling, seq.seed, seq.stop_ids))
+            seq.num_inflight_steps += 1
             num_tokens += n_new
-            num_prefills += 1
-        batch.num_prefills = num_prefills
 
     # ---- update ---------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[list[int]],
-               num_drafts_next: list[int]) -> list[StepResult]:
-        """Apply one step's verified tokens: roll back rejected drafts, append, stop."""
+    def update(self, out: ModelRunnerOutput) -> list[StepResult]:
+        """Apply one executed step: roll back rejected drafts, append tokens, stop.
+
+        A sequence's state is exact up to its previous step when this runs (steps are
+        applied in order), so the step fed every known token: its computed positions become
+        ``num_tokens + accepted``.  Outputs of sequences finished meanwhile (aborted, or a
+        stop found in the previous step's output) are discarded.
+        """
         results = []
-        for sched, tokens, n_draft in zip(batch.seqs, sampled, num_drafts_next):
-            seq = sched.seq
-            if seq.finished or seq.status is not SequenceStatus.RUNNING:
-                continue                       # aborted while the step ran
+        for rid in out.failed:
+            seq = self.requests.get(rid)
+            if seq is not None:
+                seq.num_inflight_steps = max(0, seq.num_inflight_steps - 1)
+        for rid, tokens, n_drafts, n_next in zip(out.request_ids, out.sampled_token_ids,
+                                                 out.num_drafts, out.num_drafts_next):
+            seq = self.requests.get(rid)
+            if seq is None:
+                continue
+            seq.num_inflight_steps -= 1
             accepted = len(tokens) - 1
-            seq.num_computed_tokens = sched.start_pos + sched.num_new_tokens + accepted
-            if sched.num_drafts:
-                c = seq.counters
+            running = seq.status is SequenceStatus.RUNNING
+            if running:                        # else preempted while in flight: recomputed
+                seq.num_computed_tokens = seq.num_tokens + accepted
+            c = seq.counters
+            if n_drafts:
                 c.num_drafts += 1
-                c.num_draft_tokens += sched.num_drafts
+                c.num_draft_tokens += n_drafts
                 c.num_accepted_tokens += accepted
             emitted, reason, stop_reason = self._append(seq, tokens)
-            c = seq.counters
             c.completion_tokens = seq.num_output_tokens
-            self.blocks.register_computed(seq)
+            if running:
+                self.blocks.register_computed(seq)
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
             else:
-                seq.num_draft_tokens = n_draft
-            results.append(StepResult(seq, emitted, accepted, reason is not None))
+                seq.num_draft_tokens = n_next
+            results.append(StepResult(seq, emitted, n_drafts, accepted, reason is not None))
         return results
 
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None,

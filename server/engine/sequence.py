@@ -4,11 +4,14 @@ Token counting (the whole scheduler is built on it):
   token_ids            prompt + output tokens emitted so far (n = len(token_ids)).
   num_computed_tokens  positions whose KV (main and MTP layers) is final; after every
                        step it is n - 1: the last emitted token is fed next step.
-  num_draft_tokens     drafts held on the device by the runner for the next step; they
-                       are fed after the last token and verified (also by the recompute
-                       step after a preemption).  A step that accepts
-                       ``a`` of them advances num_computed_tokens by (new tokens) + a,
-                       i.e. rejected drafts roll back.
+  num_draft_tokens     drafts held on the device by the worker's MTP proposer for the next
+                       step; they are fed after the last token and verified (also by the
+                       recompute step after a preemption).  A step that accepts ``a`` of
+                       them advances num_computed_tokens by (new tokens) + a, i.e.
+                       rejected drafts roll back.
+  num_inflight_steps   steps scheduled whose output has not been applied yet (0 or 1; 1
+                       only under asynchronous scheduling, where the next step is
+                       scheduled with placeholders for that step's tokens).
 Prefill, decode and recompute after preemption are the same: feed
 token_ids[num_computed_tokens:] (+ drafts).
 """
@@ -39,6 +42,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_draft_tokens: int = 0
+    num_inflight_steps: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0        # leading blocks registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)

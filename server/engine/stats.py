@@ -8,7 +8,9 @@ Spec-decode words follow the glossary in protocol.py.  Derived figures:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class EngineStats:
     last_step_time_s: float = 0.0
     last_step_num_tokens: int = 0        # tokens fed to the main model by the last step
     last_step_batch_size: int = 0
+    num_worker_requests: int = 0         # requests with state on the worker (leak check)
 
     @property
     def acceptance_rate(self) -> float:
@@ -50,3 +53,58 @@ class EngineStats:
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class StatsRecorder:
+    """Folds each applied step into ``EngineStats`` and logs a throughput / SpecDecoding line
+    every ``log_interval_s`` seconds."""
+
+    def __init__(self, stats: EngineStats, num_spec_tokens: int, log: Any,
+                 log_interval_s: float = 10.0) -> None:
+        self.stats = stats
+        self.k = num_spec_tokens
+        self.log = log
+        self.log_interval_s = log_interval_s
+        self._last = (time.monotonic(), 0, 0, 0, 0)   # time, steps, drafts, draft tokens, accepted
+        self._last_steps_per_k = [0] * (num_spec_tokens + 1)
+
+    def observe(self, out: Any, results: list, num_prefill_tokens: int, seconds: float) -> None:
+        """``out``: the step's ModelRunnerOutput; ``results``: Scheduler.update's StepResults."""
+        st = self.stats
+        if self.k and out.request_ids:
+            st.spec_current_k = out.spec_k
+            st.steps_per_k[min(out.spec_k, self.k)] += 1
+        st.num_steps += 1
+        st.step_time_total_s += seconds
+        st.last_step_time_s = seconds
+        st.last_step_num_tokens = out.num_tokens
+        st.last_step_batch_size = len(out.request_ids)
+        st.num_prompt_tokens += num_prefill_tokens
+        for r in results:
+            st.num_generation_tokens += len(r.new_token_ids)
+            if r.num_drafts:
+                st.num_drafts += 1
+                st.num_draft_tokens += r.num_drafts
+                st.num_accepted_tokens += r.num_accepted
+                for i in range(r.num_accepted):
+                    st.accepted_per_position[i] += 1
+
+    def maybe_log(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        now = time.monotonic()
+        if now - self._last[0] < self.log_interval_s:
+            return
+        st = self.stats
+        t0, steps0, drafts0, dtok0, acc0 = self._last
+        self._last = (now, st.num_steps, st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+        drafts, dtok, acc = st.num_drafts - drafts0, st.num_draft_tokens - dtok0, st.num_accepted_tokens - acc0
+        msg = (f"engine: {st.num_steps - steps0} steps in {now - t0:.1f} s, running "
+               f"{num_running}, waiting {num_waiting}, KV usage {kv_usage:.1%}")
+        if dtok:
+            msg += (f"; SpecDecoding: mean acceptance length {1 + acc / drafts:.2f}, "
+                    f"acceptance rate {acc / dtok:.1%} ({acc}/{dtok} draft tokens)")
+        if self.k:
+            per_k, prev = st.steps_per_k, self._last_steps_per_k
+            self._last_steps_per_k = list(per_k)
+            msg += (f"; k now {st.spec_current_k} (steps per k since last: "
+                    + ", ".join(f"{j}:{per_k[j] - prev[j]}" for j in range(len(per_k))) + ")")
+        self.log.info(msg)

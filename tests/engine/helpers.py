@@ -54,10 +54,12 @@ def high_acceptance_model(alpha: float = 0.1, seed: int = 0):
 
 
 def make_engine(model, k: int = 0, *, num_blocks: int = 512, block_size: int = 8,
-                max_batch_size: int = 8, eos: set[int] | None = None, **kw) -> LLMEngine:
+                max_batch_size: int = 8, eos: set[int] | None = None, policy=None, blocks=None,
+                **kw) -> LLMEngine:
     cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, num_speculative_tokens=k,
                        max_queue_delay_us=0, max_batch_size=max_batch_size, max_seq_len=512, **kw)
-    return LLMEngine(model, cfg, eos_token_ids=set() if eos is None else eos)
+    return LLMEngine(model, cfg, eos_token_ids=set() if eos is None else eos, policy=policy,
+                     blocks=blocks)
 
 
 def prompts(n: int, *, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 512) -> list[list[int]]:

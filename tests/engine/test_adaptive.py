@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from server.engine.mtp import AdaptiveK, FixedK
+from server.engine.spec_policy import AdaptiveK, FixedK
 from server.engine.protocol import SamplingParams
 from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_staggered, \
     run_tokens, tiny_model
@@ -104,8 +104,7 @@ def test_k_switching_mid_generation_keeps_greedy_outputs(model_name):
     ps = prompts(6, seed=3)
     ref = run_tokens(make_engine(model, 0), requests(ps, GREEDY))
     for ks in ([2, 0, 1, 2, 1, 0, 0, 2], [1, 2, 2, 0]):
-        eng = make_engine(model, 2)
-        eng.policy = eng.runner.policy = Scripted(2, ks)
+        eng = make_engine(model, 2, policy=Scripted(2, ks))
         assert run_staggered(eng, requests(ps, GREEDY)) == ref
         st = eng.stats()
         assert sum(st.steps_per_k) == st.num_steps and all(st.steps_per_k)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.engine import AsyncEngine, EngineError, LLMEngine
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
@@ -80,7 +81,7 @@ def test_pool_free_after_aborts_mid_decode():
         while eng.has_unfinished():
             eng.step()
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
-        assert eng.stats().kv_blocks_used == 0 and not eng.runner._drafts
+        assert eng.stats().kv_blocks_used == 0 and eng.stats().num_worker_requests == 0
 
 
 def test_abort_of_waiting_and_unknown_requests():
@@ -120,11 +121,7 @@ def test_prefix_cache_hits_give_identical_outputs():
 def _mtp_rows_after_prefill(eng: LLMEngine, req: EngineRequest) -> torch.Tensor:
     eng.add_request(req)
     eng.step()
-    seq = eng.scheduler.running[-1]
-    L = len(req.prompt_token_ids)
-    bs = eng.cfg.block_size
-    slots = [seq.block_table[p // bs] * bs + p % bs for p in range(L)]
-    return eng.kv_caches[-1].view(-1, eng.kv_caches[-1].shape[-1])[slots].clone()
+    return eng.worker.kv_rows(req.request_id, range(len(req.prompt_token_ids)), layer=-1)
 
 
 def test_prefix_hit_reuses_mtp_kv_only_when_the_next_token_matches():
@@ -137,14 +134,14 @@ def test_prefix_hit_reuses_mtp_kv_only_when_the_next_token_matches():
     eng = make_engine(model, 1, enable_prefix_cache=True)
     run_tokens(eng, [EngineRequest("a", a, GREEDY)])
     rows = _mtp_rows_after_prefill(eng, EngineRequest("b", b, GREEDY))
-    assert eng.scheduler.running[-1].counters.cached_tokens == 16
+    assert eng.scheduler.requests["b"].counters.cached_tokens == 16
     assert torch.allclose(rows, fresh, atol=1e-5)
     # Keyed without the next token, block 2 would be reused with a stale last MTP slot:
-    bad = make_engine(model, 1, enable_prefix_cache=True)
-    bad.blocks.hash_next_token = False
+    bad = make_engine(model, 1, enable_prefix_cache=True,
+                      blocks=BlockManager(512, 8, enable_prefix_cache=True, hash_next_token=False))
     run_tokens(bad, [EngineRequest("a", a, GREEDY)])
     rows_bad = _mtp_rows_after_prefill(bad, EngineRequest("b", b, GREEDY))
-    assert bad.scheduler.running[-1].counters.cached_tokens == 24
+    assert bad.scheduler.requests["b"].counters.cached_tokens == 24
     assert not torch.allclose(rows_bad[23], fresh[23], atol=1e-3)
 
 

@@ -5,6 +5,7 @@ import itertools
 
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
+from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.protocol import FinishReason, SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
@@ -35,10 +36,29 @@ def req(n_prompt: int = 5, max_tokens: int = 16, arrival: float = 0.0, **sp) -> 
                     max_output_tokens=max_tokens, seed=0, arrival_time=arrival, stop_ids=stop)
 
 
+def seqs_of(s: Scheduler, so: SchedulerOutput) -> list[Sequence]:
+    return [s.requests[rid] for rid in so.request_ids]
+
+
+def num_new(so: SchedulerOutput) -> list[int]:
+    """Known tokens each scheduled request feeds (synchronous scheduling: exact)."""
+    return [1 for _ in so.cached_requests] + \
+           [len(r.token_ids) - r.num_computed_tokens for r in so.new_requests]
+
+
+def output(s: Scheduler, so: SchedulerOutput, sampled: list[list[int]],
+           drafts_next: list[int]) -> ModelRunnerOutput:
+    """What a worker would answer: ``sampled`` per request, drafts verified as held."""
+    ids = so.request_ids
+    return ModelRunnerOutput(so.step_id, ids, sampled, [s.requests[r].num_draft_tokens for r in ids],
+                             drafts_next, [None] * len(ids))
+
+
 def step(s: Scheduler, tokens=lambda seq: [7], drafts: int = 0):
-    batch = s.schedule()
-    res = s.update(batch, [tokens(x.seq) for x in batch.seqs], [drafts] * len(batch.seqs))
-    return batch, res
+    so = s.schedule()
+    seqs = seqs_of(s, so)
+    res = s.update(output(s, so, [tokens(q) for q in seqs], [drafts] * len(seqs)))
+    return so, res
 
 
 def test_prefill_budgets_fcfs():
@@ -47,13 +67,13 @@ def test_prefill_budgets_fcfs():
     for q in seqs:
         s.add(q)
     b = s.schedule()
-    assert [x.seq for x in b.seqs] == seqs[:2]            # batch size 2 (and 10 <= 12 tokens)
-    assert [x.num_new_tokens for x in b.seqs] == [5, 5]
-    s.update(b, [[7], [7]], [0, 0])
+    assert seqs_of(s, b) == seqs[:2]                      # batch size 2 (and 10 <= 12 tokens)
+    assert num_new(b) == [5, 5]
+    s.update(output(s, b, [[7], [7]], [0, 0]))
     b = s.schedule()
     # two decodes + one prefill (max_batch_size 3); the 4th waits
-    assert [x.seq for x in b.seqs] == seqs[:3]
-    assert [x.num_new_tokens for x in b.seqs] == [1, 1, 5]
+    assert seqs_of(s, b) == seqs[:3]
+    assert num_new(b) == [1, 1, 5]
 
 
 def test_prefill_token_budget_but_never_starves_a_long_prompt():
@@ -62,20 +82,20 @@ def test_prefill_token_budget_but_never_starves_a_long_prompt():
     big = req(20)
     for q in (a, b):
         s.add(q)
-    assert [x.seq for x in s.schedule().seqs] == [a]       # 12 > 8
+    assert seqs_of(s, s.schedule()) == [a]                 # 12 > 8
     s2 = make(max_prefill_tokens=8)
     s2.add(big)
-    assert [x.seq for x in s2.schedule().seqs] == [big]    # alone it may exceed the budget
+    assert seqs_of(s2, s2.schedule()) == [big]             # alone it may exceed the budget
 
 
 def test_queue_delay_holds_prefill_while_idle():
     clock = Clock()
     s = make(clock=clock, max_queue_delay_us=5000, max_prefill_batch_size=4)
     s.add(req(arrival=clock.t))
-    assert len(s.schedule()) == 0
+    assert s.schedule().num_scheduled == 0
     assert abs(s.next_deadline() - (clock.t + 0.005)) < 1e-9
     clock.t += 0.006
-    assert len(s.schedule()) == 1
+    assert s.schedule().num_scheduled == 1
 
 
 def test_select_batch_trades_prefill_stall_against_decode_waste():
@@ -87,8 +107,8 @@ def test_select_batch_trades_prefill_stall_against_decode_waste():
     kinds = []
     for _ in range(12):
         b, _ = step(s)
-        kinds.append("P" if b.num_prefills else "D")
-        if b.num_prefills:
+        kinds.append("P" if b.new_requests else "D")
+        if b.new_requests:
             break
     # stall = 100 ms * 1 running; waste = 10 ms * 3 empty seats per decode step -> 4 decodes first
     assert kinds == ["D", "D", "D", "D", "P"]
@@ -101,10 +121,10 @@ def test_num_computed_rolls_back_rejected_drafts():
     b, _ = step(s, drafts=2)
     assert q.num_computed_tokens == 5 and q.num_tokens == 6 and q.num_draft_tokens == 2
     b = s.schedule()
-    x = b.seqs[0]
-    assert (x.num_new_tokens, x.num_drafts, x.start_pos) == (1, 2, 5)
+    x = b.cached_requests[0]
+    assert (x.num_computed_tokens, x.num_output_placeholders, q.num_draft_tokens) == (5, 0, 2)
     # one of two drafts accepted: the step emits 2 tokens and computed 5 + 1 + 1
-    s.update(b, [[11, 12]], [2])
+    s.update(output(s, b, [[11, 12]], [2]))
     assert q.num_computed_tokens == 7 and q.num_tokens == 8
     assert (q.counters.num_drafts, q.counters.num_draft_tokens, q.counters.num_accepted_tokens) == (1, 2, 1)
     # blocks cover the window plus the chained-draft lookahead (k - 1)
@@ -152,11 +172,11 @@ def test_preempts_newest_and_recomputes_from_tokens():
     seen_preempt = []
     for _ in range(40):
         b, _ = step(s)
-        seen_preempt += b.preempted
+        seen_preempt += [p for p in b.preempted_request_ids]
         if not s.has_work():
             break
     assert not s.has_work()
-    assert seen_preempt and seen_preempt[0] is new and new.num_preemptions >= 1
+    assert seen_preempt and seen_preempt[0] == new.request_id and new.num_preemptions >= 1
     assert old.num_preemptions == 0
     assert old.num_output_tokens == 12 and new.num_output_tokens == 12
     assert s.blocks.num_free_blocks == 6 and s._reserved_outstanding == 0
@@ -170,7 +190,7 @@ def test_reserve_mode_never_preempts_and_never_deadlocks():
     running_sizes = []
     for _ in range(100):
         b, _ = step(s)
-        assert not b.preempted
+        assert not b.preempted_request_ids
         running_sizes.append(len(s.running))
         if not s.has_work():
             break
@@ -212,9 +232,11 @@ def test_preempted_sequence_keeps_its_drafts_for_the_recompute_step():
     s.add(new)
     step(s, drafts=2)                              # 2 blocks each (6 tokens + 2 drafts + 1)
     b = s.schedule()                               # old needs a 3rd block: new is preempted
-    assert b.preempted == [new] and new.num_draft_tokens == 2 and new.num_computed_tokens == 0
-    s.update(b, [[7, 7, 7]], [2])
+    assert b.preempted_request_ids == (new.request_id,)
+    assert new.num_draft_tokens == 2 and new.num_computed_tokens == 0
+    s.update(output(s, b, [[7, 7, 7]], [2]))
     s.finish(old, FinishReason.ABORT)
     b = s.schedule()
-    x = b.seqs[0]
-    assert x.seq is new and x.is_prefill and (x.num_new_tokens, x.num_drafts) == (6, 2)
+    x = b.new_requests[0]
+    assert x.request_id == new.request_id and not b.cached_requests
+    assert (len(x.token_ids) - x.num_computed_tokens, new.num_draft_tokens) == (6, 2)

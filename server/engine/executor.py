@@ -1,0 +1,54 @@
+"""The executor: how the engine reaches its worker(s).
+
+``LLMEngine`` hands it one ``SchedulerOutput`` per step and gets a future of the
+``ModelRunnerOutput``.  Today there is one in-process worker:
+
+  * synchronous scheduling: the step runs on the caller's thread and the future is already
+    done when ``execute_model`` returns (today's loop: schedule, execute, update);
+  * asynchronous scheduling: steps run in order on one worker thread, so the engine thread
+    schedules step n+1 and processes step n-1's outputs (detokenization, stop strings)
+    while step n executes.  Torch releases the GIL inside kernels, which is where the
+    overlap comes from on a CPU; on an accelerator the worker thread also absorbs the
+    step's device-to-host wait.
+
+Process workers (tensor/expert parallel) fit behind the same two methods.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import torch
+
+from server.engine.messages import ModelRunnerOutput, SchedulerOutput
+from server.engine.worker import Worker
+
+
+class InProcessExecutor:
+    def __init__(self, worker: Worker, *, async_scheduling: bool = False) -> None:
+        self.worker = worker
+        self.async_scheduling = async_scheduling
+        self._pool: cf.ThreadPoolExecutor | None = None
+        if async_scheduling:
+            self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker")
+            # The worker thread computes with its creator's intra-op thread count.
+            self._pool.submit(torch.set_num_threads, torch.get_num_threads()).result()
+
+    def execute_model(self, so: SchedulerOutput) -> "cf.Future[ModelRunnerOutput]":
+        if self._pool is not None:
+            return self._pool.submit(self.worker.execute_model, so)
+        fut: cf.Future[ModelRunnerOutput] = cf.Future()
+        try:
+            fut.set_result(self.worker.execute_model(so))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+    @property
+    def num_held_requests(self) -> int:
+        return self.worker.num_held_requests
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+

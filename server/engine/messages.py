@@ -1,0 +1,89 @@
+"""Step messages between the scheduler (engine side) and the worker (device side).  No torch.
+
+Everything here is a plain, picklable value: no live ``Sequence`` crosses to the worker
+and no tensor comes back.  A worker process, a prefill/decode peer or a recorded trace can
+carry these unchanged.
+
+Per step the scheduler sends one ``SchedulerOutput``:
+  * ``new_requests``: requests the worker sees for the first time, or again after a
+    preemption (their whole token list, the blocks they hold, and how to sample them);
+  * ``cached_requests``: requests the worker already holds; it knows their tokens, so only
+    the blocks appended this step travel;
+  * ``finished_request_ids``: requests whose per-request state the worker drops first;
+  * ``preempted_request_ids``: requests that lost their KV blocks this step (they come
+    back later as new requests, recomputed from their tokens).
+
+Placeholders (asynchronous scheduling).  When step n+1 is scheduled before step n's tokens
+reached the host, a cached request carries ``num_output_placeholders = 1 + d``: the most
+tokens step n can still add (d drafts it verifies, plus the recovered or bonus token).
+The scheduler reserved KV slots for that worst case; the worker feeds what step n really
+produced, from its own state, without a host round trip through the engine.
+With synchronous scheduling the placeholder count is always 0 and the scheduler's
+``num_computed_tokens`` is exact.
+
+The worker answers with one ``ModelRunnerOutput`` (per request: emitted tokens, drafts
+now held, logprobs), read by ``Scheduler.update`` once it reaches the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.engine.protocol import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    request_id: str
+    token_ids: tuple[int, ...]        # prompt + output emitted so far (a resumed request)
+    num_prompt_tokens: int
+    num_computed_tokens: int          # positions already in the KV pool (prefix-cache hit)
+    block_ids: tuple[int, ...]        # the whole block table
+    sampling: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: tuple[int, ...]    # appended to the worker's block table this step
+    num_computed_tokens: int          # as the scheduler knows it (exact iff no placeholders)
+    num_output_placeholders: int      # tokens an in-flight step may still add (module doc)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_requests: tuple[NewRequestData, ...] = ()
+    cached_requests: tuple[CachedRequestData, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+    preempted_request_ids: tuple[str, ...] = ()   # lost their blocks (they keep their drafts)
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.new_requests) + len(self.cached_requests)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(r.token_ids) - r.num_computed_tokens for r in self.new_requests)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Scheduled requests in batch order: new requests after cached ones."""
+        return [r.request_id for r in self.cached_requests] + \
+               [r.request_id for r in self.new_requests]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One executed step, on the host.  Lists are parallel to ``request_ids``."""
+    step_id: int
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)   # accepted drafts + final token
+    num_drafts: list[int] = field(default_factory=list)                # drafts verified this step
+    num_drafts_next: list[int] = field(default_factory=list)           # drafts held for the next step
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)               # request id -> error
+    num_tokens: int = 0                                                # tokens fed to the main model
+    spec_k: int = 0                                                    # drafts per sequence chosen
+    execute_time_s: float = 0.0

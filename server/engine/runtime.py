@@ -1,0 +1,70 @@
+"""What the engine actually runs with, derived once at start-up.  No torch.
+
+The config says what an operator asked for; this says what they got (a checkpoint without
+MTP weights runs with k = 0 whatever ``num_speculative_tokens`` says).  The scheduler, the
+HTTP layer (``/v1/status``, the ``n > 1`` rule, ``/v1/models``), the metrics and the
+start-up log all read this one object, so they cannot disagree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def lookahead_slots(num_spec_tokens: int, async_scheduling: bool) -> int:
+    """KV slots a sequence may need past ``prompt + max_output`` tokens: the worst case.
+
+    With k drafts (k = ``num_spec_tokens``) a step feeds the last token plus k drafts, and
+    the chained MTP passes write k - 1 positions past the verified ones, so a sequence with
+    n tokens may touch positions up to n - 1 + k + (k - 1).  With asynchronous scheduling
+    a step is scheduled while the previous one is in flight: it must also cover the up to
+    1 + k tokens that step may still add; the scheduler never schedules a continuation for
+    a sequence that the in-flight step must finish, which takes one of those back.
+    """
+    k = num_spec_tokens
+    chained = max(0, k - 1)
+    return k + chained + (k if async_scheduling else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    num_speculative_tokens: int        # effective k: the most drafts any step verifies (0: MTP off)
+    configured_speculative_tokens: int  # what the config asked for
+    adaptive_speculation: bool          # k chosen per step in 0..num_speculative_tokens
+    async_scheduling: bool
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    max_seq_len: int
+
+    @property
+    def mtp_enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    @property
+    def chained_draft_slots(self) -> int:
+        """Positions past the verified ones that the chained MTP passes write (k - 1)."""
+        return max(0, self.num_speculative_tokens - 1)
+
+    @property
+    def lookahead_slots(self) -> int:
+        return lookahead_slots(self.num_speculative_tokens, self.async_scheduling)
+
+    def describe(self) -> str:
+        """One start-up log line."""
+        mtp = (f"MTP on, k={self.num_speculative_tokens}"
+               + (" (adaptive)" if self.adaptive_speculation else "")
+               if self.mtp_enabled else "MTP off")
+        if self.configured_speculative_tokens != self.num_speculative_tokens:
+            mtp += f" (configured k={self.configured_speculative_tokens})"
+        return (f"engine runtime: {mtp}; async scheduling {'on' if self.async_scheduling else 'off'}; "
+                f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens; "
+                f"EOS ids {sorted(self.eos_token_ids)}")
+
+    def to_dict(self) -> dict:
+        return {"num_speculative_tokens": self.num_speculative_tokens,
+                "configured_num_speculative_tokens": self.configured_speculative_tokens,
+                "adaptive_speculation": self.adaptive_speculation,
+                "async_scheduling_enabled": self.async_scheduling,
+                "kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
+                "lookahead_slots": self.lookahead_slots,
+                "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len}

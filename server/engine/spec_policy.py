@@ -1,0 +1,137 @@
+"""How many tokens to draft per step: the speculation policy (SpecPolicy), FixedK, AdaptiveK.
+
+Owned by the MTP proposer (mtp.py), which asks it once per step after verification and
+feeds it what it measures: each verified window (acceptance) and each clean decode step's
+execution time (cost).  No torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class SpecPolicy(Protocol):
+    """Chooses how many tokens to draft for the next step.
+
+    ``max_draft_tokens`` bounds every choice (KV lookahead is sized for it).  The proposer
+    reports each verified window (``observe``) and each clean decode step's execution time
+    (``observe_step``), and asks ``num_draft_tokens`` once per step, after verification.
+    """
+
+    max_draft_tokens: int
+
+    def num_draft_tokens(self, num_seqs: int) -> int: ...
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None: ...
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None: ...
+
+
+@dataclass
+class FixedK:
+    """Always draft ``k`` tokens (num_speculative_tokens)."""
+    k: int
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.k
+
+    def num_draft_tokens(self, num_seqs: int) -> int:
+        return self.k
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        pass
+
+
+def _bucket(num_seqs: int) -> int:
+    """Batch sizes share cost estimates by power of two: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(0, num_seqs - 1).bit_length()
+
+
+class AdaptiveK:
+    """Adaptive speculation: the k (0..max_k) with the best measured tokens per second.
+
+    For a batch of B sequences drafting k tokens each, a step emits on average
+    B * (1 + a1 + a1*a2 + ... + a1*...*ak) tokens, where ai is the acceptance rate of
+    draft i given drafts 1..i-1 were accepted (EWMA per position, from ``observe``), and
+    costs c(k, B) seconds (EWMA of decode-only step times per k and power-of-two batch
+    bucket, from ``observe_step``).  The policy picks argmax_k expected_tokens(k) / c(k, B).
+    So k falls when acceptance is low (few extra tokens) or when the batch is large enough
+    that verifying k+1 tokens per sequence costs more than the extra tokens are worth, and
+    rises again when the figures say it pays.
+
+    Exploration: a k with no cost figure yet for this bucket, and every ``probe_every``
+    decisions the k measured longest ago, is run for ``probe_len`` steps (the first step
+    after a switch still verifies the old k, so it is not a clean cost sample).  A switch
+    needs a ``margin`` gain, so noise does not flap k.  k never changes outputs: whatever
+    drafts a sequence holds are verified, then the new k is drafted.
+    """
+
+    def __init__(self, max_k: int, *, probe_every: int = 64, probe_len: int = 3,
+                 alpha_cost: float = 0.2, alpha_acc: float = 0.05, margin: float = 0.03,
+                 prior_acceptance: float = 0.7) -> None:
+        self.max_draft_tokens = max_k
+        self.probe_every, self.probe_len = probe_every, probe_len
+        self.alpha_cost, self.alpha_acc, self.margin = alpha_cost, alpha_acc, margin
+        self.acceptance = [prior_acceptance] * max_k      # [k] conditional rate per position
+        self.cost: dict[tuple[int, int], float] = {}        # (k, bucket) -> seconds per step
+        self._measured_at: dict[tuple[int, int], int] = {}  # (k, bucket) -> decision count
+        self.current = max_k
+        self._probe: tuple[int, int] | None = None          # (k, steps left)
+        self._decisions = 0
+        self.num_switches = 0
+
+    # ---- measurements ----------------------------------------------------------------
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One verified window: position i was reached iff drafts 0..i-1 were accepted."""
+        a = self.alpha_acc
+        for i in range(min(num_drafts, num_accepted + 1, self.max_draft_tokens)):
+            hit = 1.0 if i < num_accepted else 0.0
+            self.acceptance[i] += a * (hit - self.acceptance[i])
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        """A decode-only step where every sequence verified ``k`` drafts and drafted ``k``."""
+        key = (k, _bucket(num_seqs))
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else old + self.alpha_cost * (seconds - old)
+        self._measured_at[key] = self._decisions
+
+    # ---- decision --------------------------------------------------------------------
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence emits per step with k drafts: 1 + sum_j prod_{i<=j} ai."""
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.acceptance[i]
+            total += run
+        return total
+
+    def goodput(self, k: int, num_seqs: int) -> float | None:
+        """Expected tokens per second for the batch, or None without a cost figure."""
+        c = self.cost.get((k, _bucket(num_seqs)))
+        return None if c is None or c <= 0 else num_seqs * self.expected_tokens(k) / c
+
+    def num_draft_tokens(self, num_seqs: int) -> int:
+        self._decisions += 1
+        if self._probe is not None:
+            k, left = self._probe
+            self._probe = (k, left - 1) if left > 1 else None
+            return k
+        b = _bucket(num_seqs)
+        ks = range(self.max_draft_tokens + 1)
+        unmeasured = [k for k in ks if (k, b) not in self.cost]
+        if unmeasured or self._decisions % self.probe_every == 0:
+            probe = unmeasured[0] if unmeasured else min(
+                (k for k in ks if k != self.current), key=lambda k: self._measured_at.get((k, b), -1))
+            if probe != self.current or unmeasured:
+                self._probe = (probe, self.probe_len - 1) if self.probe_len > 1 else None
+                return probe
+        rates = {k: self.goodput(k, num_seqs) for k in ks}
+        best = max(ks, key=lambda k: rates[k] or 0.0)
+        cur = rates.get(self.current)
+        if best != self.current and (cur is None or rates[best] > cur * (1 + self.margin)):
+            self.current = best
+            self.num_switches += 1
+        return self.current

@@ -1,0 +1,123 @@
+"""The worker: the one owner of device state.
+
+A worker holds the model, the KV pool tensors, the runner, the MTP proposer (held drafts
+and their probabilities) and a ``RequestState`` per request.  It is driven only by
+``SchedulerOutput`` messages and answers with ``ModelRunnerOutput``s (messages.py), so the
+same interface can sit in this process (executor.py) or in another one.
+
+A step that raises is retried request by request: the ones that still fail are reported
+in ``ModelRunnerOutput.failed`` and the rest complete (their KV is simply rewritten).
+Nothing is committed (tokens, drafts) until a step has succeeded.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from server.engine.config import EngineConfig
+from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from server.engine.messages import ModelRunnerOutput, SchedulerOutput
+from server.engine.mtp import MTPProposer, NoProposer
+from server.engine.request_state import RequestState
+from server.engine.runner import ModelRunner, StepResult
+from server.engine.runtime import lookahead_slots
+from server.engine.spec_policy import AdaptiveK, FixedK, SpecPolicy
+
+log = logging.getLogger("server.engine")
+
+
+class Worker:
+    def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
+                 policy: SpecPolicy | None = None) -> None:
+        self.model = model
+        self.device = torch.device(cfg.device)
+        k = num_spec_tokens
+        dtype = next(model.parameters()).dtype
+        spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim, dtype)
+        per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
+        self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
+                                            max_useful_blocks=cfg.max_batch_size * per_seq + 1,
+                                            num_blocks=cfg.num_blocks)
+        self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
+        if k:
+            if policy is None:
+                policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
+            self.proposer: MTPProposer | NoProposer = MTPProposer(
+                model, self.kv_caches, cfg.block_size, policy, self.device)
+        else:
+            self.proposer = NoProposer()
+        self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device)
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def policy(self) -> SpecPolicy | None:
+        return self.proposer.policy
+
+    @property
+    def num_held_requests(self) -> int:
+        """Requests with state on the worker (live ones, plus finished ones until the next
+        step tells it); a leak shows here."""
+        return len(self.requests)
+
+    def kv_rows(self, request_id: str, positions, layer: int) -> torch.Tensor:
+        """A copy of the KV cache rows of ``request_id`` at ``positions`` in cache layer
+        ``layer`` (-1: the MTP layer), for checks and debugging; call between steps."""
+        st = self.requests[request_id]
+        bs, cache = self.runner.block_size, self.kv_caches[layer]
+        slots = [st.block_table[p // bs] * bs + p % bs for p in positions]
+        return cache.view(-1, cache.shape[-1])[slots].clone()
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out = ModelRunnerOutput(so.step_id)
+        for rid in so.finished_request_ids:
+            self.requests.pop(rid, None)
+            self.proposer.drop(rid)
+        for new in so.new_requests:
+            self.requests[new.request_id] = RequestState.from_new(new)
+        states: list[RequestState] = []
+        for cached in so.cached_requests:
+            st = self.requests.get(cached.request_id)
+            if st is None:
+                out.failed[cached.request_id] = "the worker holds no state for this request"
+                continue
+            st.block_table.extend(cached.new_block_ids)
+            states.append(st)
+        states += [self.requests[new.request_id] for new in so.new_requests]
+        if not states:
+            return out
+        decode_only = not so.new_requests and all(st.num_new_tokens == 1 for st in states)
+        t0 = time.perf_counter()
+        try:
+            done = [(states, self.runner.execute(states))]
+        except Exception:
+            log.exception("engine step failed; retrying its %d requests one by one", len(states))
+            done = []
+            for st in states:
+                try:
+                    done.append(([st], self.runner.execute([st])))
+                except Exception as exc:
+                    out.failed[st.request_id] = f"engine step failed: {exc!r}"
+        for group, res in done:
+            self._commit(group, res, out)
+        out.execute_time_s = time.perf_counter() - t0
+        res = done[0][1] if len(done) == 1 and len(done[0][0]) == len(states) else None
+        # A clean cost sample for the policy: decode only, every request verified the same k
+        # it now drafted (the first step after a switch mixes two k's).
+        if res is not None and decode_only and all(d == res.k for d in res.num_drafts):
+            self.proposer.observe_step(len(states), res.k, out.execute_time_s)
+        return out
+
+    def _commit(self, states: list[RequestState], res: StepResult, out: ModelRunnerOutput) -> None:
+        self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
+        for st, toks, d, lp in zip(states, res.sampled, res.num_drafts, res.logprobs):
+            st.advance(toks)
+            out.request_ids.append(st.request_id)
+            out.sampled_token_ids.append(toks)
+            out.num_drafts.append(d)
+            out.num_drafts_next.append(res.k)
+            out.logprobs.append(lp)
+        out.num_tokens += res.num_tokens
+        out.spec_k = res.k
