@@ -123,7 +123,6 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.cfg
-        settings = settings_from_config(cfg)
         ssl = tls_files(cfg)
         listeners = plan_listeners(cfg)
         try:
@@ -136,6 +135,7 @@ class Daemon:
                     lst.sock.close()
             raise
         await engine.start()
+        settings = settings_from_config(cfg, engine.runtime)
         chat_template = None
         if getattr(cfg, "chat_template_path", None):
             chat_template = Path(cfg.chat_template_path).read_text()

@@ -16,7 +16,8 @@ def model_card(state: ServerState) -> dict:
     s = state.settings
     return {"id": s.model_name, "object": "model", "created": state.created,
             "owned_by": "mtp-serve", "root": s.model_path, "parent": None,
-            "max_model_len": s.max_seq_len}
+            "max_model_len": s.max_seq_len,
+            "num_speculative_tokens": s.num_speculative_tokens}
 
 
 def add_business_routes(app: FastAPI, state: ServerState) -> None:

@@ -17,39 +17,26 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from server.api.errors import APIError, error_response
-from server.api.settings import pick
 from server.api.sse import json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
+from server.engine.stats import EngineStats
 
 DEFAULT_TIMED_WAIT_S = 10
 MAX_TIMED_WAIT_S = 600
 _TIMED = re.compile(r"/health/timed((-[0-9]+)?)")
 
 
-def stats_view(stats: Any) -> dict:
+def stats_view(stats: EngineStats) -> dict:
     """EngineStats as plain JSON, with the KV pool summarised under fixed keys."""
-    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(
-        getattr(stats, "__dict__", {}) or {})
-    total = pick(stats, "kv_blocks_total", "num_total_blocks", default=None)
-    used = pick(stats, "kv_blocks_used", default=None)
-    free = pick(stats, "num_free_blocks", default=None)
-    if free is None and total is not None and used is not None:
-        free = total - used
-    usage = pick(stats, "kv_usage", default=None)
-    if usage is None and total:
-        usage = (total - (free or 0)) / total
-    raw["kv_cache"] = {"total_blocks": total, "free_blocks": free,
-                       "usage": float(usage) if usage is not None else None,
-                       "block_size": pick(stats, "block_size", default=None)}
-    for name in ("acceptance_rate", "mean_acceptance_length"):
-        value = getattr(stats, name, None)
-        if value is not None:
-            raw[name] = value
-    raw["num_requests_running"] = pick(stats, "num_running", "running", "num_requests_running",
-                                       default=0)
-    raw["num_requests_waiting"] = pick(stats, "num_waiting", "waiting", "num_requests_waiting",
-                                       default=0)
+    raw = dataclasses.asdict(stats)
+    raw["kv_cache"] = {"total_blocks": stats.kv_blocks_total,
+                       "free_blocks": stats.kv_blocks_total - stats.kv_blocks_used,
+                       "usage": float(stats.kv_usage), "block_size": stats.block_size}
+    raw["acceptance_rate"] = stats.acceptance_rate
+    raw["mean_acceptance_length"] = stats.mean_acceptance_length
+    raw["num_requests_running"] = stats.num_running
+    raw["num_requests_waiting"] = stats.num_waiting
     return raw
 
 
@@ -105,12 +92,17 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
     async def status() -> Response:
         stats = stats_view(state.engine.stats())
         s = state.settings
+        rt = state.engine.runtime
         return json_response({
             "status": "running" if state.admission.accepting else "stopping",
             "model_name": s.model_name,
             "in_flight": state.admission.in_flight,
             "max_link_num": s.max_link_num,
-            "mtp": {"enabled": s.mtp, "num_speculative_tokens": s.num_speculative_tokens},
+            "mtp": {"enabled": rt.mtp_enabled, "num_speculative_tokens": rt.num_speculative_tokens,
+                    "configured_num_speculative_tokens": rt.configured_speculative_tokens,
+                    "adaptive_speculation": rt.adaptive_speculation},
+            "async_scheduling_enabled": rt.async_scheduling,
+            "runtime": rt.to_dict(),
             "engine": stats,
             "kv_cache": stats["kv_cache"],
         })
@@ -130,7 +122,7 @@ def add_metrics_route(app: FastAPI, state: ServerState) -> None:
         st = stats_view(state.engine.stats())
         state.metrics.refresh(int(st["num_requests_running"] or 0),
                               int(st["num_requests_waiting"] or 0),
-                              int(st.get("num_swapped", 0) or 0),
+                              0,      # preemption recomputes: nothing is ever swapped out
                               float(st["kv_cache"]["usage"] or 0.0))
         if st.get("steps_per_k"):
             state.metrics.refresh_spec(int(st.get("spec_current_k") or 0), list(st["steps_per_k"]))

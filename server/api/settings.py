@@ -5,24 +5,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_MISSING = object()
-
-
-def pick(obj: Any, *names: str, default: Any = _MISSING) -> Any:
-    """First attribute (or mapping key) of ``obj`` found under ``names``.
-
-    Used on engine stats, whose exact field names belong to the engine package.
-    """
-    for name in names:
-        if isinstance(obj, dict) and name in obj:
-            return obj[name]
-        if obj is not None and not isinstance(obj, dict) and hasattr(obj, name):
-            return getattr(obj, name)
-    if default is _MISSING:
-        raise AttributeError(f"none of {names}")
-    return default
-
-
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
     model_name: str
@@ -36,7 +18,7 @@ class ApiSettings:
     e2e_timeout_s: float
     max_request_bytes: int
     full_text: bool
-    num_speculative_tokens: int      # 0: MTP off
+    num_speculative_tokens: int      # effective k (engine RuntimeInfo); 0: MTP off
     enable_reasoning: bool
     tool_call_parser: str            # deepseek_v3 | deepseek_v31
     raw: dict                        # GET /v1/config
@@ -46,7 +28,9 @@ class ApiSettings:
         return self.num_speculative_tokens > 0
 
 
-def settings_from_config(cfg: Any) -> ApiSettings:
+def settings_from_config(cfg: Any, runtime: Any) -> ApiSettings:
+    """``runtime``: the engine's RuntimeInfo, the truth about k (a checkpoint without MTP
+    weights runs with k = 0 whatever the config asked for)."""
     server, mc, sched = cfg.server, cfg.model_config, cfg.schedule
     return ApiSettings(
         model_name=cfg.model_name,
@@ -60,7 +44,7 @@ def settings_from_config(cfg: Any) -> ApiSettings:
         e2e_timeout_s=float(server.e2e_timeout),
         max_request_bytes=server.max_request_length * 1024 * 1024,
         full_text=server.full_text_enabled,
-        num_speculative_tokens=cfg.num_speculative_tokens,
+        num_speculative_tokens=runtime.num_speculative_tokens,
         enable_reasoning=cfg.reasoning_enabled,
         tool_call_parser=cfg.tool_call_parser,
         raw={"modelName": cfg.model_name, "maxSeqLen": cfg.max_seq_len,

@@ -67,8 +67,9 @@ def make_config(folder: Path, weights: Path, *, server: dict | None = None,
 
 
 class Daemon:
-    def __init__(self, config: Path, env: dict | None = None) -> None:
+    def __init__(self, config: Path, env: dict | None = None, log_level: str = "warning") -> None:
         self.config = config
+        self.log_level = log_level
         doc = json.loads(config.read_text())["ServerConfig"]
         scheme = "https" if doc.get("httpsEnabled") else "http"
         self.base = f"{scheme}://127.0.0.1:{doc['port']}"
@@ -83,7 +84,7 @@ class Daemon:
     def start(self, timeout_s: float = 180) -> "Daemon":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "--config-file", str(self.config),
-             "--log-level", "warning"],
+             "--log-level", self.log_level],
             cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout_s

@@ -7,24 +7,17 @@ as a verifier's would.  The end-to-end tests use the real engine.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from server.engine.protocol import (EngineOutput, EngineRequest, FinishReason, RequestCounters,
                                     TokenLogprob)
+from server.engine.runtime import RuntimeInfo
+from server.engine.stats import EngineStats
 from server.text.detokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_total: int = 64
-    kv_blocks_used: int = 0
 
 
 class FakeEngine:
     def __init__(self, tokenizer, script: str = "Hello there.", tokens_per_step: int = 2,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, num_speculative_tokens: int = 0) -> None:
         self.tok = tokenizer
         self.script = script
         self.tokens_per_step = tokens_per_step
@@ -33,9 +26,12 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
         self.running = 0
         self.fail_after: int | None = None     # emit an ERROR output after this many steps
+        self.runtime = RuntimeInfo(num_speculative_tokens, num_speculative_tokens, False, False,
+                                   64, 16, frozenset(), 2048)
 
-    def stats(self) -> FakeStats:
-        return FakeStats(num_running=self.running, kv_blocks_used=4 * self.running)
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=self.running, kv_blocks_total=64, block_size=16,
+                           kv_blocks_used=4 * self.running, kv_usage=4 * self.running / 64)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)

@@ -234,7 +234,7 @@ def fake_client(tokenizer, script: str = "one two three four", **over):
                 tool_call_parser="deepseek_v3", raw={})
     base.update(over)
     s = ApiSettings(**base)
-    engine = FakeEngine(tokenizer, script)
+    engine = FakeEngine(tokenizer, script, num_speculative_tokens=s.num_speculative_tokens)
     state = ServerState(settings=s, tokenizer=tokenizer, engine=engine,
                         metrics=ServingMetrics("tiny", 1), admission=Admission(s.max_link_num))
     app = build_app(state, {"business", "management", "metrics"})

@@ -50,8 +50,8 @@ def settings(**over) -> ApiSettings:
 
 
 def make_client(tokenizer, script: str, **over):
-    engine = FakeEngine(tokenizer, script)
     s = settings(**over)
+    engine = FakeEngine(tokenizer, script, num_speculative_tokens=s.num_speculative_tokens)
     state = ServerState(settings=s, tokenizer=tokenizer, engine=engine,
                         metrics=ServingMetrics(MODEL, 1), admission=Admission(s.max_link_num))
     app = build_app(state, {"business", "management", "metrics"})
