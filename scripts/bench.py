@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Serving benchmark: MTP off vs MTP k=1 vs k=2, and our daemon vs transformers generate().
+"""Serving benchmark: MTP off vs MTP k=1 vs k=2, and our daemon vs transformers generate();
+or (--compare async) MTP k=1 with asynchronous scheduling on vs off.
 
 Why ratios from one run: the machines are shared and noisy, so absolute figures drift
 between runs.  Every configuration runs in the same process lifetime, bursts alternate
@@ -8,6 +9,7 @@ and the table reports medians over repetitions plus ratios against MTP off.
 
 Usage:
   scripts/bench.py [--quick] [--json out.json] [--plot out.png]
+  scripts/bench.py --compare async [--concurrency 1,16,64]   # MINDIE_ASYNC_SCHEDULING_ENABLE 1 vs 0
   scripts/bench.py --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027  # a running daemon
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ DEFAULT_CONFIG = ROOT / "conf" / "config.json"
 
 @dataclass
 class Target:
-    name: str                       # "off", "k1", "k2", or "url"
+    name: str                       # "off", "k1", "k2", "sync", "async" or "url"
     base_url: str
     metrics_url: str
     proc: subprocess.Popen | None = None
@@ -73,11 +75,12 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int) -> tuple[Path, in
 
 
 def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
-                 timeout: float = 300.0) -> Target:
+                 async_scheduling: bool = False, timeout: float = 300.0) -> Target:
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens)
     log = open(workdir / "daemon.log", "w")
-    env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
+               MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0")
     proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg_path)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -320,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
-    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--compare", choices=("mtp", "async"), default="mtp",
+                    help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
+                         "asynchronous scheduling off vs on")
+    ap.add_argument("--concurrency", default=None, help="default 1,4,16,64 (mtp) or 1,16,64 (async)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="run every request to max_tokens (past the model's answer) instead of stopping at EOS")
@@ -334,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
 
-    levels = [int(x) for x in args.concurrency.split(",")]
+    levels = [int(x) for x in (args.concurrency or
+                               ("1,16,64" if args.compare == "async" else "1,4,16,64")).split(",")]
+    plan = ((("sync", 1, False), ("async", 1, True)) if args.compare == "async"
+            else (("off", 0, False), ("k1", 1, False), ("k2", 2, False)))
     import torch
     torch.set_num_threads(args.threads)                # the reference rows run in this process
     reps = args.reps or (1 if args.quick else 3)
@@ -354,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
         else:
-            for name, k in (("off", 0), ("k1", 1), ("k2", 2)):
+            for name, k, async_on in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
-                targets.append(start_daemon(name, args.config_file, k, args.threads))
+                targets.append(start_daemon(name, args.config_file, k, args.threads, async_on))
         model = asyncio.run(model_id(targets[0]))
         ttft_prompt = long_prompt(weights, 200)
         total = reps * len(levels) * len(targets) + reps * len(targets)
@@ -390,12 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     prefill_s = None
     if not args.url:
         prefill_s = prefill_forward_seconds(weights, ttft_prompt_tokens or 200)
-    if not args.url and not args.no_peer:
+    if not args.url and not args.no_peer and args.compare == "mtp":
         print("transformers reference ...", file=sys.stderr)
         peer_bs = [1, 16] if 16 in levels or not args.quick else [1]
         peer = transformers_peer(weights, prompts, max_tokens, peer_bs, max(reps, 2))
 
-    report = {"machine": _machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    report = {"baseline": targets[0].name if targets else "off", "machine": _machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos, "reps": reps,
               "results": table, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
               "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
@@ -447,10 +456,10 @@ def _steps_share(per_k: dict | None) -> str:
 
 def print_table(rep: dict) -> None:
     res = rep["results"]
-    base = res.get("off")
+    base = res.get(rep.get("baseline", "off"))
     print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
           f"max_tokens: {rep['max_tokens']}{' (ignore_eos)' if rep.get('ignore_eos') else ' (stop at EOS)'}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
-    print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x off':>6} {'req/s':>6} {'TTFT p50':>9} "
+    print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x ' + rep.get('baseline', 'off'):>6} {'req/s':>6} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}  steps at k=0/1/2")
     for name, per in res.items():
         for c, r in per.items():

@@ -145,7 +145,7 @@ def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> dict[st
 
 
 def _env_switches(env: Mapping[str, str]) -> tuple[bool, bool, list[ConfigIssue]]:
-    # MindIE: async scheduling is on only for "1"; anything else is off.
+    # MindIE: async scheduling is on only for "1"; here also true/on/yes (docs/config.md).
     async_on = env.get("MINDIE_ASYNC_SCHEDULING_ENABLE", "").strip().lower() in _ON
     # MindIE defaults metrics off; this daemon defaults them on (a demo should be observable).
     mode = env.get("MIES_SERVICE_MONITOR_MODE", "").strip().lower()

@@ -3,7 +3,7 @@
 Field-local checks (types, ranges, enums, patterns) live here as pydantic constraints;
 rules that read several fields live in ``rules.py`` so they still run, and are all
 reported, when some single field is broken.  Defaults and ranges are MindIE's
-(shared/reference/mindie.md section 1).  Scalars are strict (``"1025"`` is not a port,
+(MindIE Service config reference).  Scalars are strict (``"1025"`` is not a port,
 ``true`` is not an integer), as MindIE's C++ param checker is.  Unknown keys are kept
 (``extra="allow"``) and the loader warns about them.  Every model is frozen: config is read once and never mutated.
 """

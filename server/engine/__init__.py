@@ -13,20 +13,28 @@ Public API (docs/interfaces.md, server.engine):
     async for out in engine.submit(req): ...      # last output has finished=True
     engine.abort(request_id)                      # KV freed at the next step boundary
     engine.stats() -> EngineStats                 # snapshot taken after the latest step
+    engine.runtime -> RuntimeInfo                 # effective k, async scheduling, KV blocks, EOS
     await engine.shutdown(drain=True)
 
-Module map (one concept each):
-    protocol.py       messages + glossary (no torch)
+Module map (one concept each; engine side, then the step messages, then the worker side):
+    protocol.py       API messages + glossary (no torch)
     config.py         EngineConfig: the engine's slice of AppConfig
-    sequence.py       per-request state, token counting (no torch)
+    runtime.py        RuntimeInfo: what the engine really runs with (no torch)
+    sequence.py       the scheduler's per-request state, token counting (no torch)
     block_manager.py  block allocation, ref counts, prefix cache (no torch)
-    kv_cache.py       pool tensors and their sizing
-    scheduler.py      continuous batching, budgets, preemption, stops (no torch)
-    sampler.py        logits processors, sampling, verification (pure functions)
-    mtp.py            drafting with the MTP layer; SpecPolicy (k per step)
-    runner.py         batch -> tensors -> model -> verify -> drafts; the step's host sync
-    output.py         detokenization, stop strings, EngineOutput
+    scheduler.py      continuous batching, budgets, preemption, placeholders (no torch)
+    output.py         OutputProcessor: detokenization, stop strings, EngineOutput
+    stats.py          EngineStats counters for /metrics, StatsRecorder
     core.py           LLMEngine: step() = schedule, execute, update, emit
     engine.py         AsyncEngine: the engine thread and the async front
-    stats.py          EngineStats counters for /metrics
+    messages.py       SchedulerOutput / ModelRunnerOutput (plain, picklable; no torch)
+    executor.py       InProcessExecutor: the worker inline or on a worker thread (async)
+    worker.py         Worker: owns model, KV tensors, request states, the MTP proposer
+    request_state.py  the worker's per-request state (no torch)
+    runner.py         request states -> tensors -> model -> verify; the step's host sync
+    mtp.py            MTPProposer: held drafts, draft passes, k per step; NoProposer
+    spec_policy.py    SpecPolicy: FixedK, AdaptiveK (no torch)
+    sampler.py        logits processors, sampling, verification (pure functions)
+    metadata.py       BatchMetadata from per-sequence host lists
+    kv_cache.py       pool tensors and their sizing
 """

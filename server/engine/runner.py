@@ -1,9 +1,9 @@
 """One executed step on the device: request states -> tensors -> model -> verify -> drafts.
 
-One step (DESIGN.md "One MTP decode step"), for every scheduled request at once:
+One step (docs/architecture.md, "One MTP step"), for every scheduled request at once:
   1. one main forward over each request's new tokens + held drafts (varlen: prefills and
      k+1-token verification windows side by side);
-  2. sample / verify the window rows (sampler.verify);
+  2. sample / verify the window rows (verifier.verify);
   3. THE host sync of the step: emitted tokens and acceptance counts reach the host in one
      transfer (everything before it is queued device work);
   4. the proposer drafts the next step's tokens from the true hidden states of the
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from server.engine import sampler as S
+from server.engine.verifier import verify
 from server.engine.metadata import build_metadata, expand_rows
 from server.engine.protocol import TokenLogprob
 from server.engine.request_state import RequestState
@@ -133,7 +134,7 @@ class ModelRunner:
         argmax_pad = argmax_pad.view(S_, K + 1)
         nd_t = torch.tensor(nd, dtype=torch.int64, device=dev)
         if smeta.all_greedy:
-            return S.verify(None, argmax_pad, w.drafts, None, nd_t, None, None)
+            return verify(None, argmax_pad, w.drafts, None, nd_t, None, None)
         probs = S.to_probs(processed, smeta)
         probs_pad = probs.new_zeros(S_ * (K + 1), probs.shape[-1])
         probs_pad[pad_index] = probs
@@ -143,7 +144,7 @@ class ModelRunner:
         u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
         u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
         q = self.proposer.draft_probs(states, nd, K, w.drafts) if K else None
-        return S.verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t, u_acc, u_smp)
+        return verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t, u_acc, u_smp)
 
     @staticmethod
     def _logprobs(sampled, rows, want, lp, n_tops) -> list[list[TokenLogprob] | None]:

@@ -8,12 +8,10 @@ every running decode for about prefillTimeMsPerReq each, an under-full decode ba
 decodeTimeMsPerReq per empty seat; prefill runs once the accumulated waste exceeds the
 stall it would cause.
 
-KV blocks.  Every scheduled sequence needs slots for its new tokens, its drafts and the
-positions the chained MTP passes write past the verified ones (k - 1).  Under
-asynchronous scheduling a sequence whose previous step is still in flight is scheduled
-with placeholders (messages.py): slots for the 1 + d tokens that step may add and up to k
-fresh drafts; the worst case per sequence is ``runtime.lookahead_slots``.
-Two admission modes keep the engine from ever deadlocking:
+KV blocks.  A scheduled sequence needs slots for its new tokens, its drafts and the k - 1
+positions the chained MTP passes write; with a step in flight (asynchronous scheduling)
+also for that step's 1 + d placeholder tokens and up to k fresh drafts (runtime.py has
+the worst case).  Two admission modes keep the engine from ever deadlocking:
   * preemptible (maxPreemptCount > 0): blocks are taken as needed; when they run out the
     newest preemptible running sequence is preempted (blocks freed, recomputed later from
     its tokens).  A sequence preempted maxPreemptCount times is re-admitted reserved.
@@ -39,8 +37,7 @@ from server.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
-class StepResult:
-    """What update() did to one sequence."""
+class StepResult:                # what update() did to one sequence
     seq: Sequence
     new_token_ids: list[int]     # emitted this step, cut after a stop
     num_drafts: int              # drafts verified
@@ -50,8 +47,7 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, *, num_spec_tokens: int = 0,
-                 async_scheduling: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 async_scheduling: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.num_spec_tokens = num_spec_tokens
@@ -67,13 +63,11 @@ class Scheduler:
         self._decode_waste_ms = 0.0
         self.num_preemptions = 0
 
-    # ---- queue management -----------------------------------------------------------
     def worst_case_blocks(self, seq: Sequence) -> int:
         n = seq.num_prompt_tokens + seq.max_output_tokens + self.worst_case_extra
         return self.blocks.blocks_for(n)
 
-    def _slots_needed(self, seq: Sequence) -> int:
-        """KV slots ``seq``'s next step may touch (positions 0..this-1)."""
+    def _slots_needed(self, seq: Sequence) -> int:     # positions its next step may touch
         if seq.num_inflight_steps:      # placeholders: 1 + d tokens in flight, then <= k drafts
             return seq.num_tokens + 1 + seq.num_draft_tokens + self.num_spec_tokens + self.chained
         return seq.num_tokens + seq.num_draft_tokens + self.chained
@@ -87,8 +81,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def has_finished_to_report(self) -> bool:
-        """Finished requests the worker has not been told about (the next step tells it)."""
+    def has_finished_to_report(self) -> bool:     # the worker learns of them next step
         return bool(self._finished_ids)
 
     def next_deadline(self) -> float | None:
@@ -119,7 +112,6 @@ class Scheduler:
             seq.reserved_blocks = 0
         self.blocks.free(seq)
 
-    # ---- block helpers --------------------------------------------------------------
     def _room(self, seq: Sequence) -> int:
         """Blocks ``seq`` may take now: free ones minus what reserved sequences were promised."""
         own = max(0, seq.reserved_blocks - len(seq.block_table)) if seq.reserved_blocks else 0
@@ -281,10 +273,9 @@ class Scheduler:
             if running:                        # else preempted while in flight: recomputed
                 seq.num_computed_tokens = seq.num_tokens + accepted
             c = seq.counters
-            if n_drafts:
-                c.num_drafts += 1
-                c.num_draft_tokens += n_drafts
-                c.num_accepted_tokens += accepted
+            c.num_drafts += bool(n_drafts)
+            c.num_draft_tokens += n_drafts
+            c.num_accepted_tokens += accepted if n_drafts else 0
             emitted, reason, stop_reason = self._append(seq, tokens)
             c.completion_tokens = seq.num_output_tokens
             if running:
@@ -298,11 +289,10 @@ class Scheduler:
 
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None,
                                                                   str | int | None]:
-        min_tokens = seq.sampling.min_tokens
         for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             n_out = seq.num_output_tokens
-            if tok in seq.stop_ids and n_out > min_tokens:
+            if tok in seq.stop_ids and n_out > seq.sampling.min_tokens:
                 stop = tok if tok in seq.sampling.stop_token_ids else None
                 return tokens[:i + 1], FinishReason.STOP, stop
             if n_out >= seq.max_output_tokens:

@@ -1,6 +1,6 @@
 """DeepSeek tool-call extraction from generated text, full and streaming.
 
-Two formats (see /work/shared/reference/openai_surface.md 5.3):
+Two formats (the DeepSeek-V3 and V3.1 chat templates):
 
 * DeepSeek-V3 / R1 (``DeepSeekV3ToolParser``)::
 

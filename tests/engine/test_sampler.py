@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from server.engine import sampler as S
+from server.engine.verifier import verify
 from server.engine.protocol import SamplingParams
 
 V = 6
@@ -25,14 +26,14 @@ def onehot(ids: list[int], v: int = V) -> torch.Tensor:
 # ---- greedy verification --------------------------------------------------------------
 def test_greedy_accept_all_gives_bonus():
     argmax = torch.tensor([[3, 4, 5]])
-    tokens, acc = S.verify(None, argmax, torch.tensor([[3, 4]]), None, torch.tensor([2]), None, None)
+    tokens, acc = verify(None, argmax, torch.tensor([[3, 4]]), None, torch.tensor([2]), None, None)
     assert acc.tolist() == [2] and tokens.tolist() == [[3, 4, 5]]
 
 
 def test_greedy_reject_emits_target_argmax():
     argmax = torch.tensor([[3, 2, 5], [1, 1, 1]])
     drafts = torch.tensor([[3, 4], [0, 1]])
-    tokens, acc = S.verify(None, argmax, drafts, None, torch.tensor([2, 2]), None, None)
+    tokens, acc = verify(None, argmax, drafts, None, torch.tensor([2, 2]), None, None)
     assert acc.tolist() == [1, 0]
     assert tokens.tolist() == [[3, 2, -1], [1, -1, -1]]
 
@@ -40,7 +41,7 @@ def test_greedy_reject_emits_target_argmax():
 def test_varlen_drafts_and_prefill_rows():
     argmax = torch.tensor([[3, 4, 0], [7, 0, 0]])
     drafts = torch.tensor([[3, 9], [0, 0]])
-    tokens, acc = S.verify(None, argmax, drafts, None, torch.tensor([1, 0]), None, None)
+    tokens, acc = verify(None, argmax, drafts, None, torch.tensor([1, 0]), None, None)
     assert acc.tolist() == [1, 0]
     assert tokens.tolist() == [[3, 4, -1], [7, -1, -1]]
 
@@ -54,7 +55,7 @@ def test_ratio_accept_and_bonus():
     p = torch.stack([torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0], [0, 0, 0, 1.0, 0, 0]])])
     q = torch.tensor([[[0.0, 1.0, 0, 0, 0, 0]]])
     # p(d)/q(d) = 0.5: u 0.4 accepts; bonus from row 1 (one-hot on 3)
-    tokens, acc = S.verify(p, p.argmax(-1), torch.tensor([[1]]), q, torch.tensor([1]),
+    tokens, acc = verify(p, p.argmax(-1), torch.tensor([[1]]), q, torch.tensor([1]),
                            _u([[0.4]]), _u([[0.9, 0.5]]))
     assert acc.tolist() == [1] and tokens.tolist() == [[1, 3]]
 
@@ -64,7 +65,7 @@ def test_ratio_reject_resamples_from_residual():
     q = torch.tensor([[[0.0, 1.0, 0, 0, 0, 0]]])
     # u 0.6 > 0.5 rejects; residual max(0, p - q) = mass on token 2 only
     for us in (0.0, 0.5, 0.999):
-        tokens, acc = S.verify(p, p.argmax(-1), torch.tensor([[1]]), q, torch.tensor([1]),
+        tokens, acc = verify(p, p.argmax(-1), torch.tensor([[1]]), q, torch.tensor([1]),
                                _u([[0.6]]), _u([[us, 0.5]]))
         assert acc.tolist() == [0] and tokens.tolist() == [[2, -1]]
 
@@ -73,7 +74,7 @@ def test_one_hot_draft_probs_default():
     """Greedy drafting: q is the one-hot of the draft, so accept iff u < p(draft)."""
     p = torch.tensor([[[0.2, 0.8, 0, 0, 0, 0], [0, 0, 1.0, 0, 0, 0]]])
     for u, expect in ((0.79, [[1, 2]]), (0.81, [[0, -1]])):
-        tokens, _ = S.verify(p, p.argmax(-1), torch.tensor([[1]]), None, torch.tensor([1]),
+        tokens, _ = verify(p, p.argmax(-1), torch.tensor([[1]]), None, torch.tensor([1]),
                              _u([[u]]), _u([[0.5, 0.5]]))
         assert tokens.tolist() == expect
 
@@ -160,7 +161,7 @@ def test_mtp_verification_follows_target_distribution(name, sampled_draft):
     idx = torch.tensor([10, 11])
     u_acc = S.counter_uniform(seeds_t[:, None], idx[None, :1], S.STREAM_ACCEPT)
     u_smp = S.counter_uniform(seeds_t[:, None], idx[None, :], S.STREAM_SAMPLE)
-    tokens, acc = S.verify(target, target.argmax(-1), drafts.view(N, 1), q,
+    tokens, acc = verify(target, target.argmax(-1), drafts.view(N, 1), q,
                            torch.ones(N, dtype=torch.long), u_acc, u_smp)
     with_mtp = torch.bincount(tokens[:, 0], minlength=V).double()
     plain = torch.bincount(S.sample_inverse_cdf(target[:, 0], u_smp[:, 0]), minlength=V).double()

@@ -1,6 +1,6 @@
 """The MTP layer against a deliberately naive reference built from the raw checkpoint tensors.
 
-Reference (DESIGN.md "MTP layer math"): x_j = eh_proj([enorm(embed(t_{j+1})); hnorm(h_j)]),
+Reference (the DeepSeek-V3 report's MTP module): x_j = eh_proj([enorm(embed(t_{j+1})); hnorm(h_j)]),
 one decoder block (MLA + MoE) over positions 0..j with plain per-token loops where that is
 clearer, logits = shared_head.head(shared_head.norm(x)). h_j comes from transformers'
 DeepseekV3 (final-norm hidden), so the main model is not trusted here either.
