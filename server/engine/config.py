@@ -34,6 +34,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (refused for now)
     # execution
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
+    async_executor: str = "auto"            # where the worker runs then: process | thread | auto
+                                            # (auto: a process on CPU, a thread on CUDA)
     device: str = "cpu"
     dtype: str | None = None                # None = checkpoint dtype
 

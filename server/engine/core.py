@@ -18,9 +18,12 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
+
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.executor import InProcessExecutor
+from server.engine.worker_process import ProcessExecutor
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.output import OutputProcessor, final_output
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
@@ -46,6 +49,18 @@ def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _make_executor(model: Any, cfg: EngineConfig, k: int, policy: SpecPolicy | None):
+    """Inline worker (synchronous); a worker process or thread (asynchronous scheduling)."""
+    kind = cfg.async_executor
+    if kind == "auto":
+        kind = "thread" if torch.device(cfg.device).type == "cuda" else "process"
+    if kind not in ("process", "thread"):
+        raise EngineError(f"async_executor {cfg.async_executor!r}; allowed: auto, process, thread")
+    if cfg.async_scheduling and kind == "process":
+        return ProcessExecutor(model, cfg, k, policy)
+    return InProcessExecutor(Worker(model, cfg, k, policy), async_scheduling=cfg.async_scheduling)
+
+
 class LLMEngine:
     """Synchronous engine core.  Not thread-safe: one thread calls everything."""
 
@@ -65,12 +80,12 @@ class LLMEngine:
             k = 0
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
         self.vocab_size = model.config.vocab_size
-        self.worker = Worker(model, cfg, k, policy)
-        self.executor = InProcessExecutor(self.worker, async_scheduling=cfg.async_scheduling)
+        self.executor = _make_executor(model, cfg, k, policy)
+        self.worker: Worker | None = self.executor.worker   # None when it lives in another process
         self.runtime = RuntimeInfo(
             num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
-            async_scheduling=cfg.async_scheduling, num_kv_blocks=self.worker.num_kv_blocks,
+            async_scheduling=cfg.async_scheduling, num_kv_blocks=self.executor.num_kv_blocks,
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len)
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
@@ -91,8 +106,9 @@ class LLMEngine:
 
     @property
     def policy(self) -> SpecPolicy | None:
-        """The speculation policy the MTP proposer asks for k (None with MTP off)."""
-        return self.worker.policy
+        """The speculation policy the MTP proposer asks for k (None with MTP off, or when
+        the worker runs in another process)."""
+        return self.worker.policy if self.worker is not None else None
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -193,7 +209,9 @@ class LLMEngine:
 
     def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput, t0: float) -> list[EngineOutput]:
         """Update the scheduler with one executed step and turn it into EngineOutputs."""
-        emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in out.failed.items()
+        failed = {**out.failed, **{rid: "the worker and the scheduler disagree on its stop"
+                                   for rid in out.skipped}}
+        emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in failed.items()
                    if rid in self.scheduler.requests]
         results = self.scheduler.update(out)
         outputs, stops, failures = self.output_processor.process(results, out, self.clock())

@@ -5,13 +5,14 @@
 
   * synchronous scheduling: the step runs on the caller's thread and the future is already
     done when ``execute_model`` returns (today's loop: schedule, execute, update);
-  * asynchronous scheduling: steps run in order on one worker thread, so the engine thread
-    schedules step n+1 and processes step n-1's outputs (detokenization, stop strings)
-    while step n executes.  Torch releases the GIL inside kernels, which is where the
-    overlap comes from on a CPU; on an accelerator the worker thread also absorbs the
-    step's device-to-host wait.
+  * asynchronous scheduling with a worker thread (the default on CUDA): steps run in order
+    on one worker thread, so the engine thread schedules step n+1 and processes step n's
+    outputs (detokenization, stop strings) while the device executes; the worker thread
+    also absorbs the step's device-to-host wait.
 
-Process workers (tensor/expert parallel) fit behind the same two methods.
+On a CPU the interpreter lock defeats a thread, so asynchronous scheduling uses the
+worker process of worker_process.py behind the same two methods (``execute_model``,
+``shutdown``); process workers for tensor/expert parallel fit there too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from server.engine.worker import Worker
 class InProcessExecutor:
     def __init__(self, worker: Worker, *, async_scheduling: bool = False) -> None:
         self.worker = worker
+        self.num_kv_blocks = worker.num_kv_blocks
         self.async_scheduling = async_scheduling
         self._pool: cf.ThreadPoolExecutor | None = None
         if async_scheduling:

@@ -21,6 +21,11 @@ produced, from its own state, without a host round trip through the engine.
 With synchronous scheduling the placeholder count is always 0 and the scheduler's
 ``num_computed_tokens`` is exact.
 
+A request that a token-level stop (stop_rules.py) ended in step n is not computed again
+if step n+1 was already scheduled for it: the worker applies the same rule and reports it
+as ``skipped``; only a stop string, found by the engine's detokenizer, can cost one
+discarded step.
+
 The worker answers with one ``ModelRunnerOutput`` (per request: emitted tokens, drafts
 now held, logprobs), read by ``Scheduler.update`` once it reaches the host.
 """
@@ -41,6 +46,7 @@ class NewRequestData:
     sampling: SamplingParams
     seed: int
     stop_ids: frozenset[int]
+    max_output_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,8 @@ class ModelRunnerOutput:
     num_drafts_next: list[int] = field(default_factory=list)           # drafts held for the next step
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)               # request id -> error
+    skipped: list[str] = field(default_factory=list)                   # ended by an earlier step
     num_tokens: int = 0                                                # tokens fed to the main model
     spec_k: int = 0                                                    # drafts per sequence chosen
     execute_time_s: float = 0.0
+    num_held_requests: int = 0                                         # worker state size after it

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from server.engine.messages import NewRequestData
 from server.engine.protocol import SamplingParams
+from server.engine.stop_rules import first_stop
 
 
 @dataclass(slots=True, eq=False)
@@ -23,12 +24,14 @@ class RequestState:
     sampling: SamplingParams
     seed: int
     stop_ids: frozenset[int]
+    max_output_tokens: int
+    stopped: bool = False             # a token-level stop rule ended it (stop_rules.py)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":
         return cls(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                    new.num_computed_tokens, list(new.block_ids), new.sampling, new.seed,
-                   new.stop_ids)
+                   new.stop_ids, new.max_output_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -61,5 +64,7 @@ class RequestState:
 
     def advance(self, sampled: list[int]) -> None:
         """Apply one executed step: every fed token and the accepted drafts are now computed."""
+        self.stopped = first_stop(sampled, self.num_output_tokens, self.stop_ids, self.sampling,
+                                  self.max_output_tokens) is not None
         self.num_computed_tokens = len(self.token_ids) + len(sampled) - 1
         self.token_ids.extend(sampled)

@@ -34,6 +34,7 @@ from server.engine.messages import (CachedRequestData, ModelRunnerOutput, NewReq
 from server.engine.protocol import FinishReason
 from server.engine.runtime import lookahead_slots
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.stop_rules import first_stop
 
 
 @dataclass(slots=True)
@@ -244,7 +245,8 @@ class Scheduler:
             self.running.append(seq)
             new.append(NewRequestData(seq.request_id, tuple(seq.token_ids), seq.num_prompt_tokens,
                                       seq.num_computed_tokens, tuple(seq.block_table),
-                                      seq.sampling, seq.seed, seq.stop_ids))
+                                      seq.sampling, seq.seed, seq.stop_ids,
+                                      seq.max_output_tokens))
             seq.num_inflight_steps += 1
             num_tokens += n_new
 
@@ -258,7 +260,7 @@ class Scheduler:
         stop found in the previous step's output) are discarded.
         """
         results = []
-        for rid in out.failed:
+        for rid in (*out.failed, *out.skipped):
             seq = self.requests.get(rid)
             if seq is not None:
                 seq.num_inflight_steps = max(0, seq.num_inflight_steps - 1)
@@ -287,14 +289,12 @@ class Scheduler:
             results.append(StepResult(seq, emitted, n_drafts, accepted, reason is not None))
         return results
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None,
-                                                                  str | int | None]:
-        for i, tok in enumerate(tokens):
-            seq.token_ids.append(tok)
-            n_out = seq.num_output_tokens
-            if tok in seq.stop_ids and n_out > seq.sampling.min_tokens:
-                stop = tok if tok in seq.sampling.stop_token_ids else None
-                return tokens[:i + 1], FinishReason.STOP, stop
-            if n_out >= seq.max_output_tokens:
-                return tokens[:i + 1], FinishReason.LENGTH, None
-        return tokens, None, None
+    @staticmethod
+    def _append(seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None,
+                                                           str | int | None]:
+        stop = first_stop(tokens, seq.num_output_tokens, seq.stop_ids, seq.sampling,
+                          seq.max_output_tokens)
+        if stop is not None:
+            tokens = tokens[:stop[0] + 1]
+        seq.token_ids.extend(tokens)
+        return (tokens, None, None) if stop is None else (tokens, stop[1], stop[2])

@@ -84,8 +84,12 @@ class Worker:
                 out.failed[cached.request_id] = "the worker holds no state for this request"
                 continue
             st.block_table.extend(cached.new_block_ids)
+            if st.stopped:                    # an earlier step ended it: nothing to compute
+                out.skipped.append(cached.request_id)
+                continue
             states.append(st)
         states += [self.requests[new.request_id] for new in so.new_requests]
+        out.num_held_requests = len(self.requests)
         if not states:
             return out
         decode_only = not so.new_requests and all(st.num_new_tokens == 1 for st in states)

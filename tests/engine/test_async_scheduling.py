@@ -26,6 +26,7 @@ def both(model, k: int, run, **kw) -> tuple[dict, dict]:
     outs = []
     for on in (False, True):
         eng = make_engine(model, k, async_scheduling=on, **kw)
+        assert (eng.worker is None) is (on and kw.get("async_executor", "auto") != "thread")
         assert eng.runtime.async_scheduling is on
         placeholders = watch_placeholders(eng)
         outs.append(run(eng))
@@ -201,3 +202,13 @@ def test_stop_strings_discard_what_the_next_step_produced(tokenizer, k):
         toks, text, reason = got[True][f"s{i}"]
         assert reason is FinishReason.STOP and stops[i][0] not in text
         assert texts[f"p{i}"].startswith(text)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_worker_thread_executor_identical_too(k):
+    """The worker-thread executor (the default on CUDA) gives the same outputs on a CPU."""
+    model = high_acceptance_model()
+    reqs = requests(prompts(16, seed=28), [sampled(i) if i % 2 else GREEDY for i in range(16)])
+    ref, got = both(model, k, lambda e: run_staggered(e, reqs, every=1), max_batch_size=16,
+                    async_executor="thread")
+    assert got == ref
