@@ -8,7 +8,7 @@ Python beside the engine's, and the step messages already are plain, picklable v
 
 The model is handed over through ``torch.multiprocessing`` (its tensors move to shared
 memory, not copied per process); the worker builds its KV pool, runner and proposer in
-the child.  Requests and results travel through two queues in step order, so the engine
+the child.  Requests and results travel through two pipes in step order, so the engine
 can launch step n+1 before it reads step n's result.
 """
 from __future__ import annotations
@@ -32,11 +32,14 @@ START_TIMEOUT_S = 300.0
 
 
 def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, threads: int,
-           log_level: int, inbox: Any, outbox: Any) -> None:
+           log_level: int, requests: Any, results: Any) -> None:
     """The child: build the worker, then execute every message until ``None``.
 
-    Signals are the parent's business (it drains, then sends ``None``); a child whose
-    parent is gone exits by itself.
+    A reader thread drains ``requests`` at once, so the engine's send of step n+1 never
+    waits for step n to finish; results go back from this thread synchronously (a queue's
+    feeder thread would wait for the interpreter lock while the next step runs, delaying
+    every result).  Signals are the parent's business (it drains, then sends ``None``); a
+    child whose parent is gone exits by itself.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -47,9 +50,20 @@ def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, thr
     try:
         worker = Worker(model, cfg, num_spec_tokens, policy)
     except BaseException as exc:
-        outbox.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+        results.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
         return
-    outbox.put(("ready", worker.num_kv_blocks))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(requests.recv())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=read, name="worker-reader", daemon=True).start()
+    results.send(("ready", worker.num_kv_blocks))
     while True:
         try:
             so = inbox.get(timeout=1.0)
@@ -60,9 +74,10 @@ def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, thr
         if so is None:
             return
         try:
-            outbox.put(("ok", worker.execute_model(so)))
+            out = ("ok", worker.execute_model(so))
         except BaseException as exc:           # reported to the engine, which fails the step
-            outbox.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+            out = ("error", f"{exc!r}\n{traceback.format_exc()}")
+        results.send(out)
 
 
 class StepFuture:
@@ -99,16 +114,18 @@ class ProcessExecutor:
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
                  policy: Any = None) -> None:
         ctx = mp.get_context("spawn")
-        self._inbox = ctx.Queue()
-        self._outbox = ctx.Queue()
+        requests_rx, self._requests = ctx.Pipe(duplex=False)
+        self._results, results_tx = ctx.Pipe(duplex=False)
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
         self._held = 0
         self._proc = ctx.Process(target=_serve, name="engine-worker", daemon=True,
                                  args=(model, cfg, num_spec_tokens, policy,
                                        torch.get_num_threads(), logging.getLogger().level,
-                                       self._inbox, self._outbox))
+                                       requests_rx, results_tx))
         self._proc.start()
+        requests_rx.close()
+        results_tx.close()
         kind, payload = self._get(START_TIMEOUT_S)
         if kind != "ready":
             self.shutdown()
@@ -119,20 +136,22 @@ class ProcessExecutor:
     def _get(self, timeout: float | None) -> tuple[str, Any]:
         while True:
             try:
-                return self._outbox.get(timeout=1.0 if timeout is None else min(timeout, 1.0))
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    return "error", f"exited with code {self._proc.exitcode}"
-                if timeout is not None:
-                    timeout -= 1.0
-                    if timeout <= 0:
-                        return "error", "timed out"
+                if self._results.poll(1.0 if timeout is None else min(timeout, 1.0)):
+                    return self._results.recv()
+            except (EOFError, OSError):
+                pass
+            if not self._proc.is_alive():
+                return "error", f"exited with code {self._proc.exitcode}"
+            if timeout is not None:
+                timeout -= 1.0
+                if timeout <= 0:
+                    return "error", "timed out"
 
     def execute_model(self, so: SchedulerOutput) -> StepFuture:
         fut = StepFuture(self)
         with self._lock:
             self._pending.append(fut)
-        self._inbox.put(so)
+            self._requests.send(so)
         return fut
 
     def _receive_until(self, fut: StepFuture) -> None:
@@ -150,7 +169,10 @@ class ProcessExecutor:
 
     def shutdown(self) -> None:
         if self._proc.is_alive():
-            self._inbox.put(None)
+            try:
+                self._requests.send(None)
+            except OSError:
+                pass
             self._proc.join(10.0)
         if self._proc.is_alive():
             self._proc.kill()
