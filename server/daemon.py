@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,14 +126,18 @@ class Daemon:
         cfg = self.cfg
         ssl = tls_files(cfg)
         listeners = plan_listeners(cfg)
+        # The checkpoint first: a checkpoint that cannot be served (a quantized tensor
+        # missing its scale, say) fails the start before any port is bound.
+        tokenizer, engine = await asyncio.to_thread(load_engine, cfg)
         try:
             for lst in listeners:
                 lst.sock = bind(lst)
-            tokenizer, engine = await asyncio.to_thread(load_engine, cfg)
         except BaseException:
             for lst in listeners:
                 if lst.sock is not None:
                     lst.sock.close()
+            with contextlib.suppress(Exception):
+                await engine.shutdown(drain=False)
             raise
         await engine.start()
         settings = settings_from_config(cfg, engine.runtime)
@@ -175,11 +180,17 @@ class Daemon:
         return EXIT_OK
 
     async def _drain(self, state: ServerState, limit_s: float) -> None:
+        """Wait for in-flight requests; say how it ended, so an operator watching a stop
+        knows whether the daemon finished its work or gave up on some."""
+        start, in_flight = time.monotonic(), state.admission.in_flight
         try:
             await asyncio.wait_for(state.admission.wait_idle(), timeout=limit_s)
         except asyncio.TimeoutError:
             log.warning("drain: %d request(s) still in flight after %gs; stopping anyway",
                         state.admission.in_flight, limit_s)
+            return
+        log.info("drain finished: %d in-flight request(s) completed in %.2fs; shutting down",
+                 in_flight, time.monotonic() - start)
 
     async def _close(self, tasks: list, engine: Any, drain: bool) -> None:
         # Let the last responses flush before closing the sockets.

@@ -205,7 +205,10 @@ class MoE(nn.Module):
         weights, idx = self.gate(x)                         # [T, k]
         # Serving only (inference mode): the stacked weights are a detached copy, so
         # training and autograd paths keep the per-expert dispatch below.
-        if torch.is_inference_mode_enabled() and x.shape[0] * self._macs_per_token_dense <= DENSE_MOE_MAX_MACS:
+        # Int8 experts (QuantLinear) keep the per-expert dispatch: their scales are per
+        # expert and output channel, which one stacked down-projection cannot carry.
+        if torch.is_inference_mode_enabled() and isinstance(self.experts[0].gate_proj, nn.Linear) \
+                and x.shape[0] * self._macs_per_token_dense <= DENSE_MOE_MAX_MACS:
             return self._dense(x, weights, idx).reshape(shape)
         k = idx.shape[1]
         flat = idx.reshape(-1)                              # [T * k]

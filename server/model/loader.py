@@ -4,8 +4,11 @@ Reads ``config.json`` and ``model.safetensors`` (or the shards listed by
 ``model.safetensors.index.json``) through memory-mapped ``safe_open``. The model is built
 on the meta device and each parameter is replaced by the loaded tensor, so nothing is
 randomly initialised first. FP8 block-quantised weights (``weight_scale_inv``) are
-dequantised on the way in. Every missing or mis-shaped tensor is collected and reported
-at once in one CheckpointError.
+dequantised on the way in. Int8 checkpoints (msModelSlim's W8A8 / W8A8_DYNAMIC /
+W4A8_DYNAMIC, compressed-tensors int8; quant_loader.py) keep their layers in int8
+(QuantLinear). Every missing, mis-typed or mis-shaped tensor is collected and reported at
+once in one CheckpointError; an integer tensor nothing describes as quantized is refused,
+never cast to float.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from torch import nn
 from server.model.config import DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
+from server.model.quant import QuantLinear
+from server.model.quant_loader import QuantConfigError, detect, install, load_layers
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +50,18 @@ class ModelInfo:
     model_type: str
     path: Path
     dtype: torch.dtype
-    quantization: str | None   # "fp8" when block-FP8 weights were dequantised at load
+    quantization: str | None   # "fp8" when block-FP8 weights were dequantised at load;
+                               # the int8 scheme and its layer counts otherwise
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu") -> tuple[DeepseekV3ForCausalLM, ModelInfo]:
-    """Load model weights; dtype None means the checkpoint's ``torch_dtype``."""
+                    device: str | torch.device = "cpu",
+                    int8_backend: str = "auto") -> tuple[DeepseekV3ForCausalLM, ModelInfo]:
+    """Load model weights; dtype None means the checkpoint's ``torch_dtype``.
+
+    ``int8_backend`` (int8 checkpoints): "int_mm" (torch._int_mm), "float" (the same exact
+    integer products through a float GEMM) or "auto" (int_mm on CUDA, float on CPU; see
+    server/model/quant.py for why)."""
     start = time.perf_counter()
     path = Path(path)
     cfg = read_config(path)
@@ -74,7 +85,19 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg, num_mtp_layers=num_mtp)
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        spec = detect(path, _raw_config(path), linears)
+    except QuantConfigError as e:
+        raise CheckpointError(str(e)) from e
+    if spec is not None:
+        if int8_backend == "auto":
+            int8_backend = "int_mm" if torch.device(device).type == "cuda" else "float"
+        install(model, spec, int8_backend)
     expected = dict(model.named_parameters())                  # tied duplicates appear once
+    if spec is not None:                                       # loaded by quant_loader below
+        for name in [n for n in expected if n.rpartition(".")[0] in spec.layer_types]:
+            del expected[name]
     optional = {f"model.layers.{n + j}.shared_head.head.weight" for j in range(num_mtp)}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -111,6 +134,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                 except Exception as e:  # unreadable tensor data
                     errors.append(f"tensor {name} in {file}: cannot be read ({e})")
                     continue
+                if not (t.dtype.is_floating_point or t.dtype.is_complex):
+                    errors.append(f"tensor {name} in {file} is {t.dtype}, but nothing describes it as "
+                                  "quantized (no quant_model_description*.json entry or "
+                                  "quantization_config); refusing to cast it to float")
+                    continue
                 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                     scale_name = name[: -len("weight")] + "weight_scale_inv"
                     if scale_name not in where:
@@ -130,6 +158,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                 loaded[name] = t.to(device=device, dtype=target)
             logger.info("loaded shard %d/%d %s (%d tensors, %d/%d total)", i, len(files), file,
                         len(by_file[file]), len(loaded), len(expected))
+        if spec is not None:
+            for name, t in load_layers(model, spec, get, where.__contains__, device, errors).items():
+                loaded[name] = t.to(dtype) if t.is_floating_point() and not isinstance(
+                    model.get_submodule(name.rpartition(".")[0]), QuantLinear) else t
     if errors:
         raise CheckpointError(f"checkpoint {path} is not loadable ({len(errors)} problem(s)):\n  "
                               + "\n  ".join(errors))
@@ -139,9 +171,15 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         setattr(model.get_submodule(prefix), attr, nn.Parameter(t, requires_grad=False))
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for name in optional - loaded.keys():
-        # No own head in the checkpoint: the MTP head is the main lm_head (DeepSeek shares it).
-        model.get_submodule(name.rsplit(".", 1)[0]).weight = model.lm_head.weight
+    for name in optional:
+        # No own head in the checkpoint, or a copy equal to lm_head (DeepSeek's released MTP
+        # layers carry one): the MTP head is the main lm_head, held once (1.85 GB in bf16
+        # for DeepSeek-V3).
+        head = model.get_submodule(name.rsplit(".", 1)[0])
+        own = loaded.get(name)
+        lm = model.lm_head.weight
+        if own is None or (own.shape == lm.shape and own.dtype == lm.dtype and torch.equal(own, lm)):
+            head.weight = lm
     leftover = [k for k, p in model.named_parameters() if p.is_meta]
     if leftover:  # cannot happen unless the name mapping above is wrong
         raise CheckpointError(f"checkpoint {path}: parameters left unloaded: {', '.join(leftover)}")
@@ -156,8 +194,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     logger.info("loaded %s (%s, %d layers + %d MTP, %s%s) in %.1fs", path, cfg.model_type, n, num_mtp,
                 str(dtype).removeprefix("torch."), ", fp8 dequantised" if quantized else "",
                 time.perf_counter() - start)
+    if spec is not None:
+        logger.info("quantized checkpoint: %s; int8 GEMM backend %s", spec.describe(), int8_backend)
     info = ModelInfo(config=cfg, has_mtp=num_mtp > 0, num_mtp_layers=num_mtp, model_type=cfg.model_type,
-                     path=path, dtype=dtype, quantization="fp8" if quantized else None)
+                     path=path, dtype=dtype,
+                     quantization=spec.describe() if spec is not None else ("fp8" if quantized else None))
     return model, info
 
 
@@ -179,12 +220,17 @@ def read_config(path: str | Path) -> DeepseekConfig:
         raise CheckpointError(f"{cfg_path}: {e}") from e
 
 
+def _raw_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text(encoding="utf-8"))
+
+
 def _fp8_block(cfg: DeepseekConfig, path: Path) -> int:
     q = cfg.extra.get("quantization_config") or {}
     size = q.get("weight_block_size") or [BLOCK, BLOCK]
-    if q and q.get("quant_method") not in (None, "fp8"):
+    if q and q.get("quant_method") not in (None, "fp8", "compressed-tensors"):
         raise CheckpointError(f"{path / 'config.json'}: quantization_config.quant_method "
-                              f"{q.get('quant_method')!r} is not supported; allowed: fp8")
+                              f"{q.get('quant_method')!r} is not supported; allowed: fp8, "
+                              "compressed-tensors (int8)")
     if len(size) != 2 or size[0] != size[1]:
         raise CheckpointError(f"{path / 'config.json'}: weight_block_size {size} is not supported; "
                               "allowed: square blocks such as [128, 128]")
@@ -201,13 +247,19 @@ def _tensor_index(path: Path) -> dict[str, str]:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
         return dict(weight_map)
     single = path / SINGLE_FILE
-    if not single.is_file():
-        raise CheckpointError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
-    try:
-        with safe_open(str(single), framework="pt", device="cpu") as f:
-            return {k: SINGLE_FILE for k in f.keys()}
-    except Exception as e:
-        raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from e
+    # msModelSlim names its weight files quant_model_weight(s)*.safetensors.
+    files = [single] if single.is_file() else sorted(path.glob("quant_model_weight*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no weights found (expected {SINGLE_FILE}, {INDEX_FILE} "
+                              "or msModelSlim's quant_model_weight*.safetensors)")
+    out: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                out.update({k: file.name for k in f.keys()})
+        except Exception as e:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+    return out
 
 
 def _listing(path: Path) -> str:

@@ -1,0 +1,108 @@
+"""Int8 linear layers for quantized DeepSeek checkpoints (msModelSlim and compressed-tensors).
+
+Schemes (formulas from msModelSlim's weight-format documentation; W is int8 [out, in]):
+  w8a8_dynamic  weights per-channel symmetric (weight_scale [out]); activations per token,
+                symmetric: s_t = max|x_t| / 127, x_q = round(x / s_t);
+                y = (x_q . W^T) * s_t * weight_scale.  msModelSlim W8A8_DYNAMIC, W4A8_DYNAMIC
+                (its int4 weights unpacked to int8 at load) and compressed-tensors int8 with
+                channel weights and dynamic token activations all compute this way.
+  w8a8_static   activations per tensor, asymmetric, calibrated: x_q = round(x / input_scale
+                + input_offset); y = (x_q . W^T + quant_bias) * deq_scale, where the saver
+                folded the offset's contribution (and any bias) into quant_bias.
+
+The integer products x_q . W^T are exact either way.  ``torch._int_mm`` computes them as
+int8 x int8 -> int32 (the path on CUDA); on this project's CPUs it measured 20-40x slower
+than a float GEMM of the same shape, so on CPU the same integer products run through a
+float32 GEMM, which is exact while every partial sum stays below 2**24 (in-features up to
+1024 per chunk; wider inputs are split into such chunks and summed in float64).
+Weights stay resident as int8 either way; the float copy of a chunk lives only for the call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXACT_FLOAT_K = 1024          # 1024 * 127 * 128 < 2**24: float32 sums of int8 products are exact
+SCHEMES = ("w8a8_dynamic", "w8a8_static")
+
+
+def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tensor:
+    """x_q int8 [M, K] . w int8 [N, K]^T -> [M, N] holding the exact integer sums (float32/64
+    or int32 by backend)."""
+    if backend == "int_mm":
+        return torch._int_mm(x_q, w.t())
+    K = x_q.shape[1]
+    if K <= EXACT_FLOAT_K:
+        return F.linear(x_q.float(), w.float())
+    acc = None
+    for k0 in range(0, K, EXACT_FLOAT_K):
+        part = F.linear(x_q[:, k0:k0 + EXACT_FLOAT_K].float(), w[:, k0:k0 + EXACT_FLOAT_K].float()).double()
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """msModelSlim W4A8 weight int8 [out/2, in] -> int8 [out, in] holding int4 values.
+
+    Two output rows share a byte: the low nibble is row 2j, the high nibble row 2j+1, both
+    two's-complement int4 (-8..7).
+    """
+    p = packed.to(torch.int8)
+    low = ((p & 0xF) ^ 0x8) - 0x8                     # sign-extend the low nibble
+    high = p >> 4                                     # arithmetic shift sign-extends
+    return torch.stack([low, high], dim=1).reshape(2 * p.shape[0], p.shape[1]).to(torch.int8)
+
+
+def pack_int4_rows(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``unpack_int4_rows``: int4 values in int8 [out, in] -> [out/2, in]."""
+    w = w.to(torch.int8)
+    return ((w[1::2] << 4) | (w[0::2] & 0xF)).to(torch.int8)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is int8 [out, in]; see the module docstring for the maths."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, *,
+                 backend: str = "float", bias: bool = False) -> None:
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"quantization scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.backend = scheme, backend
+
+        def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+        self.weight = param(out_features, in_features, dtype=torch.int8)
+        if scheme == "w8a8_dynamic":
+            self.weight_scale = param(out_features, dtype=torch.float32)
+        else:
+            self.input_scale = param(1, dtype=torch.float32)
+            self.input_offset = param(1, dtype=torch.float32)
+            self.deq_scale = param(out_features, dtype=torch.float32)
+            self.quant_bias = param(out_features, dtype=torch.int32)
+        self.bias = param(out_features, dtype=torch.float32) if bias else None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"scheme={self.scheme}, backend={self.backend}")
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [out, in] (dynamic scheme): for layers the model reads as a raw matrix."""
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()                              # [M, K]
+        if self.scheme == "w8a8_dynamic":
+            s = x2.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-10) / 127.0  # [M, 1]
+            x_q = torch.round(x2 / s).clamp_(-127, 127).to(torch.int8)
+            y = int8_matmul(x_q, self.weight, self.backend).float() * (s * self.weight_scale)
+        else:
+            x_q = torch.round(x2 / self.input_scale + self.input_offset).clamp_(-128, 127).to(torch.int8)
+            acc = int8_matmul(x_q, self.weight, self.backend) + self.quant_bias
+            y = acc.float() * self.deq_scale
+        if self.bias is not None and self.scheme == "w8a8_dynamic":
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
