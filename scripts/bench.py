@@ -10,6 +10,8 @@ and the table reports medians over repetitions plus ratios against MTP off.
 Usage:
   scripts/bench.py [--quick] [--json out.json] [--plot out.png]
   scripts/bench.py --compare async [--concurrency 1,16,64]   # MINDIE_ASYNC_SCHEDULING_ENABLE 1 vs 0
+  scripts/bench.py --compare quant --quantized DIR             # MTP k=1: float vs an int8 checkpoint
+                                                               # (DIR from scripts/quantize.py)
   scripts/bench.py --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027  # a running daemon
 """
 from __future__ import annotations
@@ -53,7 +55,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_config(base: Path, workdir: Path, spec_tokens: int) -> tuple[Path, int, int]:
+def _write_config(base: Path, workdir: Path, spec_tokens: int,
+                  weights_override: Path | None = None) -> tuple[Path, int, int]:
     cfg = json.loads(base.read_text())
     port, mport = _free_port(), _free_port()
     srv = cfg["ServerConfig"]
@@ -64,6 +67,8 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int) -> tuple[Path, in
     weights = Path(mc["modelWeightPath"])
     if not weights.is_absolute():
         mc["modelWeightPath"] = str((base.parent / weights).resolve())
+    if weights_override is not None:
+        mc["modelWeightPath"] = str(weights_override.resolve())
     mc["plugin_params"] = (json.dumps({"plugin_type": "mtp", "num_speculative_tokens": spec_tokens})
                            if spec_tokens > 0 else "")
     sched = cfg["BackendConfig"]["ScheduleConfig"]
@@ -75,9 +80,10 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int) -> tuple[Path, in
 
 
 def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
-                 async_scheduling: bool = False, timeout: float = 300.0) -> Target:
+                 async_scheduling: bool = False, weights: Path | None = None,
+                 timeout: float = 300.0) -> Target:
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens)
+    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights)
     log = open(workdir / "daemon.log", "w")
     env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
                MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0")
@@ -323,9 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
-    ap.add_argument("--compare", choices=("mtp", "async"), default="mtp",
+    ap.add_argument("--compare", choices=("mtp", "async", "quant"), default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
-                         "asynchronous scheduling off vs on")
+                         "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
+                         "checkpoint vs --quantized")
+    ap.add_argument("--quantized", type=Path, help="an int8 checkpoint (with --compare quant)")
     ap.add_argument("--concurrency", default=None, help="default 1,4,16,64 (mtp) or 1,16,64 (async)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ignore-eos", action="store_true",
@@ -341,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     levels = [int(x) for x in (args.concurrency or
-                               ("1,16,64" if args.compare == "async" else "1,4,16,64")).split(",")]
-    plan = ((("sync", 1, False), ("async", 1, True)) if args.compare == "async"
-            else (("off", 0, False), ("k1", 1, False), ("k2", 2, False)))
+                               ("1,4,16,64" if args.compare == "mtp" else "1,16,64")).split(",")]
+    if args.compare == "quant" and not args.quantized:
+        ap.error("--compare quant needs --quantized DIR (made by scripts/quantize.py)")
+    plan = {"async": (("sync", 1, False, None), ("async", 1, True, None)),
+            "quant": (("float", 1, False, None), ("int8", 1, False, args.quantized)),
+            "mtp": (("off", 0, False, None), ("k1", 1, False, None), ("k2", 2, False, None))}[args.compare]
     import torch
     torch.set_num_threads(args.threads)                # the reference rows run in this process
     reps = args.reps or (1 if args.quick else 3)
@@ -363,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
         else:
-            for name, k, async_on in plan:
+            for name, k, async_on, weights in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
-                targets.append(start_daemon(name, args.config_file, k, args.threads, async_on))
+                targets.append(start_daemon(name, args.config_file, k, args.threads, async_on, weights))
         model = asyncio.run(model_id(targets[0]))
         ttft_prompt = long_prompt(weights, 200)
         total = reps * len(levels) * len(targets) + reps * len(targets)
