@@ -31,7 +31,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0         # k; 0 = MTP off
     adaptive_speculation: bool = True       # pick k in 0..num_speculative_tokens per step (mtp.AdaptiveK)
     enable_prefix_cache: bool = False
-    kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (refused for now)
+    kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (int8 latent + scale)
     # execution
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
     async_executor: str = "auto"            # where the worker runs then: process | thread | auto

@@ -67,9 +67,9 @@ class LLMEngine:
     def __init__(self, model: Any, cfg: EngineConfig, tokenizer: Any = None, *,
                  eos_token_ids: set[int] | None = None, policy: SpecPolicy | None = None,
                  blocks: BlockManager | None = None, clock=time.monotonic) -> None:
-        if cfg.kv_cache_dtype != "auto":
-            raise EngineError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} is not supported yet; "
-                              "allowed: 'auto' (the model's dtype)")
+        if cfg.kv_cache_dtype not in ("auto", "int8"):
+            raise EngineError(f"kv_cache_dtype {cfg.kv_cache_dtype!r}; allowed: 'auto' (the "
+                              "model's dtype), 'int8' (int8 latent, RoPE part in the model dtype)")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.clock = clock
@@ -86,7 +86,8 @@ class LLMEngine:
             num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
             async_scheduling=cfg.async_scheduling, num_kv_blocks=self.executor.num_kv_blocks,
-            block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len)
+            block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
+            kv_cache_dtype=cfg.kv_cache_dtype)
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
                                              hash_next_token=k > 0)

@@ -1,4 +1,6 @@
-"""KV pool tensors: one [num_blocks, block_size, kv_cache_dim] tensor per cache layer.
+"""KV pool: one paged latent cache per cache layer (server/model/latent_cache.py), float
+([num_blocks, block_size, kv_cache_dim] in the model dtype) or int8 (``kv_cache_dtype``
+"int8": int8 latent + per-token scale, RoPE part in the model dtype).
 
 Cache layers are the main decoder layers followed by the MTP layer(s); all share one block
 table per sequence (bookkeeping in block_manager.py).  MLA caches the compressed latent
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from server.model.latent_cache import Int8LatentCache, LatentCache
+
 log = logging.getLogger("server.engine")
 
 AUTO_MEMORY_FRACTION = 0.8
@@ -33,13 +37,21 @@ GIB = 1 << 30
 class KVCacheSpec:
     num_layers: int          # main + MTP cache layers
     block_size: int
-    kv_cache_dim: int
-    dtype: torch.dtype
+    kv_cache_dim: int        # latent + rope
+    dtype: torch.dtype       # the model dtype
+    rope_dim: int = 0        # the part an int8 cache keeps in the model dtype
+    int8: bool = False
+
+    @property
+    def bytes_per_token(self) -> int:
+        if self.int8:
+            return Int8LatentCache.bytes_per_token(self.kv_cache_dim - self.rope_dim, self.rope_dim,
+                                                   self.dtype)
+        return self.kv_cache_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * self.block_size * self.kv_cache_dim * elem
+        return self.num_layers * self.block_size * self.bytes_per_token
 
 
 def _cpu_available_bytes() -> int:
@@ -81,7 +93,11 @@ def num_blocks_for(spec: KVCacheSpec, *, mem_size_gb: float, device: torch.devic
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int,
-                       device: torch.device | str) -> list[torch.Tensor]:
-    """Zeroed pool tensors, one per cache layer (zeros: padding slots never hold NaN)."""
-    return [torch.zeros(num_blocks, spec.block_size, spec.kv_cache_dim, dtype=spec.dtype,
-                        device=device) for _ in range(spec.num_layers)]
+                       device: torch.device | str) -> list[LatentCache | Int8LatentCache]:
+    """Zeroed pool caches, one per cache layer (zeros: padding slots never hold NaN)."""
+    if spec.int8:
+        return [Int8LatentCache(num_blocks, spec.block_size, spec.kv_cache_dim - spec.rope_dim,
+                                spec.rope_dim, spec.dtype, device) for _ in range(spec.num_layers)]
+    return [LatentCache(torch.zeros(num_blocks, spec.block_size, spec.kv_cache_dim,
+                                    dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)]

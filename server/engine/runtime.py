@@ -35,6 +35,7 @@ class RuntimeInfo:
     block_size: int
     eos_token_ids: frozenset[int]
     max_seq_len: int
+    kv_cache_dtype: str = "auto"        # "auto" (the model dtype) | "int8"
 
     @property
     def mtp_enabled(self) -> bool:
@@ -57,7 +58,8 @@ class RuntimeInfo:
         if self.configured_speculative_tokens != self.num_speculative_tokens:
             mtp += f" (configured k={self.configured_speculative_tokens})"
         return (f"engine runtime: {mtp}; async scheduling {'on' if self.async_scheduling else 'off'}; "
-                f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens; "
+                f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
+                f"({'int8 latent' if self.kv_cache_dtype == 'int8' else 'model dtype'}); "
                 f"EOS ids {sorted(self.eos_token_ids)}")
 
     def to_dict(self) -> dict:
@@ -66,5 +68,6 @@ class RuntimeInfo:
                 "adaptive_speculation": self.adaptive_speculation,
                 "async_scheduling_enabled": self.async_scheduling,
                 "kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "lookahead_slots": self.lookahead_slots,
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len}

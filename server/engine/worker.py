@@ -36,7 +36,8 @@ class Worker:
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
         dtype = next(model.parameters()).dtype
-        spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim, dtype)
+        spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim, dtype,
+                           rope_dim=model.config.qk_rope_head_dim, int8=cfg.kv_cache_dtype == "int8")
         per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
         self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
                                             max_useful_blocks=cfg.max_batch_size * per_seq + 1,
@@ -66,9 +67,9 @@ class Worker:
         """A copy of the KV cache rows of ``request_id`` at ``positions`` in cache layer
         ``layer`` (-1: the MTP layer), for checks and debugging; call between steps."""
         st = self.requests[request_id]
-        bs, cache = self.runner.block_size, self.kv_caches[layer]
-        slots = [st.block_table[p // bs] * bs + p % bs for p in positions]
-        return cache.view(-1, cache.shape[-1])[slots].clone()
+        bs = self.runner.block_size
+        return self.kv_caches[layer].read_slots([st.block_table[p // bs] * bs + p % bs
+                                                 for p in positions])
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)

@@ -24,6 +24,7 @@ from torch import nn
 
 from server.model.batch import BatchMetadata
 from server.model.config import DeepseekConfig
+from server.model.latent_cache import CacheLike, as_cache
 from server.model.layers import RMSNorm, RotaryEmbedding
 
 # Steps whose longest query is at most this many tokens use the absorbed form.
@@ -142,12 +143,11 @@ class MLA(nn.Module):
         return q_nope, q_pe, latent, k_pe
 
     def write_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, cache: CacheLike) -> None:
         """Only write the cache rows of x [T, H] (what ``forward`` writes), attend nothing."""
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = self.rope.apply(k_pe[..., None, :], cos, sin)[..., 0, :]
-        row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1).to(cache.dtype)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, row)
+        as_cache(cache).write(slot_mapping, torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, S, kvr] -> k_nope [B, nH, S, dn], v [B, nH, S, dv]."""
@@ -172,16 +172,18 @@ class MLA(nn.Module):
 
     # -- paged cache ---------------------------------------------------------------------
     def forward(
-        self, x: torch.Tensor, plan: AttentionPlan, slot_mapping: torch.Tensor, cache: torch.Tensor
+        self, x: torch.Tensor, plan: AttentionPlan, slot_mapping: torch.Tensor, cache: CacheLike
     ) -> torch.Tensor:
         """x [T, H] -> [T, H]. Writes this step's cache rows first, then attends."""
         q_nope, q_pe, latent, k_pe = self._project(x, plan.cos, plan.sin)
-        num_blocks, block_size, dim = cache.shape
-        cache.view(-1, dim).index_copy_(0, slot_mapping, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
-        if plan.fresh_lens is not None and cache.dtype == x.dtype:
+        cache = as_cache(cache)
+        cache.write(slot_mapping, torch.cat([latent, k_pe], dim=-1))
+        # A prefill may attend to its fresh rows only when the cache stores them exactly:
+        # otherwise a later prefix-cache hit (which reads the stored rows) would differ.
+        if plan.fresh_lens is not None and cache.exact and cache.data.dtype == x.dtype:
             return self.o_proj(self._attend_fresh(q_nope, q_pe, latent, k_pe, plan.fresh_lens))
         b, mq, ms = plan.num_seqs, plan.max_query_len, plan.max_seq_len
-        ctx = cache[plan.block_tables].flatten(1, 2)[:, :ms]           # [B, S, D]
+        ctx = cache.gather(plan.block_tables, ms)                      # [B, S, D]
         # Slots past a sequence's end may hold anything (even NaN): zero them so masked
         # scores stay finite.
         ctx = ctx.to(x.dtype).masked_fill(~plan.key_valid, 0.0)

@@ -245,9 +245,9 @@ def test_output_processing_error_fails_only_that_request(monkeypatch):
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
-def test_int8_kv_is_refused_clearly():
-    with pytest.raises(EngineError, match="int8"):
-        LLMEngine(tiny_model(), EngineConfig(num_blocks=8, kv_cache_dtype="int8"))
+def test_unknown_kv_cache_dtype_is_refused_clearly():
+    with pytest.raises(EngineError, match="'fp8'; allowed: 'auto'.*'int8'"):
+        LLMEngine(tiny_model(), EngineConfig(num_blocks=8, kv_cache_dtype="fp8"))
 
 
 def test_mtp_requested_without_mtp_weights_decodes_plainly():
@@ -276,6 +276,7 @@ def test_logprobs_are_the_target_models():
 
 
 # ---- sampled distribution through the engine ----------------------------------------------
+@pytest.mark.slow                       # statistical
 @pytest.mark.parametrize("model_name,k,n", [("random", 1, 600), ("high", 1, 600), ("high", 2, 900)])
 def test_sampled_joint_distribution_matches_the_target_model(model_name, k, n):
     """First k+1 tokens, top_k=3: MTP (sampled drafts, ratio test) vs the exact model joint."""
