@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from server.engine.messages import NewRequestData
 from server.engine.protocol import SamplingParams
 from server.engine.stop_rules import first_stop
+from server.engine.token_view import TokenView
 
 
 @dataclass(slots=True, eq=False)
-class RequestState:
+class RequestState(TokenView):
     request_id: str
     token_ids: list[int]              # prompt + every token this worker emitted for it
     num_prompt_tokens: int
@@ -34,25 +35,9 @@ class RequestState:
                    new.stop_ids, new.max_output_tokens)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def num_new_tokens(self) -> int:
         """Known tokens the next step feeds (the prompt, or the last emitted token)."""
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     def penalty_context(self) -> tuple[list[int], list[int]]:
         """(prompt ids, output ids) for penalties; empty lists when the request has none

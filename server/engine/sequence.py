@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from server.engine.protocol import FinishReason, RequestCounters, SamplingParams
+from server.engine.token_view import TokenView
 
 
 class SequenceStatus(str, Enum):
@@ -30,7 +31,7 @@ class SequenceStatus(str, Enum):
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class Sequence(TokenView):
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
@@ -55,24 +56,8 @@ class Sequence:
     error: str | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def finished(self) -> bool:
