@@ -14,8 +14,7 @@ from typing import Mapping, Sequence
 
 from server.config import AppConfig, ConfigError, default_config_path, load_config
 
-EXIT_OK, EXIT_UNAVAILABLE, EXIT_BAD_CONFIG = 0, 1, 2
-log = logging.getLogger("server")
+EXIT_OK, EXIT_BAD_CONFIG = 0, 2     # 1 (could not serve) comes from server.daemon
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -51,17 +50,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def serve(cfg: AppConfig) -> int:
-    """Hand the config to the daemon; say so plainly if it is not there yet."""
-    try:
-        from server.daemon import run_daemon
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("server.daemon",):
-            raise                                     # a real missing dependency: show it
-        log.error("engine/API not available yet: validated config %s, serving nothing",
-                  cfg.source)
-        return EXIT_UNAVAILABLE
-    result = run_daemon(cfg)
-    return result if isinstance(result, int) else EXIT_OK
+    """Run the daemon until it stops and return its exit code (0 after a clean drain, 1
+    when it could not serve). Imported here, not at the top, so ``--check`` validates a
+    config without loading torch and the model code."""
+    from server.daemon import run_daemon
+    return run_daemon(cfg)
 
 
 if __name__ == "__main__":

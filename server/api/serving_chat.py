@@ -64,7 +64,7 @@ class ChatPlan:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         self.sampling = build_sampling(
             req, max_tokens=max_new_tokens(requested, len(self.prompt_ids), s),
-            defaults=state.generation_defaults, vocab_size=state.tokenizer.vocab_size,
+            defaults=state.generation_defaults, vocab_size=s.vocab_size,
             logprobs=req.logprobs, top_logprobs=top)
 
     def parser(self) -> ChatOutputParser:

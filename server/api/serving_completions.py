@@ -25,7 +25,8 @@ from server.engine.protocol import EngineRequest
 MAX_PROMPTS = 64
 
 
-def _prompts(req: CompletionRequest, tok: Any) -> list[list[int]]:
+def _prompts(req: CompletionRequest, tok: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt; given ids must lie in the model's ``[0, vocab_size)``."""
     p = req.prompt
     if isinstance(p, str):
         items: list = [p]
@@ -43,10 +44,10 @@ def _prompts(req: CompletionRequest, tok: Any) -> list[list[int]]:
             ids = tok.encode(item, add_special_tokens=True) if item else []
         else:
             ids = list(item)
-            bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {tok.vocab_size})", "prompt")
+                                  f"[0, {vocab_size})", "prompt")
         out.append(ids)
     return out
 
@@ -60,7 +61,8 @@ class CompletionPlan:
         self.n = req.n
         self.request_id = new_id("cmpl")
         self.created = int(time.time())
-        self.prompts = [fit_prompt(ids, s, "prompt") for ids in _prompts(req, state.tokenizer)]
+        self.prompts = [fit_prompt(ids, s, "prompt")
+                        for ids in _prompts(req, state.tokenizer, s.vocab_size)]
         if len(self.prompts) * self.n > MAX_PROMPTS:
             raise bad_request(f"{len(self.prompts)} prompts x n={self.n} is "
                               f"{len(self.prompts) * self.n} choices; at most {MAX_PROMPTS} "
@@ -68,7 +70,7 @@ class CompletionPlan:
         top = req.logprobs
         self.samplings = [build_sampling(
             req, max_tokens=max_new_tokens(req.max_tokens, len(ids), s),
-            defaults=state.generation_defaults, vocab_size=state.tokenizer.vocab_size,
+            defaults=state.generation_defaults, vocab_size=s.vocab_size,
             logprobs=top is not None, top_logprobs=top or 0) for ids in self.prompts]
         self.echo = [state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
                      for ids in self.prompts]

@@ -6,6 +6,9 @@ Rules (DeepSeek-R1 / vLLM ``deepseek_r1`` / MindIE "thinking analysis"):
   templates put ``<think>\\n`` in the prompt.
 * Everything before the first ``</think>`` is reasoning, everything after it is content.
 * No ``</think>`` at all (e.g. cut by ``max_tokens``) means the whole output is reasoning.
+* Newlines right after ``</think>`` are dropped: R1 writes ``</think>\n\n`` before its
+  answer as a separator, and DeepSeek's API returns the answer without it; a client that
+  renders ``content`` would otherwise show two blank lines first.
 
 ``ReasoningParser.extract`` works on full text; ``ReasoningParser.stream()`` returns a
 ``ReasoningStream`` that takes text deltas and gives ``(reasoning_delta, content_delta)``,
@@ -35,6 +38,7 @@ class ReasoningStream:
         self._buf = ""          # text not classified yet
         self._at_start = True   # a leading start marker may still come
         self._in_reasoning = True
+        self._content_started = False   # newlines before the first content char are dropped
 
     @property
     def in_reasoning(self) -> bool:
@@ -44,7 +48,7 @@ class ReasoningStream:
     def feed(self, delta: str) -> tuple[str, str]:
         """Classify ``delta``; returns ``(reasoning_delta, content_delta)`` (either may be "")."""
         if not self._in_reasoning:
-            return "", delta
+            return "", self._content(delta)
         self._buf += delta
         if self._at_start:
             if self._start.startswith(self._buf):
@@ -57,11 +61,17 @@ class ReasoningStream:
             reasoning, content = self._buf[:idx], self._buf[idx + len(self._end):]
             self._buf = ""
             self._in_reasoning = False
-            return reasoning, content
+            return reasoning, self._content(content)
         keep = _held_suffix(self._buf, self._end)
         reasoning = self._buf[: len(self._buf) - keep]
         self._buf = self._buf[len(self._buf) - keep:]
         return reasoning, ""
+
+    def _content(self, text: str) -> str:
+        if not self._content_started:
+            text = text.lstrip("\n")
+            self._content_started = bool(text)
+        return text
 
     def finish(self) -> tuple[str, str]:
         """End of output: anything held back was reasoning after all."""
@@ -88,7 +98,7 @@ class ReasoningParser:
         reasoning, sep, content = text.partition(self.end)
         if not sep:
             return (text or None), None
-        return (reasoning or None), (content or None)
+        return (reasoning or None), (content.lstrip("\n") or None)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.start, self.end)

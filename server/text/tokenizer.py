@@ -150,6 +150,15 @@ class Tokenizer:
         """Number of ids including added tokens (what the model's embedding must cover)."""
         return self._vocab_size
 
+    @property
+    def backend_tokenizer(self) -> _HFTokenizer:
+        """The ``tokenizers.Tokenizer`` doing the work (transformers' name for it).
+
+        ``decode`` is exactly its decode, so the incremental detokenizer can hand it to
+        ``tokenizers.decoders.DecodeStream``.
+        """
+        return self._tok
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -56,6 +56,7 @@ def sse(raw: str) -> list:
     return events
 
 
+@pytest.mark.slow                       # real daemon
 def test_chat_n3_non_streaming_usage_sums(client):
     one = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=8,
                                          temperature=1.0, seed=11, logprobs=True)
@@ -73,6 +74,7 @@ def test_chat_n3_non_streaming_usage_sums(client):
     assert r.choices[0].message.content == one.choices[0].message.content
 
 
+@pytest.mark.slow                       # real daemon
 def test_seeded_n2_is_reproducible_and_choices_differ(client):
     kw = dict(model=MODEL_NAME, messages=MSG, max_tokens=12, temperature=1.0, seed=1234, n=2,
               extra_body={"ignore_eos": True})
@@ -87,12 +89,14 @@ def test_seeded_n2_is_reproducible_and_choices_differ(client):
     assert other.choices[0].message.content == texts_a[1]
 
 
+@pytest.mark.slow                       # real daemon
 def test_greedy_choices_are_identical(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=6, n=2,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].message.content == r.choices[1].message.content
 
 
+@pytest.mark.slow                       # real daemon
 def test_chat_streaming_n2_raw(daemon):
     body = {"model": MODEL_NAME, "messages": MSG, "max_tokens": 6, "n": 2, "stream": True,
             "temperature": 1.0, "seed": 5, "logprobs": True, "ignore_eos": True,
@@ -125,6 +129,7 @@ def test_chat_streaming_n2_raw(daemon):
     assert u["completion_tokens"] == 12 and u["total_tokens"] == u["prompt_tokens"] + 12
 
 
+@pytest.mark.slow                       # real daemon
 def test_chat_streaming_n2_sdk(client):
     stream = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=5, n=2,
                                             temperature=1.0, stream=True,
@@ -137,6 +142,7 @@ def test_chat_streaming_n2_sdk(client):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+@pytest.mark.slow                       # real daemon
 def test_completions_n2_with_prompt_list(client):
     prompts = ["one two", "three"]
     kw = dict(model=MODEL_NAME, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
@@ -150,6 +156,7 @@ def test_completions_n2_with_prompt_list(client):
     assert r.usage.completion_tokens == 16
 
 
+@pytest.mark.slow                       # real daemon
 def test_completions_n2_streaming(daemon):
     body = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 5, "n": 2, "stream": True,
             "temperature": 1.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -162,6 +169,7 @@ def test_completions_n2_streaming(daemon):
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 10
 
 
+@pytest.mark.slow                       # real daemon
 @pytest.mark.parametrize("n", [MAX_N + 1, 128])
 def test_n_above_maximum_is_refused(daemon, n):
     r = httpx.post(daemon.base + "/v1/chat/completions", timeout=30, json={
@@ -172,6 +180,7 @@ def test_n_above_maximum_is_refused(daemon, n):
     assert daemon.status()["in_flight"] == 0
 
 
+@pytest.mark.slow                       # real daemon
 def test_best_of_and_beam_search_stay_refused(daemon):
     for extra, param in (({"best_of": 2}, "best_of"), ({"use_beam_search": True},
                                                         "use_beam_search")):
@@ -180,6 +189,7 @@ def test_best_of_and_beam_search_stay_refused(daemon):
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+@pytest.mark.slow                       # real daemon
 def test_disconnect_during_n3_stream_aborts_all_and_frees_kv(daemon):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "count " * 40}],
             "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True, "temperature": 1.0}
@@ -199,6 +209,7 @@ def test_disconnect_during_n3_stream_aborts_all_and_frees_kv(daemon):
 
 # --- MTP on: the refusal is unchanged ------------------------------------------------------
 
+@pytest.mark.slow                       # real daemon
 def test_mtp_daemon_refuses_n2(tiny_weights, tmp_path_factory):
     d = Daemon(make_config(tmp_path_factory.mktemp("cfg-mtp"), tiny_weights)).start()
     try:
@@ -228,8 +239,8 @@ def tokenizer(tmp_path_factory):
 
 def fake_client(tokenizer, script: str = "one two three four", **over):
     base = dict(model_name="tiny", model_path="/x", max_seq_len=2048, max_input_len=1800,
-                truncation=0, max_iter_times=64, max_link_num=4, token_timeout_s=5,
-                e2e_timeout_s=10, max_request_bytes=4096, full_text=False,
+                vocab_size=512, truncation=0, max_iter_times=64, max_link_num=4,
+                token_timeout_s=5, e2e_timeout_s=10, max_request_bytes=4096, full_text=False,
                 num_speculative_tokens=0, enable_reasoning=False,
                 tool_call_parser="deepseek_v3", raw={})
     base.update(over)

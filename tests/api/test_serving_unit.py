@@ -41,8 +41,8 @@ def tokenizer(tmp_path_factory):
 
 def settings(**over) -> ApiSettings:
     base = dict(model_name=MODEL, model_path="/x", max_seq_len=2048, max_input_len=1800,
-                truncation=0, max_iter_times=64, max_link_num=4, token_timeout_s=5,
-                e2e_timeout_s=10, max_request_bytes=4096, full_text=False,
+                vocab_size=512, truncation=0, max_iter_times=64, max_link_num=4,
+                token_timeout_s=5, e2e_timeout_s=10, max_request_bytes=4096, full_text=False,
                 num_speculative_tokens=1, enable_reasoning=True,
                 tool_call_parser="deepseek_v3", raw={})
     base.update(over)
@@ -183,6 +183,26 @@ def test_reasoning_split_and_usage(tokenizer):
     # Thinking off for this request: no reasoning split, all text is content.
     off_msg = off.json()["choices"][0]["message"]
     assert "reasoning_content" not in off_msg and THINK_END in off_msg["content"]
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3])
+def test_reasoning_content_starts_after_the_separator_newlines(tokenizer, tokens_per_step):
+    """R1 writes ``</think>\\n\\n`` before the answer; content starts at the answer, streamed
+    (the newlines may arrive in their own chunks) and not."""
+    script = "Let me think." + THINK_END + "\n\nThe answer\n\nis 42."
+    async def go():
+        client, engine, _ = make_client(tokenizer, script)
+        engine.tokens_per_step = tokens_per_step
+        body = {"messages": [{"role": "user", "content": "q"}],
+                "chat_template_kwargs": {"thinking": True}}
+        full = await client.post("/v1/chat/completions", json=body)
+        stream = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        return full, stream
+    full, stream = run(go())
+    assert full.json()["choices"][0]["message"]["content"] == "The answer\n\nis 42."
+    deltas = [e["choices"][0]["delta"].get("content") for e in sse_events(stream.text)[:-1]]
+    deltas = [d for d in deltas if d]
+    assert "".join(deltas) == "The answer\n\nis 42." and deltas[0].startswith("The")
 
 
 def test_full_text_streaming(tokenizer):

@@ -7,7 +7,11 @@ from server.text.reasoning import ReasoningParser, ReasoningTokenCounter, count_
 
 CASES = [
     # (model output, reasoning, content)
-    ("<think>\nLet me see.\n</think>\n\nThe answer is 4.", "\nLet me see.\n", "\n\nThe answer is 4."),
+    ("<think>\nLet me see.\n</think>\n\nThe answer is 4.", "\nLet me see.\n", "The answer is 4."),
+    # The newlines R1 puts after </think> are a separator, not content (DeepSeek's API).
+    ("r</think>\n\n", "r", None),
+    ("r</think>\n\n\nA\n\nB\n", "r", "A\n\nB\n"),
+    ("r</think> \nA", "r", " \nA"),
     ("Prompt opened think. 2+2=4</think>Four.", "Prompt opened think. 2+2=4", "Four."),
     ("no end marker, cut by max_tokens", "no end marker, cut by max_tokens", None),
     ("<think>only reasoning", "only reasoning", None),
@@ -80,4 +84,5 @@ def test_counts_match_text_split(tok):
     n = count_reasoning_tokens(ids, end)
     reasoning, content = ReasoningParser().extract(tok.decode(ids))
     assert tok.decode(ids[:n]) == "<think>" + reasoning + "</think>"
-    assert tok.decode(ids[n:]) == content
+    # The separator newlines after </think> are output tokens, but not content text.
+    assert tok.decode(ids[n:]) == "\n\n" + content
