@@ -5,6 +5,7 @@ formats the server loads, so tests and benchmarks can rebuild them in seconds.
   scripts/quantize.py SRC DST                        # msModelSlim W8A8 mixed (MindIE's format)
   scripts/quantize.py SRC DST --w4a8-experts         # ... with W4A8_DYNAMIC routed experts
   scripts/quantize.py SRC DST --quant-mtp float      # ... with the MTP layer kept float
+  scripts/quantize.py SRC DST --fa-quant             # ... with FA3 (FAKQuant) KV scales
   scripts/quantize.py SRC DST --format compressed-tensors   # vLLM's int8 (channel / token)
 
 msModelSlim layout (the "W8A8 mixed" DeepSeek recipe: MLA W8A8, MoE W8A8 dynamic):
@@ -17,6 +18,9 @@ msModelSlim layout (the "W8A8 mixed" DeepSeek recipe: MLA W8A8, MoE W8A8 dynamic
     layer's ``shared_head.head``;
   * the MTP layer (``--quant-mtp mix``, the default): its MLP as above, its attention
     W8A8_DYNAMIC (the calibration pass runs only the main layers); ``float`` keeps it float.
+``--fa-quant`` adds msModelSlim's FA3 per-head scales (``self_attn.fa_{q,k,v}.scale`` /
+``.offset``, [heads, 1], from the calibrated latent range) on every main layer but the
+first (the DeepSeek recipes leave early layers out), and ``fa_quant_type: FAKQuant``.
 Files: ``quant_model_weights.safetensors``, ``quant_model_description.json`` (every tensor
 named with its type), config.json with ``quantize`` / ``mla_quantize`` / ``mtp_quantize``.
 """
@@ -48,8 +52,10 @@ def per_channel(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-def calibrate(src: Path, prefixes: list[str], samples: int, seed: int) -> dict[str, tuple[float, float]]:
-    """(min, max) of each listed linear's input over rendered training chats."""
+def calibrate(src: Path, prefixes: list[str], samples: int, seed: int,
+              latent_layers: list[int] = ()) -> tuple[dict[str, tuple[float, float]], dict[int, float]]:
+    """(min, max) of each listed linear's input, and max |latent| of each listed layer's
+    MLA cache rows, over rendered training chats."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from demo_model.corpus import make_chat
     from demo_model.render import render_chat
@@ -66,6 +72,15 @@ def calibrate(src: Path, prefixes: list[str], samples: int, seed: int) -> dict[s
         return record
 
     handles = [model.get_submodule(p).register_forward_pre_hook(hook(p)) for p in prefixes]
+    latent_max: dict[int, float] = {i: 0.0 for i in latent_layers}
+
+    def latent_hook(layer: int):
+        def record(_mod, _args, out):
+            latent_max[layer] = max(latent_max[layer], float(out.abs().max()))
+        return record
+
+    handles += [model.model.layers[i].self_attn.kv_a_layernorm.register_forward_hook(latent_hook(i))
+                for i in latent_layers]
     rng = random.Random(seed)
     with torch.inference_mode():
         for _ in range(samples):
@@ -73,7 +88,7 @@ def calibrate(src: Path, prefixes: list[str], samples: int, seed: int) -> dict[s
             model.forward_full(torch.tensor([ids]))
     for h in handles:
         h.remove()
-    return {p: (lo, hi) for p, (lo, hi) in ranges.items()}
+    return {p: (lo, hi) for p, (lo, hi) in ranges.items()}, latent_max
 
 
 def static_w8a8(w: torch.Tensor, lo: float, hi: float) -> dict[str, torch.Tensor]:
@@ -113,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("msmodelslim", "compressed-tensors"), default="msmodelslim")
     ap.add_argument("--w4a8-experts", action="store_true")
     ap.add_argument("--quant-mtp", choices=("mix", "float"), default="mix")
+    ap.add_argument("--fa-quant", action="store_true", help="add FA3 (FAKQuant) KV scales")
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
@@ -152,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return "FLOAT"
 
     kinds = {p: kind(p) for p in linears}
-    ranges = calibrate(src, [p for p, k in kinds.items() if k == "W8A8"], args.calib_samples,
-                       args.seed) if "W8A8" in kinds.values() else {}
+    fa_layers = list(range(1, n_main)) if args.fa_quant and args.format == "msmodelslim" else []
+    ranges, latent_max = calibrate(src, [p for p, k in kinds.items() if k == "W8A8"],
+                                   args.calib_samples, args.seed, fa_layers)
     out: dict[str, torch.Tensor] = {}
     desc: dict[str, str] = {}
     for name, t in tensors.items():
@@ -174,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             out[f"{prefix}.{suffix}"] = v.contiguous()
             desc[f"{prefix}.{suffix}"] = k
 
+    heads = raw["num_attention_heads"]
+    for layer in fa_layers:
+        for part in ("fa_q", "fa_k", "fa_v"):
+            name = f"model.layers.{layer}.self_attn.{part}"
+            out[f"{name}.scale"] = torch.full((heads, 1), max(latent_max[layer], 1e-8) / 127.0)
+            out[f"{name}.offset"] = torch.zeros(heads, 1, dtype=torch.int8)
+            desc[f"{name}.scale"] = desc[f"{name}.offset"] = "FAQuant"
     dst.mkdir(parents=True, exist_ok=True)
     for f in COPY:
         if (src / f).is_file():
@@ -193,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "strategy": "token", "dynamic": True}}}}
     else:
         save_file(out, str(dst / "quant_model_weights.safetensors"))
-        full = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0, **desc}
+        full = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0,
+                **({"fa_quant_type": "FAKQuant"} if fa_layers else {}), **desc}
         (dst / "quant_model_description.json").write_text(json.dumps(full, indent=1))
         cfg.update(quantize="w8a8_dynamic", mla_quantize="w8a8")
         if args.quant_mtp == "mix":

@@ -87,7 +87,7 @@ class LLMEngine:
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
             async_scheduling=cfg.async_scheduling, num_kv_blocks=self.executor.num_kv_blocks,
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
-            kv_cache_dtype=cfg.kv_cache_dtype)
+            num_kv_layers=model.num_kv_layers, num_int8_kv_layers=self.executor.num_int8_kv_layers)
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
                                              hash_next_token=k > 0)

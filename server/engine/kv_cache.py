@@ -40,18 +40,17 @@ class KVCacheSpec:
     kv_cache_dim: int        # latent + rope
     dtype: torch.dtype       # the model dtype
     rope_dim: int = 0        # the part an int8 cache keeps in the model dtype
-    int8: bool = False
+    int8_layers: frozenset[int] = frozenset()   # cache layers with an int8 latent
 
-    @property
-    def bytes_per_token(self) -> int:
-        if self.int8:
+    def bytes_per_token(self, layer: int) -> int:
+        if layer in self.int8_layers:
             return Int8LatentCache.bytes_per_token(self.kv_cache_dim - self.rope_dim, self.rope_dim,
                                                    self.dtype)
         return self.kv_cache_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_block(self) -> int:
-        return self.num_layers * self.block_size * self.bytes_per_token
+        return self.block_size * sum(self.bytes_per_token(i) for i in range(self.num_layers))
 
 
 def _cpu_available_bytes() -> int:
@@ -95,9 +94,8 @@ def num_blocks_for(spec: KVCacheSpec, *, mem_size_gb: float, device: torch.devic
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int,
                        device: torch.device | str) -> list[LatentCache | Int8LatentCache]:
     """Zeroed pool caches, one per cache layer (zeros: padding slots never hold NaN)."""
-    if spec.int8:
-        return [Int8LatentCache(num_blocks, spec.block_size, spec.kv_cache_dim - spec.rope_dim,
-                                spec.rope_dim, spec.dtype, device) for _ in range(spec.num_layers)]
-    return [LatentCache(torch.zeros(num_blocks, spec.block_size, spec.kv_cache_dim,
-                                    dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)]
+    return [Int8LatentCache(num_blocks, spec.block_size, spec.kv_cache_dim - spec.rope_dim,
+                            spec.rope_dim, spec.dtype, device) if i in spec.int8_layers
+            else LatentCache(torch.zeros(num_blocks, spec.block_size, spec.kv_cache_dim,
+                                         dtype=spec.dtype, device=device))
+            for i in range(spec.num_layers)]

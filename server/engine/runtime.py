@@ -35,11 +35,21 @@ class RuntimeInfo:
     block_size: int
     eos_token_ids: frozenset[int]
     max_seq_len: int
-    kv_cache_dtype: str = "auto"        # "auto" (the model dtype) | "int8"
+    num_kv_layers: int = 0
+    num_int8_kv_layers: int = 0         # cache layers with an int8 latent (kv_cache_dtype / FA3)
 
     @property
     def mtp_enabled(self) -> bool:
         return self.num_speculative_tokens > 0
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """"auto" (the model dtype), "int8", or "int8 on i of n layers" (an FA3 checkpoint)."""
+        if not self.num_int8_kv_layers:
+            return "auto"
+        if self.num_int8_kv_layers == self.num_kv_layers:
+            return "int8"
+        return f"int8 on {self.num_int8_kv_layers} of {self.num_kv_layers} layers"
 
     @property
     def chained_draft_slots(self) -> int:
@@ -59,7 +69,7 @@ class RuntimeInfo:
             mtp += f" (configured k={self.configured_speculative_tokens})"
         return (f"engine runtime: {mtp}; async scheduling {'on' if self.async_scheduling else 'off'}; "
                 f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
-                f"({'int8 latent' if self.kv_cache_dtype == 'int8' else 'model dtype'}); "
+                f"(KV cache {self.kv_cache_dtype}); "
                 f"EOS ids {sorted(self.eos_token_ids)}")
 
     def to_dict(self) -> dict:

@@ -36,8 +36,13 @@ class Worker:
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
         dtype = next(model.parameters()).dtype
+        # kv_cache_dtype "int8" quantizes every layer's latent; otherwise the layers the
+        # checkpoint's FA3 scales name (none for a float checkpoint).
+        int8_layers = frozenset(range(model.num_kv_layers)) if cfg.kv_cache_dtype == "int8" \
+            else model.kv_cache_int8_layers
         spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim, dtype,
-                           rope_dim=model.config.qk_rope_head_dim, int8=cfg.kv_cache_dtype == "int8")
+                           rope_dim=model.config.qk_rope_head_dim, int8_layers=int8_layers)
+        self.num_int8_kv_layers = len(int8_layers)
         per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
         self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
                                             max_useful_blocks=cfg.max_batch_size * per_seq + 1,

@@ -86,6 +86,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Longest query (tokens per sequence in a step) that still uses the absorbed MLA form.
         self.absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
+        # Cache layers whose latent the checkpoint quantizes (FA3 / FAKQuant scales present);
+        # the engine gives them an int8 latent cache.  Set by the loader.
+        self.kv_cache_int8_layers: frozenset[int] = frozenset()
 
     # -- contract properties ---------------------------------------------------------------
     @property

@@ -27,7 +27,8 @@ from server.model.config import DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
 from server.model.quant import QuantLinear
-from server.model.quant_loader import QuantConfigError, detect, install, load_layers
+from server.model.quant_loader import (QuantConfigError, check_fa_scales, detect, install,
+                                      load_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
             logger.info("loaded shard %d/%d %s (%d tensors, %d/%d total)", i, len(files), file,
                         len(by_file[file]), len(loaded), len(expected))
         if spec is not None:
+            check_fa_scales(spec, cfg.num_attention_heads, get, where.__contains__, errors)
             for name, t in load_layers(model, spec, get, where.__contains__, device, errors).items():
                 loaded[name] = t.to(dtype) if t.is_floating_point() and not isinstance(
                     model.get_submodule(name.rpartition(".")[0]), QuantLinear) else t
@@ -180,6 +182,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         lm = model.lm_head.weight
         if own is None or (own.shape == lm.shape and own.dtype == lm.dtype and torch.equal(own, lm)):
             head.weight = lm
+    if spec is not None:
+        model.kv_cache_int8_layers = frozenset(i for i in spec.fa_layers if i < n + num_mtp)
     leftover = [k for k, p in model.named_parameters() if p.is_meta]
     if leftover:  # cannot happen unless the name mapping above is wrong
         raise CheckpointError(f"checkpoint {path}: parameters left unloaded: {', '.join(leftover)}")

@@ -44,13 +44,15 @@ class QuantSpec:
     source: str                                   # the file that described it
     layer_types: dict[str, str] = field(default_factory=dict)   # linear prefix -> W8A8 / ...
     model_quant_type: str | None = None
+    fa_layers: frozenset[int] = frozenset()       # layers with FA3 (FAKQuant) KV scales
 
     def describe(self) -> str:
         counts: dict[str, int] = {}
         for t in self.layer_types.values():
             counts[t] = counts.get(t, 0) + 1
         kinds = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
-        return f"{self.format} ({self.source}): {kinds or 'no quantized layers'}"
+        fa = f"; FA3 int8 KV on {len(self.fa_layers)} layer(s)" if self.fa_layers else ""
+        return f"{self.format} ({self.source}): {kinds or 'no quantized layers'}{fa}"
 
 
 def detect(path: Path, raw_config: dict, linear_prefixes: list[str]) -> QuantSpec | None:
@@ -80,13 +82,18 @@ def _from_description(file: Path, linear_prefixes: list[str]) -> QuantSpec:
         raise QuantConfigError(f"{file}: cannot be read as JSON ({e})") from e
     if not isinstance(desc, dict):
         raise QuantConfigError(f"{file}: expected a JSON object of tensor name -> type")
-    for key in ("fa_quant_type", "kv_cache_type", "kv_quant_type"):
-        if desc.get(key):
-            raise QuantConfigError(
-                f"{file}: {key}={desc[key]!r}: int8 KV-cache quantization (FA3 / C8) is not "
-                "supported by this server yet; export the checkpoint without it (msModelSlim "
-                "without --fa_quant), whose KV cache then stays in the model dtype")
-    spec = QuantSpec("msmodelslim", file.name, model_quant_type=desc.get("model_quant_type"))
+    if any(".k_proj.kv_cache_scale" in k for k in desc):
+        raise QuantConfigError(f"{file}: k_proj/v_proj kv_cache_scale (C8 for dense attention) does not "
+                               "apply to MLA; allowed for DeepSeek: FA3 (fa_quant_type FAKQuant)")
+    fa_on = bool(desc.get("fa_quant_type")) or desc.get("kv_cache_type") in ("C8", "KV8") \
+        or desc.get("kv_quant_type") in ("C8", "KV8")
+    fa_layers = frozenset(int(k.split(".")[2]) for k in desc
+                          if k.startswith("model.layers.") and k.endswith(".self_attn.fa_k.scale"))
+    if fa_on and not fa_layers:
+        raise QuantConfigError(f"{file}: FA3 / C8 KV quantization is on but no layer has "
+                               "self_attn.fa_k.scale")
+    spec = QuantSpec("msmodelslim", file.name, model_quant_type=desc.get("model_quant_type"),
+                     fa_layers=fa_layers)
     problems = []
     for prefix in linear_prefixes:
         t = desc.get(prefix + ".weight")
@@ -155,6 +162,28 @@ def install(model: nn.Module, spec: QuantSpec, backend: str) -> None:
             new = QuantLinear(old.in_features, old.out_features, SUPPORTED[t], backend=backend,
                               bias=old.bias is not None)
         setattr(model.get_submodule(parent), attr, new)
+
+
+def check_fa_scales(spec: QuantSpec, num_heads: int, get: Callable[[str], torch.Tensor],
+                    has: Callable[[str], bool], errors: list[str]) -> None:
+    """FA3 (FAKQuant) per-head scales and offsets of every FA layer: present, float scales
+    and zero offsets of shape [heads, 1].  The int8 latent cache these layers get uses
+    dynamic per-token scales (finer than one static scale per head), so the values are
+    checked, not applied."""
+    for layer in sorted(spec.fa_layers):
+        for part in ("fa_q", "fa_k", "fa_v"):
+            for what in ("scale", "offset"):
+                name = f"model.layers.{layer}.self_attn.{part}.{what}"
+                if not has(name):
+                    errors.append(f"tensor {name} is missing (FA3 needs it)")
+                    continue
+                x = get(name)
+                if tuple(x.shape) not in ((num_heads, 1), (num_heads,)):
+                    errors.append(f"tensor {name}: shape {tuple(x.shape)}, expected ({num_heads}, 1)")
+                elif what == "scale" and (not x.is_floating_point() or bool((x <= 0).any())):
+                    errors.append(f"tensor {name}: expected positive float scales")
+                elif what == "offset" and bool(x.float().abs().max() > 0):
+                    errors.append(f"tensor {name}: non-zero offsets are not supported; allowed: zeros")
 
 
 def quantized_tensor_names(spec: QuantSpec, where: dict[str, str]) -> set[str]:

@@ -41,11 +41,11 @@ def test_rows_round_trip_within_one_quantization_step():
                                                      (512, 64, torch.bfloat16, 1.75)])   # DeepSeek-V3
 def test_same_memory_buys_more_blocks(latent, rope, dtype, floor):
     f = KVCacheSpec(62, 16, latent + rope, dtype, rope_dim=rope)
-    q = KVCacheSpec(62, 16, latent + rope, dtype, rope_dim=rope, int8=True)
+    q = KVCacheSpec(62, 16, latent + rope, dtype, rope_dim=rope, int8_layers=frozenset(range(62)))
     nf = num_blocks_for(f, mem_size_gb=1.0, device="cpu", max_useful_blocks=10**9)
     nq = num_blocks_for(q, mem_size_gb=1.0, device="cpu", max_useful_blocks=10**9)
     assert nq / nf >= floor, (nf, nq)
-    assert q.bytes_per_token == latent + rope * torch.empty((), dtype=dtype).element_size() + 4
+    assert q.bytes_per_token(0) == latent + rope * torch.empty((), dtype=dtype).element_size() + 4
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def quantized(tmp_path_factory) -> dict[str, Path]:
     from scripts import quantize
     out = {}
     for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
-                        ("ct", ["--format", "compressed-tensors"])):
+                        ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
         out[name] = tmp_path_factory.mktemp(name)
         assert quantize.main([str(DEMO), str(out[name]), "--calib-samples", "32", *extra]) == 0
     return out
@@ -97,6 +97,7 @@ def test_int4_packing_round_trips():
     assert (int(packed[0, 0]) >> 4) & 0xF == int(w[1, 0]) & 0xF
 
 
+@pytest.mark.slow                       # held-out agreement: 50 prompts x 32 tokens
 def test_w8a8_mixed_agrees_with_float_and_stays_int8(quantized):
     q, info = load_checkpoint(quantized["w8a8"])
     assert info.quantization.startswith("msmodelslim") and "32 W8A8" in info.quantization
@@ -114,6 +115,7 @@ def test_w8a8_mixed_agrees_with_float_and_stays_int8(quantized):
     assert ratio <= 0.42          # embeddings + lm_head (float by the recipe) are 14% of this model
 
 
+@pytest.mark.slow                       # held-out agreement: 50 prompts x 32 tokens
 @pytest.mark.parametrize("name,floor", [("w4a8", 0.93), ("ct", 0.95)])
 def test_w4a8_and_compressed_tensors_agree(quantized, name, floor):
     q, info = load_checkpoint(quantized[name])
@@ -158,6 +160,42 @@ def test_mtp_is_lossless_on_the_quantized_model_and_accepts_like_float(quantized
     assert abs(st_q.acceptance_rate - st_f.acceptance_rate) <= 0.03
 
 
+def test_fa3_checkpoint_gets_an_int8_latent_cache(quantized, driver_cls):
+    from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+    q, info = load_checkpoint(quantized["fa3"])
+    assert "FA3 int8 KV on 7 layer(s)" in info.quantization
+    assert q.kv_cache_int8_layers == frozenset(range(1, 8))      # not layer 0, not the MTP layer
+    cfg = EngineConfig(num_blocks=64, num_speculative_tokens=1)
+    assert LLMEngine(q, cfg, eos_token_ids=set()).runtime.kv_cache_dtype == "int8 on 7 of 9 layers"
+    spec = KVCacheSpec(q.num_kv_layers, 16, q.kv_cache_dim, torch.float32,
+                       rope_dim=q.config.qk_rope_head_dim, int8_layers=q.kv_cache_int8_layers)
+    plain = KVCacheSpec(q.num_kv_layers, 16, q.kv_cache_dim, torch.float32)
+    more = num_blocks_for(spec, mem_size_gb=0.5, device="cpu", max_useful_blocks=10**9) / \
+        num_blocks_for(plain, mem_size_gb=0.5, device="cpu", max_useful_blocks=10**9)
+    assert more >= 1.8             # 9 x 320 bytes per token -> 7 x 132 + 2 x 320: 1.84x
+    # teacher-forced through the paged path: the FA3 model's int8 caches vs the float model
+    ref, _ = load_checkpoint(DEMO)
+    prompts, conts = heldout()
+    preds = []
+    with torch.inference_mode():
+        for model, sp in ((ref, plain), (q, spec)):
+            blocks = sum(-(-(len(p) + 32) // 16) for p in prompts)
+            drv = driver_cls(model, num_blocks=blocks, block_size=16)
+            drv.caches = allocate_kv_caches(sp, blocks, "cpu")
+            seqs = list(range(len(prompts)))
+            meta = drv.meta(seqs, [0] * len(seqs), [len(p) for p in prompts])
+            h = model.forward(torch.tensor([t for p in prompts for t in p]), meta, drv.caches)
+            out = [model.compute_logits(h[meta.query_start_loc[1:].long() - 1]).argmax(-1)]
+            for step in range(31):
+                meta = drv.meta(seqs, [len(p) + step for p in prompts], [1] * len(seqs))
+                feed = torch.tensor([c[step] for c in conts])
+                out.append(model.compute_logits(model.forward(feed, meta, drv.caches)).argmax(-1))
+            preds.append(torch.stack(out))
+    agree = float((preds[0] == preds[1]).float().mean())
+    print(f"W8A8 + FA3 int8 KV: teacher-forced agreement {agree:.3f}, {more:.2f}x the blocks")
+    assert agree >= 0.95
+
+
 # ---- refusals ------------------------------------------------------------------------
 def _copy_without(src: Path, dst: Path, drop: str) -> Path:
     shutil.copytree(src, dst)
@@ -185,8 +223,12 @@ def test_malformed_checkpoints_are_refused_by_tensor_name(quantized, tmp_path):
         load_checkpoint(weird)
     fa3 = _copy_without(src, tmp_path / "fa3", "")
     _edit_description(fa3, fa_quant_type="FAKQuant")
-    with pytest.raises(CheckpointError, match="FA3"):
+    with pytest.raises(CheckpointError, match="no layer has self_attn.fa_k.scale"):
         load_checkpoint(fa3)
+    fa_scale = "model.layers.3.self_attn.fa_k.scale"
+    fa_missing = _copy_without(quantized["fa3"], tmp_path / "fa3-missing", fa_scale)
+    with pytest.raises(CheckpointError, match=f"tensor {fa_scale} is missing"):
+        load_checkpoint(fa_missing)
     silent = _copy_without(src, tmp_path / "nodesc", "")
     (silent / "quant_model_description.json").unlink()
     cfg = json.loads((silent / "config.json").read_text())
