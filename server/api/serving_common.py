@@ -4,7 +4,7 @@ Every refusal is a 400 (404 for the model) that names the parameter and says wha
 allowed.  MTP rules follow MindIE's endpoint (infer_param.cpp): ``n``/``best_of`` > 1 and
 beam search cannot be used with the mtp plugin; ``response_format`` needs structured
 output, which this server does not implement yet.  Without MTP, ``n`` runs up to
-``MAX_N`` choices, each its own engine request holding its own admission slot.
+``maxN`` (ScheduleConfig) choices, each its own engine request holding its own admission slot.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from server.api.settings import ApiSettings
 from server.engine.protocol import SamplingParams
 
 log = logging.getLogger("server.api")
-MAX_N = 16          # choices per prompt (n) without MTP; each one is an engine request
 
 
 def new_id(prefix: str) -> str:
@@ -39,8 +38,9 @@ def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
         if plugin:
             raise bad_request(f"n > 1 cannot be used with plugin {plugin} "
                               f"(speculative decoding); got n={req.n}, allowed: 1", "n")
-        if req.n > MAX_N:
-            raise bad_request(f"n must be at most {MAX_N}; got n={req.n}", "n")
+        if req.n > settings.max_n:
+            raise bad_request(f"n must be at most {settings.max_n} (ScheduleConfig.maxN); "
+                              f"got n={req.n}", "n")
         if req.n > settings.max_link_num:
             raise bad_request(f"n={req.n} choices need {req.n} request slots, more than "
                               f"maxLinkNum ({settings.max_link_num}) allows", "n")

@@ -25,6 +25,7 @@ class ApiSettings:
     enable_reasoning: bool
     tool_call_parser: str            # deepseek_v3 | deepseek_v31
     raw: dict                        # GET /v1/config
+    max_n: int = 128                 # ScheduleConfig.maxN: choices per request (n)
 
     @property
     def mtp(self) -> bool:
@@ -54,6 +55,7 @@ def settings_from_config(cfg: Any, runtime: Any) -> ApiSettings:
         max_seq_len=cfg.max_seq_len,
         max_input_len=cfg.max_input_len,
         vocab_size=model_vocab_size(cfg.model_weight_path),
+        max_n=cfg.max_n,
         truncation=int(cfg.truncation),
         max_iter_times=sched.max_iter_times,
         max_link_num=server.max_link_num,

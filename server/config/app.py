@@ -79,6 +79,11 @@ class AppConfig:
         return self.model_options.enable_reasoning
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """"auto" (the model dtype, or int8 where an FA3 checkpoint says so) or "int8"."""
+        return self.model_options.kv_cache_options.kv_cache_dtype
+
+    @property
     def tool_call_parser(self) -> str:
         """``deepseek_v3`` or ``deepseek_v31`` (MindIE aliases normalised)."""
         name = self.model_options.tool_call_options.tool_call_parser
@@ -111,6 +116,12 @@ class AppConfig:
     def management_ip(self) -> str:
         return self.server.effective_management_ip
 
+    @property
+    def max_n(self) -> int:
+        """Most choices one request may ask for (``n``): ScheduleConfig.maxN, at most
+        maxBatchSize (MindIE's default 128 is clamped to it when the key is left out)."""
+        return self.schedule.max_n
+
     def derived(self) -> dict[str, Any]:
         """Values computed at load, as printed under ``Derived`` by ``--check``."""
         return {
@@ -128,7 +139,9 @@ class AppConfig:
             "chatTemplatePath": str(self.chat_template_path) if self.chat_template_path else None,
             "modelOptionsKey": self.model_options_key,
             "asyncScheduling": self.async_scheduling,
+            "kvCacheDtype": self.kv_cache_dtype,
             "metricsEnabled": self.metrics_enabled,
+            "warnings": list(self.warnings),
         }
 
     def to_dict(self) -> dict[str, Any]:

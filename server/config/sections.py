@@ -14,7 +14,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      field_validator, model_validator)
+                      ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from server.config.plugins import PluginParams, decode_plugin_params
@@ -35,6 +35,17 @@ def F(alias: str, default: Any = None, *, lo: int | None = None, hi: int | None 
 class Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow",
                               protected_namespaces=(), populate_by_name=False)
+
+
+def _one_device(value: int | None, what: str, allowed: str) -> int | None:
+    """Refuse a parallel size above 1: the daemon runs one model on one device (a GPU or
+    the CPU), and accepting ``tp: 8`` while serving on one device would mislead."""
+    if value is not None and value > 1:
+        raise PydanticCustomError(
+            "single_device", "{what} of {value}: serving over several devices is not "
+            "implemented; this daemon runs one model on one device (a GPU or the CPU)",
+            {"what": what, "value": value, "allowed": allowed})
+    return value
 
 
 def _check_ip(value: str) -> str:
@@ -118,8 +129,17 @@ class ServerConfig(Section):
 
 
 class KvPoolConfig(Section):
+    """MindIE's KV cache pool (an external store).  Not implemented: a value is refused."""
     backend: StrictStr = F("backend", "")
     config_path: StrictStr = F("configPath", "")
+
+    @field_validator("backend", "config_path")
+    @classmethod
+    def _no_pool(cls, value: str) -> str:
+        if value:
+            raise PydanticCustomError("kv_pool", "KV cache pooling is not implemented",
+                                      {"allowed": '"" (no KV pool)'})
+        return value
 
 
 class LoraModule(Section):
@@ -144,10 +164,10 @@ class ModelConfig(Section):
     model_name: StrictStr | None = F("modelName", None, doc=MODEL_NAME_RULE)
     model_weight_path: StrictStr | None = F(
         "modelWeightPath", None, doc="relative paths resolve against the config file's folder")
-    world_size: StrictInt = F("worldSize", 4, lo=1, hi=U32)
+    world_size: StrictInt = F("worldSize", 1, lo=1, hi=U32, doc="MindIE's default is 4; here one device")
     cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of CPU swap space for KV")
     npu_mem_size: StrictInt = F("npuMemSize", -1, doc="GB for the KV cache; -1 = auto")
-    backend_type: Literal["atb", "ms", "torch"] = F("backendType", "atb")
+    backend_type: Literal["atb", "ms", "torch"] = F("backendType", "torch", doc="MindIE's default is atb")
     trust_remote_code: StrictBool = F("trustRemoteCode", False)
     plugin_params: PluginParams = F("plugin_params", PluginParams())
     models: dict[StrictStr, Any] = F("models", {}, doc="per-model-type options, e.g. deepseekv2")
@@ -186,8 +206,22 @@ class ModelConfig(Section):
     @classmethod
     def _dp(cls, value: int) -> int:
         if value == 0:
-            raise PydanticCustomError("dp", "dp must not be 0", {"allowed": "-1 (unset) or >= 1"})
-        return value
+            raise PydanticCustomError("dp", "dp must not be 0", {"allowed": "-1 (unset) or 1"})
+        return _one_device(value, "dp (data parallelism)", "-1 (unset) or 1")
+
+    @field_validator("world_size")
+    @classmethod
+    def _world(cls, value: int) -> int:
+        return _one_device(value, "worldSize", "1")
+
+    @field_validator("tp", "cp", "sp", "moe_tp", "moe_ep", "pp")
+    @classmethod
+    def _parallel(cls, value: int | None, info: ValidationInfo) -> int | None:
+        what = {"tp": "tp (tensor parallelism)", "cp": "cp (context parallelism)",
+                "sp": "sp (sequence parallelism)", "moe_tp": "moe_tp (MoE tensor parallelism)",
+                "moe_ep": "moe_ep (expert parallelism)", "pp": "pp (pipeline parallelism)"}
+        unset = info.field_name in ("tp", "moe_tp", "moe_ep", "pp")
+        return _one_device(value, what[info.field_name], "1 or unset" if unset else "1")
 
 
 class ModelDeployConfig(Section):
@@ -256,7 +290,8 @@ class ScheduleConfig(Section):
 class BackendConfig(Section):
     backend_name: StrictStr = F("backendName", "mindieservice_llm_engine")
     model_instance_number: StrictInt = F("modelInstanceNumber", 1, lo=1, hi=10)
-    npu_device_ids: tuple[tuple[StrictInt, ...], ...] = F("npuDeviceIds", ((0, 1, 2, 3),))
+    npu_device_ids: tuple[tuple[StrictInt, ...], ...] = F(
+        "npuDeviceIds", ((0,),), doc="one device here; MindIE's default is [[0, 1, 2, 3]]")
     tokenizer_process_number: StrictInt = F("tokenizerProcessNumber", 8, lo=1, hi=32)
     multi_nodes_infer_enabled: StrictBool = F("multiNodesInferEnabled", False)
     multi_nodes_infer_port: StrictInt = F("multiNodesInferPort", 1120, lo=1024, hi=65535)
@@ -309,6 +344,34 @@ class BackendConfig(Section):
             data = {**data, "ScheduleConfig": {**sched, **missing}}
         return data
 
+    @field_validator("model_instance_number")
+    @classmethod
+    def _instances(cls, value: int) -> int:
+        if value > 1:
+            raise PydanticCustomError(
+                "single_instance", "{value} model instances are not implemented; this daemon "
+                "runs one model instance on one device", {"value": value, "allowed": "1"})
+        return value
+
+    @field_validator("npu_device_ids")
+    @classmethod
+    def _one_device_list(cls, value: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        count = sum(len(group) for group in value)
+        if len(value) > 1 or count > 1:
+            raise PydanticCustomError(
+                "single_device", "{count} devices in {groups} group(s): serving over several "
+                "devices is not implemented; this daemon runs one model on one device",
+                {"count": count, "groups": len(value), "allowed": "one device, e.g. [[0]]"})
+        return value
+
+    @field_validator("multi_nodes_infer_enabled")
+    @classmethod
+    def _one_node(cls, value: bool) -> bool:
+        if value:
+            raise PydanticCustomError("single_node", "multi-node inference is not implemented",
+                                      {"allowed": "false"})
+        return value
+
     @field_validator("backend_name")
     @classmethod
     def _backend(cls, value: str) -> str:
@@ -344,6 +407,9 @@ class ToolCallOptions(Section):
 
 class KvCacheOptions(Section):
     enable_nz: StrictBool = F("enable_nz", False)
+    # This daemon's switch for an int8 latent cache on a float checkpoint (MindIE turns
+    # int8 KV on only through FA3 weights, which are honoured without it).
+    kv_cache_dtype: Literal["auto", "int8"] = F("kv_cache_dtype", "auto")
 
 
 class ModelTypeOptions(Section):

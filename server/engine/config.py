@@ -60,5 +60,6 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         enable_prefix_cache=app.prefix_cache_enabled,
         adaptive_speculation=app.mtp.adaptive_speculation if app.mtp else True,
         async_scheduling=app.async_scheduling,
+        kv_cache_dtype=app.kv_cache_dtype,
     )
     return replace(cfg, **overrides) if overrides else cfg

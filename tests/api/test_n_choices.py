@@ -17,7 +17,6 @@ import pytest
 from server.api.app import build_app
 from server.api.fanout import choice_seed
 from server.api.limits import Admission
-from server.api.serving_common import MAX_N
 from server.api.settings import ApiSettings
 from server.api.state import ServerState
 from server.engine.protocol import EngineOutput, FinishReason, RequestCounters
@@ -170,13 +169,14 @@ def test_completions_n2_streaming(daemon):
 
 
 @pytest.mark.slow                       # real daemon
-@pytest.mark.parametrize("n", [MAX_N + 1, 128])
+@pytest.mark.parametrize("n", [65, 128])
 def test_n_above_maximum_is_refused(daemon, n):
+    # maxN defaults to 128, clamped to the test daemon's maxBatchSize 64
     r = httpx.post(daemon.base + "/v1/chat/completions", timeout=30, json={
         "model": MODEL_NAME, "messages": MSG, "max_tokens": 2, "n": n})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "n" and err["code"] == 400 and str(MAX_N) in err["message"]
+    assert err["param"] == "n" and err["code"] == 400 and "at most 64" in err["message"]
     assert daemon.status()["in_flight"] == 0
 
 
@@ -251,6 +251,17 @@ def fake_client(tokenizer, script: str = "one two three four", **over):
     app = build_app(state, {"business", "management", "metrics"})
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
     return client, engine, state
+
+
+def test_n_is_capped_by_the_configs_max_n(tokenizer):
+    async def go():
+        client, _, _ = fake_client(tokenizer, max_link_num=8, max_n=3)
+        return (await client.post("/v1/completions", json={"prompt": "a", "n": 3, "max_tokens": 2}),
+                await client.post("/v1/completions", json={"prompt": "a", "n": 4, "max_tokens": 2}))
+    ok, over = asyncio.run(go())
+    assert ok.status_code == 200, ok.text
+    err = over.json()["error"]
+    assert over.status_code == 400 and err["param"] == "n" and "at most 3" in err["message"]
 
 
 def test_choice_seed_derivation():

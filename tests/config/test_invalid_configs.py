@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cfgkit import DELETE, MC0, edited, minimal, write_weights
+from cfgkit import DELETE, MC0, edited, fixture, minimal, write_weights
 from server.config import ConfigError, ConfigIssue, load_config, parse_config
 
 SV, MD, SC = "ServerConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"
@@ -55,9 +55,35 @@ INVALID = [
     ("model-name-missing", {f"{MC0}.modelName": DELETE}, f"{MC0}.modelName", "required"),
     ("weight-path-missing", {f"{MC0}.modelWeightPath": DELETE}, f"{MC0}.modelWeightPath", "required"),
     ("world-size-zero", {f"{MC0}.worldSize": 0}, f"{MC0}.worldSize", "[1, "),
-    ("tp-dp-world-size", {f"{MC0}.tp": 2, f"{MC0}.dp": 2, f"{MC0}.worldSize": 8},
-     f"{MC0}.worldSize", "tp * dp * cp = 4"),
-    ("dp-zero", {f"{MC0}.dp": 0}, f"{MC0}.dp", "-1 (unset) or >= 1"),
+    ("dp-zero", {f"{MC0}.dp": 0}, f"{MC0}.dp", "-1 (unset) or 1"),
+    # one model on one device: a parallel size, device list, pool or TLS key this daemon
+    # would ignore is refused (an operator would be misled about where and how it runs)
+    ("world-size-four", {f"{MC0}.worldSize": 4}, f"{MC0}.worldSize", "one device"),
+    ("tp-two", {f"{MC0}.tp": 2}, f"{MC0}.tp", "1 or unset"),
+    ("dp-two", {f"{MC0}.dp": 2}, f"{MC0}.dp", "-1 (unset) or 1"),
+    ("cp-two", {f"{MC0}.cp": 2}, f"{MC0}.cp", "context parallelism"),
+    ("sp-two", {f"{MC0}.sp": 2}, f"{MC0}.sp", "sequence parallelism"),
+    ("moe-tp-two", {f"{MC0}.moe_tp": 2}, f"{MC0}.moe_tp", "1 or unset"),
+    ("moe-ep-eight", {f"{MC0}.moe_ep": 8}, f"{MC0}.moe_ep", "expert parallelism"),
+    ("pp-two", {f"{MC0}.pp": 2}, f"{MC0}.pp", "pipeline parallelism"),
+    ("npu-device-ids-four", {"BackendConfig.npuDeviceIds": [[0, 1, 2, 3]]},
+     "BackendConfig.npuDeviceIds", "[[0]]"),
+    ("npu-device-ids-two-groups", {"BackendConfig.npuDeviceIds": [[0], [1]]},
+     "BackendConfig.npuDeviceIds", "one device"),
+    ("model-instances-two", {"BackendConfig.modelInstanceNumber": 2},
+     "BackendConfig.modelInstanceNumber", "one model instance"),
+    ("multi-node", {"BackendConfig.multiNodesInferEnabled": True},
+     "BackendConfig.multiNodesInferEnabled", "multi-node"),
+    ("kv-pool-backend", {"BackendConfig.kvPoolConfig": {"backend": "mooncake", "configPath": ""}},
+     "BackendConfig.kvPoolConfig.backend", "KV cache pooling"),
+    ("kv-pool-config-path", {"BackendConfig.kvPoolConfig.configPath": "/etc/pool.json"},
+     "BackendConfig.kvPoolConfig.configPath", "KV cache pooling"),
+    ("management-tls-cert-with-https", {f"{SV}.managementTlsCert": "mgmt.pem"},
+     f"{SV}.managementTlsCert", "tlsCert/tlsPk"),
+    ("management-tls-pk-pwd-with-https", {f"{SV}.managementTlsPkPwd": "pwd.txt"},
+     f"{SV}.managementTlsPkPwd", "httpsEnabled: false"),
+    ("metrics-tls-ca-with-https", {f"{SV}.metricsTlsCaFile": ["my_ca.pem"]},
+     f"{SV}.metricsTlsCaFile", "per-plane TLS"),
     ("cp-three", {f"{MC0}.cp": 3}, f"{MC0}.cp", "[1, 2]"),
     ("npu-mem-zero", {f"{MC0}.npuMemSize": 0}, f"{MC0}.npuMemSize", "-1 (auto)"),
     ("model-config-empty", {f"{MD}.ModelConfig": []}, f"{MD}.ModelConfig", "exactly one"),
@@ -96,10 +122,6 @@ INVALID = [
                                                                 "baseModelName": "tiny"}]},
      f"{MD}.LoraModules", "Multi-LoRA"),
     ("mtp-with-max-loras", {PP: MTP1, f"{MD}.maxLoras": 2}, f"{MD}.maxLoras", "Multi-LoRA"),
-    ("mtp-cp-two-drafts", {PP: '{"plugin_type":"mtp","num_speculative_tokens":2}', f"{MC0}.cp": 2},
-     NST, "only num_speculative_tokens 1"),
-    ("mtp-sp-two-drafts", {PP: '{"plugin_type":"mtp","num_speculative_tokens":2}', f"{MC0}.sp": 2},
-     NST, "only num_speculative_tokens 1"),
     ("prefix-cache-with-lora", {PP: '{"plugin_type":"prefix_cache"}', f"{MD}.maxLoras": 1},
      f"{MD}.maxLoras", "Multi-LoRA"),
     # DeepSeek per-model options
@@ -112,6 +134,9 @@ INVALID = [
      "object"),
     ("chat-template-missing", {f"{MC0}.models": {"deepseekv2": {"chat_template": "t.jinja"}}},
      f"{MC0}.models.deepseekv2.chat_template", "not found"),
+    ("kv-cache-dtype-unknown", {f"{MC0}.models": {"deepseekv2": {"kv_cache_options":
+                                                                 {"kv_cache_dtype": "fp8"}}}},
+     f"{MC0}.models.deepseekv2.kv_cache_options.kv_cache_dtype", "int8"),
 ]
 
 
@@ -131,6 +156,26 @@ def test_rule_refuses_with_path(case_id, edits, path, text, tmp_path):
     assert hits, f"no issue at {path}: {[str(i) for i in issues]}"
     assert any(text in i.message or text in i.allowed for i in hits), [str(i) for i in hits]
     assert len(issues) == 1, [str(i) for i in issues]      # one mistake, one report
+
+
+@pytest.mark.parametrize("name,paths", [
+    ("mindie_shipped.json", {f"{MC0}.worldSize", "BackendConfig.npuDeviceIds"}),
+    ("deepseek_mtp_prefix.json", {f"{MC0}.worldSize", f"{MC0}.tp", "BackendConfig.npuDeviceIds"}),
+])
+def test_multi_device_files_are_refused(name, paths, tmp_path):
+    """MindIE's own 4- and 8-device examples: every field that asks for more than one device
+    is named (tests/config/test_valid_configs.py loads them cut down to one device)."""
+    issues = issues_of(fixture(name), tmp_path)
+    assert {i.path for i in issues} == paths, [str(i) for i in issues]
+    assert all("one device" in i.message or "one device" in i.allowed for i in issues)
+
+
+def test_plane_tls_keys_at_defaults_are_accepted_with_https(tmp_path):
+    """MindIE's shipped file writes the management/metrics TLS keys at their defaults."""
+    write_weights(tmp_path / "tiny-model")
+    doc = edited(minimal(), {f"{SV}.managementTlsCert": "security/certs/management/server.pem",
+                             f"{SV}.metricsTlsCaFile": ["metrics_ca.pem"]})
+    assert parse_config(doc, base_dir=tmp_path, check_files=True).server.https_enabled
 
 
 def test_mtp_exclusion_names_both_features(tmp_path):

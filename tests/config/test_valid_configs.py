@@ -15,6 +15,7 @@ from server.config import AppConfig, MtpSettings, load_config, parse_config
 
 SV, MD, SC = "ServerConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"
 PP = f"{MC0}.plugin_params"
+ONE_DEVICE = {f"{MC0}.worldSize": 1, "BackendConfig.npuDeviceIds": [[0]]}
 REPO = Path(__file__).resolve().parents[2]
 
 # (id, base, edits, {attribute path on AppConfig: expected value})
@@ -26,19 +27,34 @@ VALID = [
         "schedule.cache_block_size": 128, "schedule.max_batch_size": 200,
         "max_prefill_batch_size": 50, "schedule.max_iter_times": 512, "mtp": None,
         "prefix_cache_enabled": False, "reasoning_enabled": False, "tool_call_parser": "deepseek_v3",
-        "model_name": "tiny", "model_config.world_size": 4, "model_config.npu_mem_size": -1,
+        "model_name": "tiny", "model_config.world_size": 1, "model_config.npu_mem_size": -1,
+        "backend.npu_device_ids": ((0,),), "model_config.backend_type": "torch", "max_n": 128,
         "async_scheduling": False, "metrics_enabled": True, "warnings": ()}),
-    ("mindie-shipped-example", fixture("mindie_shipped.json"), {}, {
+    # MindIE's multi-device examples, cut down to the one device this daemon serves on
+    # (verbatim, they are refused: test_invalid_configs.py::test_multi_device_files_are_refused)
+    ("mindie-shipped-example", fixture("mindie_shipped.json"), ONE_DEVICE, {
         "model_name": "llama_65b", "server.https_enabled": True, "management_ip": "127.0.0.2",
         "server.health_check.npu_usage_threshold": 0, "schedule.max_queue_delay_microseconds": 5000,
         "schedule.max_first_token_wait_time": 2500, "model_config.models":
         {"layerwiseDisaggregatedMasterDeviceNum": 2, "layerwiseDisaggregatedSlaveDeviceNum": 8},
-        "backend.npu_device_ids": ((0, 1, 2, 3),), "mtp": None, "warnings": ()}),
-    ("deepseek-mtp-prefix-cache", fixture("deepseek_mtp_prefix.json"), {}, {
+        "backend.npu_device_ids": ((0,),), "mtp": None, "warnings": (
+            f"{SV}.layerwiseDisaggregatedMasterIpAddress: \"127.0.0.3\" is ignored: "
+            "layer-wise disaggregation is not implemented",
+            f"{SV}.layerwiseDisaggregatedSlaveIpAddress: [\"127.0.0.4\"] is ignored: "
+            "layer-wise disaggregation is not implemented",
+            f"{SV}.layerwiseDisaggregatedDataPort: 10024 is ignored: "
+            "layer-wise disaggregation is not implemented",
+            f"{SV}.layerwiseDisaggregatedCrtlPort: [10001, 10002] is ignored: "
+            "layer-wise disaggregation is not implemented",
+            f"{MC0}.backendType: \"atb\" is ignored: the model runs on PyTorch (backendType torch)")}),
+    ("deepseek-mtp-prefix-cache", fixture("deepseek_mtp_prefix.json"), {**ONE_DEVICE, f"{MC0}.tp": 1}, {
         "mtp": MtpSettings(1), "prefix_cache_enabled": True, "reasoning_enabled": True,
         "tool_call_parser": "deepseek_v3", "model_options.kv_cache_options.enable_nz": True,
         "model_options_key": "deepseekv2", "max_input_len": 6144, "truncation": 0,
-        "server.metrics_port": 1026, "warnings": ()}),
+        "server.metrics_port": 1026, "max_n": 64, "warnings": (
+            f"{MC0}.backendType: \"atb\" is ignored: the model runs on PyTorch (backendType torch)",
+            f"{MC0}.models.deepseekv2.kv_cache_options.enable_nz: true is ignored: "
+            "the KV cache has one layout (NZ is Ascend's)")}),
     ("plugin-params-object", minimal(), {PP: {"plugin_type": "mtp", "num_speculative_tokens": 2}},
      {"mtp": MtpSettings(2), "num_speculative_tokens": 2}),
     ("mtp-adaptive-off", minimal(),
@@ -67,18 +83,18 @@ VALID = [
     ("all-zero-ip-allowed", minimal(), {f"{SV}.ipAddress": "0.0.0.0", f"{SV}.allowAllZeroIpListening": True},
      {"server.ip_address": "0.0.0.0", "management_ip": "0.0.0.0"}),
     ("ipv6", minimal(), {f"{SV}.ipAddress": "::1"}, {"server.ip_address": "::1"}),
-    ("cp-sp-with-one-draft", minimal(),
-     {f"{MC0}.cp": 2, f"{MC0}.sp": 2, f"{MC0}.tp": 2, f"{MC0}.dp": 1, f"{MC0}.worldSize": 4,
-      PP: '{"plugin_type":"mtp","num_speculative_tokens":1}'}, {"mtp": MtpSettings(1)}),
-    ("cp-with-two-drafts-under-pd", minimal(),
-     {f"{MC0}.cp": 2, f"{SV}.inferMode": "dmi", PP: '{"plugin_type":"mtp","num_speculative_tokens":2}'},
-     {"mtp": MtpSettings(2)}),
-    ("tp-times-dp-is-world-size", minimal(), {f"{MC0}.tp": 2, f"{MC0}.dp": 2, f"{MC0}.worldSize": 4},
-     {"model_config.tp": 2}),
+    ("parallel-sizes-of-one", minimal(),
+     {f"{MC0}.worldSize": 1, f"{MC0}.tp": 1, f"{MC0}.dp": 1, f"{MC0}.cp": 1, f"{MC0}.sp": 1,
+      f"{MC0}.moe_tp": 1, f"{MC0}.moe_ep": 1, f"{MC0}.pp": 1, "BackendConfig.npuDeviceIds": [[0]],
+      "BackendConfig.modelInstanceNumber": 1, "BackendConfig.multiNodesInferEnabled": False,
+      "BackendConfig.kvPoolConfig": {"backend": "", "configPath": ""},
+      PP: '{"plugin_type":"mtp","num_speculative_tokens":2}'},
+     {"model_config.tp": 1, "mtp": MtpSettings(2), "warnings": ()}),
+    ("max-n-honoured", minimal(), {f"{SC}.maxN": 4}, {"max_n": 4, "warnings": ()}),
     ("preemption-with-swap", minimal(), {f"{SC}.maxPreemptCount": 4, f"{MC0}.cpuMemSize": 2},
      {"schedule.max_preempt_count": 4}),
     ("small-batch-clamps-defaults", minimal(), {f"{SC}.maxBatchSize": 16},
-     {"max_prefill_batch_size": 16, "schedule.max_n": 16}),
+     {"max_prefill_batch_size": 16, "schedule.max_n": 16, "max_n": 16}),
     ("small-seq-len-clamps-iter-times", minimal(), {f"{MD}.maxSeqLen": 256},
      {"schedule.max_iter_times": 256, "max_input_len": 255}),
     ("prefill-batch-zero-means-max-batch", minimal(),
@@ -91,6 +107,9 @@ VALID = [
                                         "tool_call_options": {"tool_call_parser": "deepseekv31"}}}},
      {"reasoning_enabled": True, "tool_call_parser": "deepseek_v31", "model_options_key": "deepseek_v3"}),
     ("absolute-weight-path", minimal(), {}, {}),   # path made absolute in the test below
+    ("int8-kv-cache", minimal(),
+     {f"{MC0}.models": {"deepseekv2": {"kv_cache_options": {"kv_cache_dtype": "int8"}}}},
+     {"kv_cache_dtype": "int8"}),
 ]
 
 
