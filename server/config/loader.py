@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from server.config.app import AppConfig
 from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
+from server.config.ignored import ignored_warnings
 from server.config.plugins import decode_plugin_params
 from server.config.rules import check_rules, mc_path, model_options
 from server.config.sections import MindIEConfig
@@ -41,7 +42,8 @@ def default_config_path(env: Mapping[str, str]) -> Path:
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] = os.environ,
                 *, check_files: bool = True) -> AppConfig:
     """Read, validate and freeze a MindIE config.json.  Raises ConfigError listing every
-    violation.  ``env`` is passed in (not read here) so callers and tests control it."""
+    violation.  ``env`` (the MIES_*/MINDIE_* overrides) defaults to ``os.environ``; pass a
+    mapping to control it (tests do; ``python -m server`` passes the process environment)."""
     file = Path(path) if path is not None else default_config_path(env)
     where = str(file)
     try:
@@ -96,7 +98,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     if issues:
         raise ConfigError([_mention_env(i, overridden) for i in issues], where)
 
-    warnings = tuple(collect_warnings(doc))
+    warnings = tuple(collect_warnings(doc, env))
     for w in warnings:
         log.warning("config: %s", w)
     return AppConfig(document=doc, model_weight_path=weights, source=source,
@@ -223,8 +225,9 @@ def check_weight_dir(folder: Path, path: str) -> tuple[str | None, list[ConfigIs
     return model_type, []
 
 
-def collect_warnings(doc: MindIEConfig) -> list[str]:
-    """Keys we keep but do not understand, deprecated switches, modes we do not implement."""
+def collect_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> list[str]:
+    """Keys we keep but do not understand, deprecated switches, modes we do not implement,
+    and MindIE fields (or variables) set to a value that has no effect here (ignored.py)."""
     out = [f"{path}: unknown key, kept and ignored" for path in _unknown_keys(doc, ())]
     sched = doc.backend.schedule
     for key, value in (("enablePrefixCache", sched.enable_prefix_cache), ("enableSplit", sched.enable_split)):
@@ -244,7 +247,7 @@ def collect_warnings(doc: MindIEConfig) -> list[str]:
         if key is not None:
             out += [f"{p}: unknown key, kept and ignored"
                     for p in _unknown_keys(opts, (*mc_path(i).split("."), "models", key))]
-    return out
+    return out + ignored_warnings(doc, env)
 
 
 def _unknown_keys(node: BaseModel, loc: tuple[Any, ...]) -> list[str]:

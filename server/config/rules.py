@@ -1,4 +1,4 @@
-"""Rules that read more than one field: MTP exclusions, port clashes, budget orderings.
+"""Rules that read more than one field: MTP exclusions, port clashes, per-plane TLS, budget orderings.
 
 Each rule returns ConfigIssues whose ``path`` is the field to change and whose ``related``
 lists the other fields it read, so the loader can drop a rule's verdict when one of
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
 from server.config.sections import (MODEL_NAME_RULE, MindIEConfig, ModelConfig,
-                                    ModelTypeOptions)
+                                    ModelTypeOptions, ServerConfig)
 
 SV = "ServerConfig"
 MD = "BackendConfig.ModelDeployConfig"
@@ -55,12 +55,33 @@ def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
             yield ConfigIssue(f"{SV}.{key}", port, f"a port other than port ({s.port})",
                               f"{key} must differ from the business port",
                               related=(f"{SV}.port",))
+    if s.https_enabled:
+        yield from _plane_tls_rules(s)
     if not s.allow_all_zero_ip_listening:
         for key, ip in (("ipAddress", s.ip_address), ("managementIpAddress", s.management_ip_address)):
             if ip in ("0.0.0.0", "::"):
                 yield ConfigIssue(f"{SV}.{key}", ip, "a specific address, or allowAllZeroIpListening: true",
                                   "listening on all interfaces needs allowAllZeroIpListening: true",
                                   related=(f"{SV}.allowAllZeroIpListening",))
+
+
+# Per-plane TLS keys MindIE reads for the management and metrics planes.  Here every plane
+# is served with tlsCert/tlsPk (one certificate, no client-certificate check), so a
+# management/metrics certificate, key, CA or CRL other than the default would be a promise
+# we do not keep: refused while httpsEnabled is true (ignored.py warns about it otherwise).
+PLANE_TLS_KEYS: tuple[str, ...] = tuple(
+    f"{plane}{key}" for plane in ("management", "metrics")
+    for key in ("TlsCaFile", "TlsCert", "TlsPk", "TlsPkPwd", "TlsCrlPath", "TlsCrlFiles"))
+
+
+def _plane_tls_rules(s: ServerConfig) -> Iterator[ConfigIssue]:
+    for name, info in type(s).model_fields.items():
+        if info.alias in PLANE_TLS_KEYS and getattr(s, name) != info.default:
+            yield ConfigIssue(f"{SV}.{info.alias}", getattr(s, name),
+                              f"the default ({json.dumps(info.default)}) or httpsEnabled: false",
+                              "per-plane TLS is not implemented: the management and metrics "
+                              "planes are served with tlsCert/tlsPk",
+                              related=(f"{SV}.httpsEnabled",))
 
 
 def _deploy_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
@@ -77,7 +98,6 @@ def _model_rules(doc: MindIEConfig, i: int, mc: ModelConfig, async_on: bool) -> 
     if not mc.model_weight_path:
         yield ConfigIssue(f"{p}.modelWeightPath", mc.model_weight_path,
                           "a folder with the checkpoint's config.json", "modelWeightPath is required")
-    yield from _parallel_rules(p, mc)
 
     plugins = mc.plugin_params
     ptype = f"{p}.plugin_params.plugin_type"
@@ -107,12 +127,6 @@ def _model_rules(doc: MindIEConfig, i: int, mc: ModelConfig, async_on: bool) -> 
         for path, value in lora:
             yield ConfigIssue(path, value, "no LoRA while MTP is on",
                               "MTP cannot be combined with Multi-LoRA", related=(ptype,))
-        n = plugins.num_speculative_tokens
-        if (mc.cp > 1 or mc.sp > 1) and doc.server.infer_mode == "standard" and n not in (None, 1):
-            yield ConfigIssue(nst, n, "1 (cp > 1 or sp > 1 in PD co-location)",
-                              f"with cp={mc.cp}, sp={mc.sp} and inferMode standard, MTP allows only "
-                              "num_speculative_tokens 1",
-                              related=(f"{p}.cp", f"{p}.sp", f"{SV}.inferMode"))
     if plugins.prefix_cache:
         for path, value in lora:
             yield ConfigIssue(path, value, "no LoRA while prefix_cache is on",
@@ -122,23 +136,6 @@ def _model_rules(doc: MindIEConfig, i: int, mc: ModelConfig, async_on: bool) -> 
             yield ConfigIssue(ptype, ",".join(plugins.plugin_type), "no la/memory_decoding with async scheduling",
                               f"MINDIE_ASYNC_SCHEDULING_ENABLE does not support the plugin_type {other}",
                               related=(ASYNC_ENV,))
-
-
-def _parallel_rules(p: str, mc: ModelConfig) -> Iterator[ConfigIssue]:
-    related = (f"{p}.tp", f"{p}.dp", f"{p}.cp")
-    if mc.tp is not None and mc.dp != -1 and mc.tp * mc.dp * mc.cp != mc.world_size:
-        yield ConfigIssue(f"{p}.worldSize", mc.world_size, f"tp * dp * cp = {mc.tp * mc.dp * mc.cp}",
-                          f"tp ({mc.tp}) * dp ({mc.dp}) * cp ({mc.cp}) must equal worldSize",
-                          related=related)
-    elif mc.tp is not None and mc.world_size % (mc.tp * mc.cp):
-        yield ConfigIssue(f"{p}.worldSize", mc.world_size, f"a multiple of tp * cp = {mc.tp * mc.cp}",
-                          "worldSize must be divisible by tp * cp", related=related)
-    if mc.cp > 1 and mc.dp not in (-1, 1):
-        yield ConfigIssue(f"{p}.dp", mc.dp, "1 when cp > 1", "context parallelism needs dp 1",
-                          related=(f"{p}.cp",))
-    if mc.sp > 1 and mc.tp is not None and mc.sp != mc.tp:
-        yield ConfigIssue(f"{p}.sp", mc.sp, f"equal to tp ({mc.tp})", "sp must equal tp",
-                          related=(f"{p}.tp",))
 
 
 def _schedule_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
@@ -165,7 +162,8 @@ def _schedule_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
             if mc.cpu_mem_size <= 0:
                 yield ConfigIssue(f"{mc_path(i)}.cpuMemSize", mc.cpu_mem_size,
                                   "> 0 when maxPreemptCount > 0",
-                                  "preemption (maxPreemptCount > 0) needs CPU swap space",
+                                  "MindIE requires CPU memory for preemption (maxPreemptCount > 0); "
+                                  "this server recomputes preempted requests",
                                   related=(f"{SC}.maxPreemptCount",))
     if s.max_n > s.max_batch_size:
         yield ConfigIssue(f"{SC}.maxN", s.max_n, f"[1, maxBatchSize = {s.max_batch_size}]",

@@ -165,7 +165,7 @@ class ModelConfig(Section):
     model_weight_path: StrictStr | None = F(
         "modelWeightPath", None, doc="relative paths resolve against the config file's folder")
     world_size: StrictInt = F("worldSize", 1, lo=1, hi=U32, doc="MindIE's default is 4; here one device")
-    cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of CPU swap space for KV")
+    cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of CPU memory for KV (MindIE's swap space; preemption recomputes here)")
     npu_mem_size: StrictInt = F("npuMemSize", -1, doc="GB for the KV cache; -1 = auto")
     backend_type: Literal["atb", "ms", "torch"] = F("backendType", "torch", doc="MindIE's default is atb")
     trust_remote_code: StrictBool = F("trustRemoteCode", False)

@@ -17,6 +17,8 @@ import pytest
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
+pytestmark = pytest.mark.slow          # starts a real daemon
+
 MTP2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2}'}
 
 

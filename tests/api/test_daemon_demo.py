@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.daemon_proc import DEMO_MODEL, Daemon, demo_model_ready, make_config
 
-pytestmark = pytest.mark.skipif(not demo_model_ready(), reason=(
+pytestmark = [pytest.mark.slow, pytest.mark.demo, pytest.mark.skipif(not demo_model_ready(), reason=(
     f"demo model not in the tree ({DEMO_MODEL}); tool-call and thinking behaviour is "
-    "meaningless on a random checkpoint (unit tests cover the parsing)"))
+    "meaningless on a random checkpoint (unit tests cover the parsing)"))]
 
 NAME = "demo"
 
@@ -99,6 +99,7 @@ def test_thinking(client):
     msg = r.choices[0].message.model_extra
     assert msg["reasoning_content"] and r.choices[0].message.content
     assert "</think>" not in r.choices[0].message.content
+    assert not r.choices[0].message.content.startswith("\n")    # the separator is not content
     assert r.usage.completion_tokens_details.reasoning_tokens > 0
     stream = client.chat.completions.create(stream=True, **kw)
     reasoning = content = ""

@@ -6,6 +6,8 @@ import pytest
 
 from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
+pytestmark = pytest.mark.slow          # starts a real daemon
+
 MSG = [{"role": "user", "content": "hi"}]
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]

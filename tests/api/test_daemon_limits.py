@@ -14,6 +14,8 @@ import pytest
 
 from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
+pytestmark = pytest.mark.slow          # starts a real daemon
+
 LONG = {"model": MODEL_NAME, "prompt": "count to a thousand", "max_tokens": 1000,
         "ignore_eos": True, "temperature": 0}
 

@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.metrics import MINDIE_METRIC_NAMES, SPEC_METRIC_NAMES
 from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
+pytestmark = pytest.mark.slow          # starts a real daemon
+
 MSG = [{"role": "user", "content": "Hello! How are you today?"}]
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.api.daemon_proc import MODEL_NAME, ROOT, Daemon, make_config
 
+pytestmark = pytest.mark.slow          # starts a real daemon
+
 
 def test_https_without_cert_refuses_to_start(tiny_weights, tmp_path):
     cfg = make_config(tmp_path, tiny_weights, server={"httpsEnabled": True})

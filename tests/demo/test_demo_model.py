@@ -23,6 +23,8 @@ from demo_model import corpus, evaluate, render  # noqa: E402
 from server.model.loader import load_checkpoint  # noqa: E402
 from server.text.tokenizer import Tokenizer  # noqa: E402
 
+pytestmark = pytest.mark.demo
+
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of Japan?"}],
     [{"role": "system", "content": "You are a helpful assistant."},
@@ -101,6 +103,7 @@ def test_tokenizer_matches_transformers(tok):
     assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
 
 
+@pytest.mark.slow                       # held-out generation
 def test_mtp_acceptance_and_tool_call_on_heldout_prompts(ours, tok):
     """A few held-out prompts: the MTP layer must agree with the main model most of the time."""
     model, _ = ours

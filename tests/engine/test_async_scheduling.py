@@ -19,6 +19,7 @@ from tests.engine.helpers import (high_acceptance_model, make_engine, prompts, r
                                   run_staggered, run_tokens, tiny_model, tokens_of)
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+pytestmark = pytest.mark.slow          # every case runs twice (sync, async): about 2 min on 2 CPU cores
 
 
 def both(model, k: int, run, **kw) -> tuple[dict, dict]:

@@ -20,8 +20,9 @@ from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"
-pytestmark = pytest.mark.skipif(not any(DEMO.glob("*.safetensors")),
-                                reason="demo model weights not present")
+pytestmark = [pytest.mark.slow, pytest.mark.demo,
+              pytest.mark.skipif(not any(DEMO.glob("*.safetensors")),
+                                 reason="demo model weights not present")]
 GREEDY = SamplingParams(max_tokens=96, temperature=0.0)     # the evaluation's max_new
 
 

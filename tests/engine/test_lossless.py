@@ -20,6 +20,7 @@ NUM_PROMPTS, NEW_TOKENS = 32, 64
 ONE_AT_A_TIME = 8 if os.environ.get("ENGINE_TESTS_QUICK") else NUM_PROMPTS
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 MODELS = {"random": tiny_model, "high_acceptance": high_acceptance_model}
+pytestmark = pytest.mark.slow          # about 90 s on 2 CPU cores
 
 
 @functools.lru_cache(maxsize=None)

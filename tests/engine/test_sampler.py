@@ -142,6 +142,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow                       # statistical
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("sampled_draft", [True, False])
 def test_mtp_verification_follows_target_distribution(name, sampled_draft):
