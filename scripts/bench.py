@@ -12,6 +12,7 @@ Usage:
   scripts/bench.py --compare async [--concurrency 1,16,64]   # MINDIE_ASYNC_SCHEDULING_ENABLE 1 vs 0
   scripts/bench.py --compare quant --quantized DIR             # MTP k=1: float vs an int8 checkpoint
                                                                # (DIR from scripts/quantize.py)
+  scripts/bench.py --compare kv                                # MTP k=1: float vs int8 KV cache
   scripts/bench.py --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027  # a running daemon
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _free_port() -> int:
 
 
 def _write_config(base: Path, workdir: Path, spec_tokens: int,
-                  weights_override: Path | None = None) -> tuple[Path, int, int]:
+                  weights_override: Path | None = None, kv_int8: bool = False) -> tuple[Path, int, int]:
     cfg = json.loads(base.read_text())
     port, mport = _free_port(), _free_port()
     srv = cfg["ServerConfig"]
@@ -69,6 +70,10 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int,
         mc["modelWeightPath"] = str((base.parent / weights).resolve())
     if weights_override is not None:
         mc["modelWeightPath"] = str(weights_override.resolve())
+    if kv_int8:
+        models = mc.setdefault("models", {})
+        key = next(iter(models), "deepseekv2")
+        models.setdefault(key, {}).setdefault("kv_cache_options", {})["kv_cache_dtype"] = "int8"
     mc["plugin_params"] = (json.dumps({"plugin_type": "mtp", "num_speculative_tokens": spec_tokens})
                            if spec_tokens > 0 else "")
     sched = cfg["BackendConfig"]["ScheduleConfig"]
@@ -81,9 +86,9 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int,
 
 def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
                  async_scheduling: bool = False, weights: Path | None = None,
-                 timeout: float = 300.0) -> Target:
+                 kv_int8: bool = False, timeout: float = 300.0) -> Target:
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights)
+    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights, kv_int8)
     log = open(workdir / "daemon.log", "w")
     env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
                MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0")
@@ -238,6 +243,15 @@ async def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def runtime_of(target: Target) -> dict:
+    """The daemon's RuntimeInfo (/v1/status on the management plane), {} if unavailable."""
+    url = target.metrics_url.rsplit("/metrics", 1)[0] + "/v1/status"
+    try:
+        return httpx.get(url, timeout=30).json().get("runtime", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 async def model_id(target: Target) -> str:
     async with httpx.AsyncClient(timeout=30) as c:
         return (await c.get(target.base_url + "/v1/models")).json()["data"][0]["id"]
@@ -329,10 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
-    ap.add_argument("--compare", choices=("mtp", "async", "quant"), default="mtp",
+    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv"), default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
-                         "checkpoint vs --quantized")
+                         "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
     ap.add_argument("--quantized", type=Path, help="an int8 checkpoint (with --compare quant)")
     ap.add_argument("--concurrency", default=None, help="default 1,4,16,64 (mtp) or 1,16,64 (async)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -352,9 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                                ("1,4,16,64" if args.compare == "mtp" else "1,16,64")).split(",")]
     if args.compare == "quant" and not args.quantized:
         ap.error("--compare quant needs --quantized DIR (made by scripts/quantize.py)")
-    plan = {"async": (("sync", 1, False, None), ("async", 1, True, None)),
-            "quant": (("float", 1, False, None), ("int8", 1, False, args.quantized)),
-            "mtp": (("off", 0, False, None), ("k1", 1, False, None), ("k2", 2, False, None))}[args.compare]
+    plan = {"async": (("sync", 1, False, None, False), ("async", 1, True, None, False)),
+            "quant": (("float", 1, False, None, False), ("int8", 1, False, args.quantized, False)),
+            "kv": (("kvfp", 1, False, None, False), ("kvint8", 1, False, None, True)),
+            "mtp": (("off", 0, False, None, False), ("k1", 1, False, None, False),
+                    ("k2", 2, False, None, False))}[args.compare]
     import torch
     torch.set_num_threads(args.threads)                # the reference rows run in this process
     reps = args.reps or (1 if args.quick else 3)
@@ -374,10 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
         else:
-            for name, k, async_on, weights in plan:
+            for name, k, async_on, weights, kv_int8 in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
-                targets.append(start_daemon(name, args.config_file, k, args.threads, async_on, weights))
+                targets.append(start_daemon(name, args.config_file, k, args.threads, async_on,
+                                            weights, kv_int8))
         model = asyncio.run(model_id(targets[0]))
+        runtimes = {t.name: runtime_of(t) for t in targets}
         ttft_prompt = long_prompt(weights, 200)
         total = reps * len(levels) * len(targets) + reps * len(targets)
         prog = Progress(total)
@@ -417,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"baseline": targets[0].name if targets else "off", "machine": _machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos, "reps": reps,
-              "results": table, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
+              "results": table, "runtime": runtimes, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
               "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     print_table(report)
@@ -482,6 +500,11 @@ def print_table(rep: dict) -> None:
                   f"{_fmt(r['tpot_p99'] and r['tpot_p99'] * 1e3, '.1f'):>7}ms "
                   f"{_fmt(r['acceptance_rate'], '.2f'):>7} {_fmt(r['mean_accepted_len'], '.2f'):>7}  "
                   f"{_steps_share(r.get('steps_per_k'))}")
+    for name, rt in (rep.get("runtime") or {}).items():
+        if rt:
+            print(f"{name}: KV pool {rt.get('kv_blocks')} blocks x {rt.get('block_size')} tokens, "
+                  f"KV cache {rt.get('kv_cache_dtype')}, async scheduling "
+                  f"{'on' if rt.get('async_scheduling_enabled') else 'off'}")
     for bs, rate in rep["transformers_tok_s"].items():
         ours = [r for n, per in res.items() if n == "k1" for c, r in per.items() if c == bs]
         ratio = f"  ours(k1, conc {bs}) / transformers: {ours[0]['output_tok_s'] / rate:.2f}x" if ours else ""
