@@ -390,10 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
         else:
-            for name, k, async_on, weights, kv_int8 in plan:
+            for name, k, async_on, target_weights, kv_int8 in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
                 targets.append(start_daemon(name, args.config_file, k, args.threads, async_on,
-                                            weights, kv_int8))
+                                            target_weights, kv_int8))
         model = asyncio.run(model_id(targets[0]))
         runtimes = {t.name: runtime_of(t) for t in targets}
         ttft_prompt = long_prompt(weights, 200)
