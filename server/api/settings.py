@@ -1,7 +1,6 @@
 """The slice of AppConfig the HTTP layer needs, read once at start-up (immutable)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,29 +31,19 @@ class ApiSettings:
         return self.num_speculative_tokens > 0
 
 
-def model_vocab_size(model_path: str | Path) -> int:
-    """``vocab_size`` from the checkpoint's config.json: the ids the model has rows for.
-
-    Not the tokenizer's size: added tokens (DeepSeek's ``<｜User｜>``, placeholders) and
-    padding rows can lie above the tokenizer's vocabulary, and a token-id prompt, a
-    ``logit_bias`` or a stop id may name any id the model can read or produce. Read here
-    because the engine's RuntimeInfo does not carry it; the engine has already loaded the
-    same file by the time the HTTP layer starts.
-    """
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    return int(config["vocab_size"])
-
-
 def settings_from_config(cfg: Any, runtime: Any) -> ApiSettings:
     """``runtime``: the engine's RuntimeInfo, the truth about k (a checkpoint without MTP
-    weights runs with k = 0 whatever the config asked for)."""
+    weights runs with k = 0 whatever the config asked for) and about the model's
+    vocabulary: token ids are valid in [0, vocab_size) of the model, not of the tokenizer,
+    whose added tokens (DeepSeek's ``<｜User｜>``, placeholders) and padding rows can lie
+    above its base vocabulary."""
     server, mc, sched = cfg.server, cfg.model_config, cfg.schedule
     return ApiSettings(
         model_name=cfg.model_name,
         model_path=str(cfg.model_weight_path),
         max_seq_len=cfg.max_seq_len,
         max_input_len=cfg.max_input_len,
-        vocab_size=model_vocab_size(cfg.model_weight_path),
+        vocab_size=runtime.vocab_size,
         max_n=cfg.max_n,
         truncation=int(cfg.truncation),
         max_iter_times=sched.max_iter_times,

@@ -79,7 +79,6 @@ class LLMEngine:
                         "decoding without MTP", k)
             k = 0
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
-        self.vocab_size = model.config.vocab_size
         self.executor = _make_executor(model, cfg, k, policy)
         self.worker: Worker | None = self.executor.worker   # None when it lives in another process
         self.runtime = RuntimeInfo(
@@ -87,7 +86,8 @@ class LLMEngine:
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
             async_scheduling=cfg.async_scheduling, num_kv_blocks=self.executor.num_kv_blocks,
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
-            num_kv_layers=model.num_kv_layers, num_int8_kv_layers=self.executor.num_int8_kv_layers)
+            vocab_size=model.config.vocab_size, num_kv_layers=model.num_kv_layers,
+            num_int8_kv_layers=self.executor.num_int8_kv_layers)
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
                                              hash_next_token=k > 0)
@@ -137,7 +137,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _check(self, seq: Sequence) -> str | None:
-        n, vocab = seq.num_prompt_tokens, self.vocab_size
+        n, vocab = seq.num_prompt_tokens, self.runtime.vocab_size
         if n == 0:
             return "the prompt is empty"
         if n >= self.cfg.max_seq_len:

@@ -35,6 +35,7 @@ class RuntimeInfo:
     block_size: int
     eos_token_ids: frozenset[int]
     max_seq_len: int
+    vocab_size: int = 0                 # the model's: token ids are valid in [0, vocab_size)
     num_kv_layers: int = 0
     num_int8_kv_layers: int = 0         # cache layers with an int8 latent (kv_cache_dtype / FA3)
 
@@ -80,4 +81,5 @@ class RuntimeInfo:
                 "kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "lookahead_slots": self.lookahead_slots,
-                "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len}
+                "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,
+                "vocab_size": self.vocab_size}

@@ -88,7 +88,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         model = DeepseekV3ForCausalLM(cfg, num_mtp_layers=num_mtp)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
-        spec = detect(path, _raw_config(path), linears)
+        spec = detect(path, cfg.extra, linears)
     except QuantConfigError as e:
         raise CheckpointError(str(e)) from e
     if spec is not None:
@@ -222,10 +222,6 @@ def read_config(path: str | Path) -> DeepseekConfig:
         return DeepseekConfig.from_hf(raw)
     except UnsupportedConfigError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
-
-
-def _raw_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text(encoding="utf-8"))
 
 
 def _fp8_block(cfg: DeepseekConfig, path: Path) -> int:

@@ -56,7 +56,10 @@ class QuantSpec:
 
 
 def detect(path: Path, raw_config: dict, linear_prefixes: list[str]) -> QuantSpec | None:
-    """The checkpoint's quantization, or None for a float (or fp8 block) checkpoint."""
+    """The checkpoint's quantization, or None for a float (or fp8 block) checkpoint.
+
+    ``raw_config``: config.json's keys the model config does not model (``DeepseekConfig.extra``:
+    quantization_config, quantize, ...)."""
     descs = sorted(path.glob("quant_model_description*.json"))
     qc = raw_config.get("quantization_config") or {}
     method = qc.get("quant_method")

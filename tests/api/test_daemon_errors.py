@@ -79,12 +79,6 @@ def daemon(tiny_weights, tmp_path_factory):
     assert d.terminate() == 0
 
 
-@pytest.fixture(scope="module")
-def http(daemon):
-    with httpx.Client(base_url=daemon.base, timeout=60) as c:
-        yield c
-
-
 def test_there_are_enough_cases():
     assert len(CASES) >= 25
 

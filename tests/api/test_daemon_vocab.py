@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
@@ -32,12 +31,6 @@ def daemon(tmp_path_factory):
     d = Daemon(make_config(tmp_path_factory.mktemp("cfg-vocab"), weights)).start()
     yield d
     assert d.terminate() == 0
-
-
-@pytest.fixture(scope="module")
-def http(daemon):
-    with httpx.Client(base_url=daemon.base, timeout=60) as c:
-        yield c
 
 
 def comp(**kw) -> dict:
