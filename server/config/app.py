@@ -28,6 +28,7 @@ class AppConfig:
     chat_template_path: Path | None = None  # models.<key>.chat_template, absolute
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE == 1
     metrics_enabled: bool = True            # $MIES_SERVICE_MONITOR_MODE (default on)
+    compile_mode: str = "auto"              # $MTP_SERVE_COMPILE: auto | on | off
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
 
     # ---- sections -------------------------------------------------------------------

@@ -72,6 +72,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     raw = _decode(data, where)
     overridden = _apply_env_overrides(raw, env)
     async_on, metrics_on, issues = _env_switches(env)
+    compile_mode = _compile_mode(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
     issues += field_issues
@@ -104,7 +105,8 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     return AppConfig(document=doc, model_weight_path=weights, source=source,
                      checkpoint_model_type=model_type, model_options_key=key,
                      model_options=options, chat_template_path=template,
-                     async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings)
+                     async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
+                     compile_mode=compile_mode)
 
 
 def _decode(data: str | bytes | Mapping[str, Any], where: str | None) -> dict[str, Any]:
@@ -156,6 +158,18 @@ def _env_switches(env: Mapping[str, str]) -> tuple[bool, bool, list[ConfigIssue]
         issues.append(ConfigIssue("$MIES_SERVICE_MONITOR_MODE", mode, "1 (metrics on) or 0 (off)",
                                   "unrecognised value"))
     return async_on, mode not in _OFF, issues
+
+
+def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
+    """$MTP_SERVE_COMPILE: auto (default) | on | off (server/engine/compile_step.py)."""
+    raw = env.get("MTP_SERVE_COMPILE", "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in _ON | _OFF:
+        return "on" if raw in _ON else "off"
+    issues.append(ConfigIssue("$MTP_SERVE_COMPILE", raw, "auto, 1 (on) or 0 (off)",
+                              "unrecognised value"))
+    return "auto"
 
 
 def _validate_with_repair(raw: dict[str, Any], where: str | None

@@ -36,6 +36,8 @@ class EngineConfig:
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
     async_executor: str = "auto"            # where the worker runs then: process | thread | auto
                                             # (auto: a process on CPU, a thread on CUDA)
+    static_decode: bool = True              # uniform decode/verify steps on the static path (static_decode.py)
+    compile: str = "off"                    # $MTP_SERVE_COMPILE for the daemon: auto | on | off (compile_step.py)
     device: str = "cpu"
     dtype: str | None = None                # None = checkpoint dtype
 
@@ -61,5 +63,6 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         adaptive_speculation=app.mtp.adaptive_speculation if app.mtp else True,
         async_scheduling=app.async_scheduling,
         kv_cache_dtype=app.kv_cache_dtype,
+        compile=app.compile_mode,
     )
     return replace(cfg, **overrides) if overrides else cfg

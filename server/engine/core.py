@@ -81,13 +81,14 @@ class LLMEngine:
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
         self.executor = _make_executor(model, cfg, k, policy)
         self.worker: Worker | None = self.executor.worker   # None when it lives in another process
+        num_kv_blocks, num_int8, decode_path, compile_s = self.executor.info
         self.runtime = RuntimeInfo(
             num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
-            async_scheduling=cfg.async_scheduling, num_kv_blocks=self.executor.num_kv_blocks,
+            async_scheduling=cfg.async_scheduling, num_kv_blocks=num_kv_blocks,
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
             vocab_size=model.config.vocab_size, num_kv_layers=model.num_kv_layers,
-            num_int8_kv_layers=self.executor.num_int8_kv_layers)
+            num_int8_kv_layers=num_int8, decode_path=decode_path, compile_seconds=compile_s)
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
                                              hash_next_token=k > 0)

@@ -27,8 +27,7 @@ from server.engine.worker import Worker
 class InProcessExecutor:
     def __init__(self, worker: Worker, *, async_scheduling: bool = False) -> None:
         self.worker = worker
-        self.num_kv_blocks = worker.num_kv_blocks
-        self.num_int8_kv_layers = worker.num_int8_kv_layers
+        self.info = worker.info()
         self.async_scheduling = async_scheduling
         self._pool: cf.ThreadPoolExecutor | None = None
         if async_scheduling:

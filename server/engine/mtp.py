@@ -27,7 +27,7 @@ from server.engine import sampler as S
 from server.engine.metadata import build_metadata
 from server.engine.request_state import RequestState
 from server.engine.spec_policy import SpecPolicy
-from server.model.batch import BatchMetadata
+from server.model.batch import BatchMetadata, DecodeMetadata
 
 
 class NoProposer:
@@ -51,7 +51,7 @@ class NoProposer:
     def choose_k(self, states) -> int:
         return 0
 
-    def propose(self, states, starts, n_new, sampled, cu, hidden, k):
+    def propose(self, states, starts, n_new, sampled, cu, hidden, k, uniform_rows=None):
         return None
 
     def commit(self, states, drafts, k, num_drafts, sampled) -> None:
@@ -68,8 +68,9 @@ class MTPProposer:
     """Drafts with the MTP layer; holds each request's drafts on the device between steps."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
-                 policy: SpecPolicy, device: torch.device) -> None:
+                 policy: SpecPolicy, device: torch.device, static_decode: bool = False) -> None:
         self.model = model
+        self.static_decode = static_decode     # chained passes (one token each) take the static path
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.policy = policy
@@ -131,34 +132,56 @@ class MTPProposer:
 
     def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
                 sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
-                k: int) -> "DraftResult | None":
+                k: int, uniform_rows: int | None = None) -> "DraftResult | None":
         """Draft k tokens per sequence from the verified positions (module docstring).
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
         positions, which later drafts attend to once k rises again.  Nothing is held until
         ``commit``: a step that fails later leaves the proposer as it was.
+
+        ``uniform_rows`` Q: the main step was static (every request one token plus Q - 1
+        drafts, ``hidden`` Q rows each).  The first pass then takes all Q rows of every
+        request, the rows past the emitted tokens fed token 0: they write MTP KV at
+        positions after the last verified one, which no query reads before a later pass
+        (this step's chained passes, or the next step's first pass) rewrites it.
         """
         dev = self.device
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
-        ids: list[int] = []
-        rows: list[int] = []
-        for st, s0, n, toks, c0, mm in zip(states, starts, n_new, sampled, cu, m):
-            ids.extend(st.token_ids[s0 + 1:s0 + n])
-            ids.extend(toks)
-            rows.extend(range(c0, c0 + mm))
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-        prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
         tables = [s.block_table for s in states]
-        first = build_metadata(starts, m, tables, self.block_size, dev)
-        last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
+        if uniform_rows:
+            q = uniform_rows
+            ids = [t for toks in sampled for t in toks + [0] * (q - len(toks))]
+            input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+            prev_hidden = hidden
+            first: BatchMetadata | DecodeMetadata = DecodeMetadata.build(
+                starts, q, tables, self.block_size, dev)
+            last_rows = torch.tensor([i * q + len(toks) - 1 for i, toks in enumerate(sampled)],
+                                     dtype=torch.int64).to(dev)
+        else:
+            ids: list[int] = []
+            rows: list[int] = []
+            for st, s0, n, toks, c0, mm in zip(states, starts, n_new, sampled, cu, m):
+                ids.extend(st.token_ids[s0 + 1:s0 + n])
+                ids.extend(toks)
+                rows.extend(range(c0, c0 + mm))
+            input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+            prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
+            first = build_metadata(starts, m, tables, self.block_size, dev)
+            last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
         base = [s0 + mm for s0, mm in zip(starts, m)]     # position of the emitted final token
 
-        def chain_meta(c: int) -> BatchMetadata:
-            return build_metadata([b - 1 + c for b in base], [1] * len(states), tables,
-                                  self.block_size, dev)
+        def chain_meta(c: int) -> BatchMetadata | DecodeMetadata:
+            starts_c = [b - 1 + c for b in base]
+            if self.static_decode:
+                return DecodeMetadata.build(starts_c, 1, tables, self.block_size, dev)
+            return build_metadata(starts_c, [1] * len(states), tables, self.block_size, dev)
 
-        samp = []
-        for st, b, toks in zip(states, base, sampled if k else ()):
+        samp: list[S.SeqSamplingInput] | None = [] if k else None
+        # Raw-argmax drafts: nothing to build (the min_tokens test is against the count
+        # before this step, so it also holds for every draft position).
+        if k and all(st.plain_greedy for st in states):
+            samp = None
+        for st, b, toks in zip(states, base, sampled if samp is not None else ()):
             prompt, output = st.penalty_context()
             if st.sampling.has_penalties:
                 output = output + toks
@@ -193,13 +216,14 @@ class DraftResult:
 
 def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
             input_ids: torch.Tensor, prev_hidden: torch.Tensor, last_rows: torch.Tensor,
-            sampling: list[S.SeqSamplingInput], vocab_size: int,
+            sampling: list[S.SeqSamplingInput] | None, vocab_size: int,
             chain_meta) -> DraftResult | None:
     """Run the first MTP pass plus k-1 chained passes; sample one draft per sequence per pass.
 
     first / input_ids / prev_hidden: the first pass (see module docstring).
     last_rows [S]: index of each sequence's last position in the first pass.
-    sampling[s]: row 0 predicts the first draft (first_token_index = its absolute index).
+    sampling[s]: row 0 predicts the first draft (first_token_index = its absolute index);
+    None: every draft is the argmax of the raw MTP logits.
     chain_meta(c) -> BatchMetadata for chained pass c (1..k-1): one token per sequence.
     k == 0 only writes the first pass's MTP KV (later drafts attend to it) and returns None.
     """
@@ -208,17 +232,21 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
         model.mtp_write_kv(input_ids, prev_hidden, first, kv_caches, layer=0)
         return None
     h = model.mtp_forward(input_ids, prev_hidden, first, kv_caches, layer=0)[last_rows]
-    meta = S.SamplingMetadata.build(sampling, vocab_size, device)
+    meta = S.SamplingMetadata.build(sampling, vocab_size, device) if sampling is not None else None
     ids: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     context = None
     for c in range(k):
         if c:
-            meta.token_index = meta.token_index + 1
-            _advance_min_tokens(meta, sampling, c)
+            if meta is not None:
+                meta.token_index = meta.token_index + 1
+                _advance_min_tokens(meta, sampling, c)
             h = model.mtp_forward(ids[-1], h, chain_meta(c), kv_caches, layer=0)
         logits = model.mtp_compute_logits(h, layer=0)
-        tok, q = S.sample_rows(logits, meta, S.STREAM_DRAFT, context)
+        if meta is None:
+            tok, q = logits.argmax(-1), None
+        else:
+            tok, q = S.sample_rows(logits, meta, S.STREAM_DRAFT, context)
         ids.append(tok)
         if q is not None:
             probs.append(q)

@@ -39,6 +39,14 @@ class RequestState(TokenView):
         """Known tokens the next step feeds (the prompt, or the last emitted token)."""
         return len(self.token_ids) - self.num_computed_tokens
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that edits the logits (penalties, logit_bias, an unmet
+        min_tokens): the next token is the argmax of the raw logits."""
+        sp = self.sampling
+        return (sp.greedy and not sp.has_penalties and not sp.logit_bias
+                and (sp.min_tokens <= self.num_output_tokens or not self.stop_ids))
+
     def penalty_context(self) -> tuple[list[int], list[int]]:
         """(prompt ids, output ids) for penalties; empty lists when the request has none
         (copying every sequence's tokens each step would cost O(length) per step)."""

@@ -24,19 +24,20 @@ from server.engine.verifier import verify
 from server.engine.metadata import build_metadata, expand_rows
 from server.engine.protocol import TokenLogprob
 from server.engine.request_state import RequestState
-from server.model.batch import BatchMetadata
+from server.model.batch import BatchMetadata, DecodeMetadata
 
 
 @dataclass(slots=True)
 class _Window:
     """One step's main-forward inputs (built by ModelRunner._window)."""
     input_ids: torch.Tensor      # [T] int64
-    meta: BatchMetadata
+    meta: BatchMetadata | DecodeMetadata
     cu: list[int]                # cumulative query lengths (host)
     row_seq: torch.Tensor        # [R] sequence of each logits row
     row_off: torch.Tensor        # [R] row index inside its sequence's window
     drafts: torch.Tensor         # [S, K] held drafts (0-padded)
     K: int                       # most drafts any sequence holds
+    logits_indices: torch.Tensor | None   # hidden rows with logits; None = every row
 
 
 @dataclass(slots=True)
@@ -52,23 +53,29 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, proposer,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", static_decode: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.proposer = proposer
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
+        # Steps where every request feeds one token plus the same number of drafts take
+        # the static path (DecodeMetadata; server/model/static_decode.py).
+        self.static_decode = static_decode
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def execute(self, states: list[RequestState]) -> StepResult:
         starts = [s.num_computed_tokens for s in states]
         n_new = [s.num_new_tokens for s in states]
         nd = [self.proposer.num_held(s.request_id) for s in states]
-        w = self._window(states, starts, n_new, nd)
+        uniform = self.static_decode and all(n == 1 for n in n_new) and min(nd) == max(nd)
+        w = self._static_window(states, starts, nd[0]) if uniform else self._window(states, starts, n_new, nd)
 
         hidden = self.model.forward(w.input_ids, w.meta, self.kv_caches)   # [T, H]
-        logits = self.model.compute_logits(hidden[w.meta.logits_indices])  # [R, V]
+        rows = hidden if w.logits_indices is None else hidden[w.logits_indices]
+        logits = self.model.compute_logits(rows)                           # [R, V]
         tokens, num_acc = self._verify(states, starts, n_new, nd, w, logits)
         want_lp = [s.sampling.logprobs for s in states]
         lp = None
@@ -84,7 +91,8 @@ class ModelRunner:
 
         # ---- drafts for the next step (stay on the device) -----------------------------
         k = self.proposer.choose_k(states)
-        drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k)
+        drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
+                                       uniform_rows=w.K + 1 if uniform else None)
         return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1])
 
     def _window(self, states, starts, n_new, nd) -> _Window:
@@ -114,11 +122,30 @@ class ModelRunner:
                 drafts[row_seq[before].to(dev), row_off[before].to(dev)]
         meta = build_metadata(starts, qlens, [s.block_table for s in states], self.block_size,
                               dev, logits_indices)
-        return _Window(input_ids, meta, cu, row_seq.to(dev), row_off.to(dev), drafts, K)
+        return _Window(input_ids, meta, cu, row_seq.to(dev), row_off.to(dev), drafts, K,
+                       meta.logits_indices)
+
+    def _static_window(self, states, starts, K: int) -> _Window:
+        """Every request feeds its last token and K drafts: K + 1 rows each, all with logits."""
+        dev, n, q = self.device, len(states), K + 1
+        last = torch.tensor([st.token_ids[s0] for st, s0 in zip(states, starts)], dtype=torch.int64)
+        drafts = self.proposer.held_drafts(states, [K] * n, K, dev)          # [S, K]
+        input_ids = torch.cat([last.to(dev)[:, None], drafts], dim=1).flatten()
+        meta = DecodeMetadata.build(starts, q, [s.block_table for s in states], self.block_size, dev)
+        rows = self._rows.get((n, q))
+        if rows is None:
+            rows = (torch.arange(n, device=dev).repeat_interleave(q), torch.arange(q, device=dev).repeat(n))
+            self._rows[(n, q)] = rows
+        return _Window(input_ids, meta, list(range(0, n * q + 1, q)), rows[0], rows[1], drafts, K, None)
 
     def _verify(self, states, starts, n_new, nd, w: _Window, logits: torch.Tensor):
         """Process the window rows, then verify: tokens [S, K+1], num_accepted [S]."""
         dev, K, S_ = self.device, w.K, len(states)
+        if w.logits_indices is None and all(st.plain_greedy for st in states):
+            # Static window (K + 1 rows per request) and raw-argmax requests: no sampling
+            # metadata to build, no padding to scatter.
+            nd_t = torch.full((S_,), K, dtype=torch.int64, device=dev)
+            return verify(None, logits.argmax(-1).view(S_, K + 1), w.drafts, None, nd_t, None, None)
         samp = [S.SeqSamplingInput(st.sampling, st.seed, d + 1, s0 + n, st.num_output_tokens,
                                    *st.penalty_context(), st.stop_ids)
                 for st, d, s0, n in zip(states, nd, starts, n_new)]

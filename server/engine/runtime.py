@@ -38,6 +38,8 @@ class RuntimeInfo:
     vocab_size: int = 0                 # the model's: token ids are valid in [0, vocab_size)
     num_kv_layers: int = 0
     num_int8_kv_layers: int = 0         # cache layers with an int8 latent (kv_cache_dtype / FA3)
+    decode_path: str = "eager"          # uniform decode steps: compiled | static | eager (worker.py)
+    compile_seconds: float | None = None  # start-up time spent compiling (None: not compiled)
 
     @property
     def mtp_enabled(self) -> bool:
@@ -70,7 +72,9 @@ class RuntimeInfo:
             mtp += f" (configured k={self.configured_speculative_tokens})"
         return (f"engine runtime: {mtp}; async scheduling {'on' if self.async_scheduling else 'off'}; "
                 f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
-                f"(KV cache {self.kv_cache_dtype}); "
+                f"(KV cache {self.kv_cache_dtype}); decode path {self.decode_path}"
+                + (f" (compiled in {self.compile_seconds:.1f} s)" if self.compile_seconds is not None else "")
+                + "; "
                 f"EOS ids {sorted(self.eos_token_ids)}")
 
     def to_dict(self) -> dict:
@@ -82,4 +86,6 @@ class RuntimeInfo:
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "lookahead_slots": self.lookahead_slots,
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, "decode_path": self.decode_path,
+                "compile_seconds": (round(self.compile_seconds, 2)
+                                    if self.compile_seconds is not None else None)}

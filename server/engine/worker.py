@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from server.engine.compile_step import compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
 from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -25,6 +26,7 @@ from server.engine.request_state import RequestState
 from server.engine.runner import ModelRunner, StepResult
 from server.engine.runtime import lookahead_slots
 from server.engine.spec_policy import AdaptiveK, FixedK, SpecPolicy
+from server.model.static_decode import supports_static_decode
 
 log = logging.getLogger("server.engine")
 
@@ -48,15 +50,32 @@ class Worker:
                                             max_useful_blocks=cfg.max_batch_size * per_seq + 1,
                                             num_blocks=cfg.num_blocks)
         self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
+        self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
+        self.compile_seconds: float | None = None
+        if should_compile(cfg.compile, self.device, self.static_decode) and not model.static_decoder.compiled:
+            self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device)
         if k:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
             self.proposer: MTPProposer | NoProposer = MTPProposer(
-                model, self.kv_caches, cfg.block_size, policy, self.device)
+                model, self.kv_caches, cfg.block_size, policy, self.device, self.static_decode)
         else:
             self.proposer = NoProposer()
-        self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device)
+        self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
+                                  self.static_decode)
         self.requests: dict[str, RequestState] = {}
+
+    @property
+    def decode_path(self) -> str:
+        """How uniform decode/verify steps run: compiled, static (plain PyTorch) or eager
+        (the varlen path, e.g. for int8 KV caches or quantized layers)."""
+        if not self.static_decode:
+            return "eager"
+        return "compiled" if self.model.static_decoder.compiled else "static"
+
+    def info(self) -> tuple[int, int, str, float | None]:
+        """What the engine's RuntimeInfo needs from the worker (sent across processes)."""
+        return self.num_kv_blocks, self.num_int8_kv_layers, self.decode_path, self.compile_seconds
 
     @property
     def policy(self) -> SpecPolicy | None:

@@ -63,7 +63,7 @@ def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, thr
                 return
 
     threading.Thread(target=read, name="worker-reader", daemon=True).start()
-    results.send(("ready", (worker.num_kv_blocks, worker.num_int8_kv_layers)))
+    results.send(("ready", worker.info()))
     while True:
         try:
             so = inbox.get(timeout=1.0)
@@ -130,7 +130,7 @@ class ProcessExecutor:
         if kind != "ready":
             self.shutdown()
             raise RuntimeError(f"the worker process failed to start: {payload}")
-        self.num_kv_blocks, self.num_int8_kv_layers = payload
+        self.info = payload
         self.worker = None                       # no in-process worker to inspect
 
     def _get(self, timeout: float | None) -> tuple[str, Any]:

@@ -41,3 +41,38 @@ class BatchMetadata:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens_cpu))
+
+
+@dataclass(slots=True)
+class DecodeMetadata:
+    """A step where every sequence feeds ``query_len`` tokens (decode, k+1-token
+    verification, a chained draft pass): fixed shapes, no host lists (static_decode.py).
+
+    Tokens are sequence-major: token ``b * query_len + i`` is sequence b's i-th new token.
+    Example, block_size 4, query_len 2: sequence 0 at positions [5, 6] with table [7, 2]
+    -> slots [9, 10]; ``block_tables`` is [num_seqs, num_blocks] with num_blocks covering
+    the longest sequence (shorter tables padded with block 0, never read unmasked).
+    """
+    positions: torch.Tensor        # [num_seqs * query_len] int64
+    slot_mapping: torch.Tensor     # [num_seqs * query_len] int64
+    block_tables: torch.Tensor     # [num_seqs, num_blocks] int64
+    query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @classmethod
+    def build(cls, starts: list[int], query_len: int, tables: list[list[int]], block_size: int,
+              device: torch.device) -> "DecodeMetadata":
+        """Sequence s feeds positions ``starts[s] .. starts[s] + query_len - 1``.  Tables
+        get at least two columns: a compiled step then never sees a size-1 context dim
+        (which it would specialise on and recompile for)."""
+        width = max(2, -(-(max(starts) + query_len) // block_size))
+        bt = torch.tensor([t[:width] + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        positions = (torch.tensor(starts, dtype=torch.int64)[:, None]
+                     + torch.arange(query_len)[None, :])
+        slots = bt.gather(1, positions // block_size) * block_size + positions % block_size
+        # Flat copies, not views: a compiled step would guard on a view's base shape.
+        return cls(positions.flatten().clone().to(device), slots.flatten().clone().to(device),
+                   bt.to(device), query_len)

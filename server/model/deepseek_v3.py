@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from server.model.attention import DEFAULT_ABSORB_MAX_QUERY_LEN, MLA, AttentionPlan, build_plan
-from server.model.batch import BatchMetadata
+from server.model.batch import BatchMetadata, DecodeMetadata
 from server.model.config import DeepseekConfig
 from server.model.layers import MLP, MoE, RMSNorm, RotaryEmbedding
+from server.model.static_decode import StaticDecoder
 
 
 class DecoderLayer(nn.Module):
@@ -89,6 +90,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         # Cache layers whose latent the checkpoint quantizes (FA3 / FAKQuant scales present);
         # the engine gives them an int8 latent cache.  Set by the loader.
         self.kv_cache_int8_layers: frozenset[int] = frozenset()
+        # Steps given a DecodeMetadata (uniform windows) run here; the engine may compile it.
+        self.static_decoder = StaticDecoder(self)
 
     # -- contract properties ---------------------------------------------------------------
     @property
@@ -112,8 +115,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return build_plan(meta, self.rope, self.config.num_attention_heads, self.absorb_max_query_len)
 
     # -- paged path ------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata | DecodeMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> final-norm hidden [T, H]; writes main-layer KV at meta.slot_mapping."""
+        if isinstance(meta, DecodeMetadata):
+            return self.static_decoder.forward(input_ids, meta, kv_caches)
         plan = self._plan(meta)
         x = self.model.embed_tokens(input_ids)
         for i in range(self.config.num_hidden_layers):
@@ -131,8 +137,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         Writes MTP KV at positions[i]; returns the block output before shared_head.norm [T, H].
         """
         mtp = self._mtp(layer)
-        plan = self._plan(meta)
         x = mtp.combine(self.model.embed_tokens(input_ids), prev_hidden)
+        if isinstance(meta, DecodeMetadata):
+            return self.static_decoder.mtp_forward(x, meta, kv_caches, layer)
+        plan = self._plan(meta)
         return mtp(x, plan, meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
 
     def mtp_write_kv(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMetadata,

@@ -10,6 +10,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineOutput, EngineRequest, SamplingParams
 from server.model.loader import load_checkpoint
+from server.testing.high_acceptance import make_high_acceptance
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 _TMP = tempfile.mkdtemp(prefix="engine-tests-")
@@ -24,33 +25,11 @@ def tiny_model(seed: int = 0, with_mtp: bool = True):
 
 @functools.lru_cache(maxsize=None)
 def high_acceptance_model(alpha: float = 0.1, seed: int = 0):
-    """A tiny model whose MTP layer nearly predicts what the main model will say next.
-
-    The main model's residual branches (attention o_proj, MLP down_proj) are scaled by
-    ``alpha``, so its next token depends mostly on the current token: logits ~
-    lm_head(norm(embed(t))).  The MTP layer is made to compute exactly that bigram guess for
-    the token it reads: eh_proj = [I, 0] keeps only enorm(embed(t_{j+1})), its block's
-    branches are zeroed, and shared_head = (model.norm, lm_head).  Acceptance is then high
-    but not total, so accept, reject and bonus paths are all exercised.
-    """
+    """A tiny model whose MTP layer nearly predicts what the main model will say next
+    (see server.testing.high_acceptance.make_high_acceptance for the construction)."""
     path = make_tiny_checkpoint(f"{_TMP}/hi-{seed}", seed=seed)
     model, _info = load_checkpoint(path)
-    n = model.config.num_hidden_layers
-    H = model.config.hidden_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.startswith("model.layers."):
-                continue
-            layer = int(name.split(".")[2])
-            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-                p.mul_(alpha if layer < n else 0.0)
-        mtp = model.model.layers[n]
-        mtp.eh_proj.weight.zero_()
-        mtp.eh_proj.weight[:, :H] = torch.eye(H)
-        mtp.enorm.weight.fill_(1.0)
-        mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
-        mtp.shared_head.head.weight.copy_(model.lm_head.weight)
-    return model.eval()
+    return make_high_acceptance(model, alpha).eval()
 
 
 def make_engine(model, k: int = 0, *, num_blocks: int = 512, block_size: int = 8,

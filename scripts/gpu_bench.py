@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Engine-level decode timing: MTP off vs k=1 vs k=2 on one model, plus a lossless check.
+
+One seeded random-weight DeepSeek-V3-shaped model (``--size big``: ~1.6B parameters,
+server/testing/high_acceptance.py; ``--size small``: the tiny test shape, runs on a CPU in
+seconds) is edited for high MTP acceptance and shared by three engines (KV caches are per
+engine).  For batch 1 and batch 16 each engine serves greedy requests (64 random prompt
+ids, ``--max-tokens`` outputs, EOS ignored); every ``engine.step()`` after the prefill is
+timed on its own (``torch.cuda.synchronize()`` around it on CUDA).  Reported: median decode
+step time, decode tokens/s (all sequences), tokens per sequence per step, and the ratios
+k=1 step / off step, tokens/s k=1 / off and k=2 / off.
+
+Lossless check: greedy MTP k=1 and k=2 must emit exactly the tokens MTP off emits, for
+every request at both batch sizes.  Prints OK or MISMATCH (with the first differing
+position); exits 1 on a mismatch.  In bf16 a verify step (k+1 tokens per sequence) and a
+plain step run different kernel shapes, so a near-tie in the logits can flip a token: a
+mismatch there says "look", the float32 tests (tests/gpu) are the strict check.
+
+Usage:
+  scripts/gpu_bench.py --size big --dtype bf16 --compile off --json out.json   # on a GPU
+  scripts/gpu_bench.py --size small --device cpu                               # anywhere
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from server.engine.config import EngineConfig  # noqa: E402
+from server.engine.core import LLMEngine  # noqa: E402
+from server.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
+from server.testing.high_acceptance import (big_config, build_model, make_high_acceptance,  # noqa: E402
+                                            num_parameters)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MODES = (("off", 0), ("k1", 1), ("k2", 2))
+PROMPT_LEN = 64
+
+# The tiny test shape (server/testing/tiny_checkpoint.py::tiny_config), as overrides.
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+             num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=1024)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"CPU: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def make_engine(model, k: int, args, device: torch.device, max_batch: int) -> LLMEngine:
+    block_size = 16
+    per_seq = -(-(PROMPT_LEN + args.max_tokens + 8) // block_size)
+    cfg = EngineConfig(block_size=block_size, num_blocks=per_seq * max_batch + 16,
+                       max_batch_size=max_batch, max_prefill_tokens=max(8192, PROMPT_LEN * max_batch),
+                       max_prefill_batch_size=max_batch, max_queue_delay_us=0,
+                       max_seq_len=PROMPT_LEN + args.max_tokens + 8, num_speculative_tokens=k,
+                       adaptive_speculation=False, compile=args.compile, device=str(device))
+    return LLMEngine(model, cfg, eos_token_ids=set())
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, PROMPT_LEN), generator=g).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: torch.device,
+        tag: str) -> dict:
+    """Serve ``prompts`` together; time each decode step (every step after all prefills)."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    toks: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
+    for rid, p in zip(toks, prompts):
+        engine.add_request(EngineRequest(rid, p, sp))
+    times: list[float] = []
+    decode_tokens = 0
+    per_seq_step: list[int] = []          # tokens each running sequence got from a decode step
+    while engine.has_unfinished():
+        prefilling = any(not t for t in toks.values())
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        for o in outs:
+            if o.error:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+            toks[o.request_id].extend(o.token_ids)
+        if not prefilling and outs:
+            times.append(dt)
+            n = sum(len(o.token_ids) for o in outs)
+            decode_tokens += n
+            per_seq_step += [len(o.token_ids) for o in outs if o.token_ids]
+    total = sum(times)
+    return {"tokens": toks, "steps": len(times), "step_ms": 1e3 * statistics.median(times) if times else 0.0,
+            "tok_s": decode_tokens / total if total else 0.0,
+            "tok_per_step": statistics.fmean(per_seq_step) if per_seq_step else 0.0}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=("big", "small"), default="big")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                    help="default bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--compile", choices=("on", "off"), default="off",
+                    help="EngineConfig.compile: torch.compile (Inductor) of the static decode step")
+    ap.add_argument("--batch", default="1,16", help="batch sizes (comma separated)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--alpha", type=float, default=None,
+                    help="make_high_acceptance's alpha (default 0.1 small, 0.02 big: with 12 layers "
+                         "0.1 accepts ~40%% of k=1 drafts, 0.02 ~80%%, near DeepSeek-V3's reported rate)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = DTYPES[dtype_name]
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.alpha is None:
+        args.alpha = 0.02 if args.size == "big" else 0.1
+    t_start = time.perf_counter()
+
+    cfg = big_config() if args.size == "big" else big_config(**SMALL)
+    t0 = time.perf_counter()
+    model = make_high_acceptance(build_model(cfg, device, dtype, args.seed), args.alpha)
+    _sync(device)
+    build_s = time.perf_counter() - t0
+    params = num_parameters(model)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device_name(device),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype_name, "size": args.size,
+            "compile": args.compile, "parameters": params, "max_tokens": args.max_tokens,
+            "prompt_len": PROMPT_LEN, "alpha": args.alpha, "build_s": round(build_s, 2)}
+    print(f"# gpu_bench {meta['date']}  device: {meta['device']}  torch {meta['torch']} "
+          f"(cuda {meta['cuda']})", flush=True)
+    print(f"# size {args.size}: {params / 1e9:.2f}B parameters ({params:,}), dtype {dtype_name}, "
+          f"compile {args.compile}, built in {build_s:.1f}s; prompt {PROMPT_LEN}, "
+          f"max_tokens {args.max_tokens}, greedy, alpha {args.alpha}", flush=True)
+
+    max_batch = max(batches)
+    engines = {}
+    for mode, k in MODES:
+        t0 = time.perf_counter()
+        engines[mode] = make_engine(model, k, args, device, max_batch)
+        rt = engines[mode].runtime
+        print(f"# engine {mode}: decode path {rt.decode_path}, KV blocks {rt.num_kv_blocks}, "
+              f"built in {time.perf_counter() - t0:.1f}s"
+              + (f" (compile {rt.compile_seconds:.1f}s)" if rt.compile_seconds else ""), flush=True)
+        # Warm-up (kernels, allocator, any lazy compilation) with both batch shapes.
+        for b in sorted(set(batches)):
+            run(engines[mode], make_prompts(b, cfg.vocab_size, 999), min(8, args.max_tokens), device, "w")
+
+    results: dict[int, dict[str, dict]] = {}
+    for b in batches:
+        prompts = make_prompts(b, cfg.vocab_size, args.seed + b)
+        results[b] = {mode: run(engines[mode], prompts, args.max_tokens, device, "r") for mode, _ in MODES}
+
+    # ---- table ----
+    rows = []
+    print()
+    print(f"{'batch':>5} {'mode':>4} {'steps':>6} {'step ms':>9} {'tok/s':>9} {'tok/step':>9} "
+          f"{'step/off':>9} {'tok/s/off':>10}")
+    for b in batches:
+        off = results[b]["off"]
+        for mode, k in MODES:
+            r = results[b][mode]
+            step_ratio = r["step_ms"] / off["step_ms"] if off["step_ms"] else 0.0
+            tps_ratio = r["tok_s"] / off["tok_s"] if off["tok_s"] else 0.0
+            rows.append({"batch": b, "mode": mode, "k": k, "steps": r["steps"],
+                         "step_ms": round(r["step_ms"], 3), "tok_s": round(r["tok_s"], 1),
+                         "tok_per_step": round(r["tok_per_step"], 3),
+                         "step_ratio_vs_off": round(step_ratio, 3), "tok_s_ratio_vs_off": round(tps_ratio, 3)})
+            print(f"{b:>5} {mode:>4} {r['steps']:>6} {r['step_ms']:>9.2f} {r['tok_s']:>9.1f} "
+                  f"{r['tok_per_step']:>9.2f} {step_ratio:>9.2f} {tps_ratio:>10.2f}")
+    print()
+    summary = {}
+    for b in batches:
+        off, k1, k2 = (results[b][m] for m in ("off", "k1", "k2"))
+        summary[b] = {"k1_step_over_off_step": k1["step_ms"] / off["step_ms"],
+                      "k1_tok_s_over_off": k1["tok_s"] / off["tok_s"],
+                      "k2_tok_s_over_off": k2["tok_s"] / off["tok_s"]}
+        s = summary[b]
+        print(f"# batch {b}: k=1 step / off step {s['k1_step_over_off_step']:.2f}; tokens/s "
+              f"k=1 / off {s['k1_tok_s_over_off']:.2f}, k=2 / off {s['k2_tok_s_over_off']:.2f}")
+
+    # ---- lossless ----
+    mismatches = []
+    for b in batches:
+        ref = results[b]["off"]["tokens"]
+        for mode in ("k1", "k2"):
+            for rid, toks in results[b][mode]["tokens"].items():
+                pos = first_difference(ref[rid], toks)
+                if pos is not None:
+                    mismatches.append({"batch": b, "mode": mode, "request": rid, "position": pos,
+                                       "len_off": len(ref[rid]), "len_mode": len(toks)})
+    if mismatches:
+        first = min(mismatches, key=lambda m: m["position"])
+        print(f"lossless (greedy tokens MTP off == k=1 == k=2): MISMATCH in {len(mismatches)} "
+              f"request(s); earliest at output position {first['position']} "
+              f"(batch {first['batch']}, {first['mode']}, {first['request']})")
+    else:
+        print("lossless (greedy tokens MTP off == k=1 == k=2): OK")
+    wall = time.perf_counter() - t_start
+    print(f"# total {wall:.1f}s")
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            **meta, "wall_s": round(wall, 1), "rows": rows,
+            "summary": {str(b): {k: round(v, 3) for k, v in s.items()} for b, s in summary.items()},
+            "compile_s": {m: e.runtime.compile_seconds for m, e in engines.items()},
+            "decode_path": {m: e.runtime.decode_path for m, e in engines.items()},
+            "lossless": "OK" if not mismatches else "MISMATCH", "mismatches": mismatches,
+        }, indent=2) + "\n")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The static decode/verify step: every sequence feeds the same number of tokens.
+
+Under load most steps have no prefill: each sequence feeds its last token plus the K
+drafts it holds (K the same for all), or one token through the MTP layer's chained draft
+passes.  Such a step needs none of the varlen machinery (``AttentionPlan``'s host lists,
+padding indices, per-sequence loops): its shapes are ``[num_seqs * Q]`` tokens against
+``[num_seqs, num_blocks * block_size]`` cache rows, and every mask is a comparison of
+positions made inside the step.  The forward reads no tensor value on the host, so it can
+be compiled (Inductor on CPU, see ``compiled.py``) or, on a GPU, captured as a graph.
+
+Maths: the absorbed MLA form of attention.py (queries folded into latent space, all
+heads reading one shared cache row per key), and the dense MoE form of layers.py (every
+expert on every token, unchosen experts weighted 0) when ``dense_moe`` is set; otherwise
+the routed MoE runs as usual between the compiled attention halves.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.model.batch import DecodeMetadata
+
+
+def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           slots: torch.Tensor, block_tables: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (T = B * Q, sequence-major) -> attention output [T, H]; writes the step's
+    cache rows at ``slots`` first.  ``cache`` is a float [num_blocks, block_size, D] tensor."""
+    q_nope, q_pe, latent, k_pe = attn._project(x, cos, sin)
+    dim = cache.shape[-1]
+    cache.view(-1, dim).index_copy_(0, slots, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
+    b = block_tables.shape[0]
+    ctx = cache[block_tables].flatten(1, 2).to(x.dtype)            # [B, S, D]
+    s = ctx.shape[1]
+    pos = positions.view(b, -1)                                     # [B, Q]
+    q_len = pos.shape[1]
+    keys = torch.arange(s, device=x.device)
+    # Rows past a sequence's last position may hold anything (even NaN): zero them so the
+    # masked scores stay finite.  The last query row of a sequence has its largest position.
+    ctx = torch.where((keys[None, :] <= pos[:, -1:])[..., None], ctx, 0.0)
+    nh, dn, dv, kvr = attn.num_heads, attn.nope_dim, attn.v_dim, attn.kv_lora_rank
+    w = attn.kv_b_proj.weight.view(nh, dn + dv, kvr)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [T, nH, kvr]
+    q = torch.cat([q_lat, q_pe], dim=-1).reshape(b, q_len * nh, dim)  # row q * nH + h
+    visible = keys[None, None, :] <= pos[:, :, None]                # [B, Q, S]
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
+    bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
+    scores = torch.baddbmm(bias, q, ctx.transpose(1, 2), alpha=attn.scale)
+    o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr]).reshape(b * q_len, nh, kvr)
+    out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [T, nH, dv]
+    return attn.o_proj(out.flatten(1))
+
+
+def dense_moe(moe, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              num_routed: int) -> torch.Tensor:
+    """Every expert (shared ones included) on every token: layers.MoE._dense without the
+    host-side weight stacking (the caller passes the stacked weights)."""
+    weights, idx = moe.gate(x)
+    t = x.shape[0]
+    scale = x.new_zeros(t, moe.num_experts, dtype=torch.float32).scatter_(1, idx, weights)
+    g, u = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    act = F.silu(g) * u
+    routed = act[:, :num_routed].reshape(t, moe.num_experts, -1) * scale[:, :, None].to(act.dtype)
+    return F.linear(torch.cat([routed.flatten(1), act[:, num_routed:]], dim=1), w_down)
+
+
+def attention_half(attn, norm_in, norm_post, x, cos, sin, positions, slots, block_tables, cache):
+    """Residual + attention, then the MLP's input norm: (new residual, normed).  Takes the
+    layer's parts, not the layer, so main and MTP layers share one compiled graph."""
+    x = x + attend(attn, norm_in(x), cos, sin, positions, slots, block_tables, cache)
+    return x, norm_post(x)
+
+
+def dense_layer(attn, norm_in, norm_post, mlp, x, cos, sin, positions, slots, block_tables, cache):
+    """A decoder layer whose MLP is a plain (dense) SwiGLU."""
+    x, h = attention_half(attn, norm_in, norm_post, x, cos, sin, positions, slots, block_tables, cache)
+    return x + mlp(h)
+
+
+def moe_layer(attn, norm_in, norm_post, mlp, x, cos, sin, positions, slots, block_tables, cache,
+              w_gate_up, w_down, num_routed: int):
+    """A decoder layer whose routed MoE runs densely (see module docstring)."""
+    x, h = attention_half(attn, norm_in, norm_post, x, cos, sin, positions, slots, block_tables, cache)
+    return x + dense_moe(mlp, h, w_gate_up, w_down, num_routed)
+
+
+class StaticDecoder:
+    """Runs a model's decode/verify windows and draft passes through the functions above,
+    plain or through compiled graphs (``use_graphs``; compile_step.py makes them), one
+    graph per layer kind and window kind, shared by every layer of that kind (the layer's
+    weights are graph inputs, not constants)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        cfg = model.config
+        self._layers = list(model.model.layers)
+        # Dense MoE costs (E + 1) / (top_k + 1) times the routed FLOPs: worth it when the
+        # experts are few (the demo model: 5/3), never for DeepSeek-V3's 256.
+        self.dense_moe = bool(cfg.n_routed_experts) and \
+            cfg.n_routed_experts + 1 <= 4 * (cfg.num_experts_per_tok + 1)
+        # (kind, several tokens per sequence) -> compiled graph
+        self._graphs: dict[tuple[str, bool], object] = {}
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self._graphs)
+
+    def use_graphs(self, graphs: dict[tuple[str, bool], object]) -> None:
+        self._graphs = dict(graphs)
+
+    def kind(self, index: int) -> str:
+        """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
+        routed MoE eager)."""
+        if not hasattr(self._layers[index].mlp, "gate"):
+            return "dense"
+        return "moe" if self.dense_moe else "half"
+
+    def layer_kinds(self) -> dict[str, int]:
+        """One layer index per kind this model has."""
+        kinds: dict[str, int] = {}
+        for i in range(len(self._layers)):
+            kinds.setdefault(self.kind(i), i)
+        return kinds
+
+    @staticmethod
+    def function(kind: str):
+        return {"dense": dense_layer, "moe": moe_layer, "half": attention_half}[kind]
+
+    def layer_args(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
+                   cache: torch.Tensor) -> tuple:
+        layer = self._layers[index]
+        args = (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm)
+        kind = self.kind(index)
+        if kind != "half":
+            args += (layer.mlp,)
+        args += (x, cos, sin, meta.positions, meta.slot_mapping, meta.block_tables, cache)
+        if kind == "moe":
+            w_gate_up, w_down, sizes = layer.mlp._stacked()
+            args += (w_gate_up, w_down, sizes[0])
+        return args
+
+    def run_layer(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
+                  cache: torch.Tensor) -> torch.Tensor:
+        kind = self.kind(index)
+        fn = self._graphs.get((kind, meta.query_len > 1)) or self.function(kind)
+        out = fn(*self.layer_args(index, x, cos, sin, meta, cache))
+        if kind == "half":                     # routed dispatch, eager (reads counts on the host)
+            x, h = out
+            return x + self._layers[index].mlp(h)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
+        m = self.model
+        x = m.model.embed_tokens(input_ids)
+        n = x.shape[0]
+        x, meta = self._pad(x, meta)
+        cos, sin = _rope(m.rope, meta.positions)
+        for i in range(m.config.num_hidden_layers):
+            x = self.run_layer(i, x, cos, sin, meta, _data(caches[i]))
+        return m.model.norm(x[:n])
+
+    def mtp_forward(self, x: torch.Tensor, meta: DecodeMetadata, caches: list, layer: int) -> torch.Tensor:
+        """x: the MTP layer's combined input [T, H] -> its block output [T, H]."""
+        i = self.model.config.num_hidden_layers + layer
+        n = x.shape[0]
+        x, meta = self._pad(x, meta)
+        cos, sin = _rope(self.model.rope, meta.positions)
+        return self.run_layer(i, x, cos, sin, meta, _data(caches[i]))[:n]
+
+    def _pad(self, x: torch.Tensor, meta: DecodeMetadata) -> tuple[torch.Tensor, DecodeMetadata]:
+        """Compiled graphs are made with two or more sequences (a size-1 batch dim would
+        be specialised): a lone sequence runs twice, its copy writing the same rows to the
+        same slots."""
+        if not self._graphs or meta.num_seqs > 1:
+            return x, meta
+        twice = DecodeMetadata(meta.positions.repeat(2), meta.slot_mapping.repeat(2),
+                               meta.block_tables.repeat(2, 1), meta.query_len)
+        return x.repeat(2, 1), twice
+
+
+def _rope(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope.cos_sin(positions)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def _data(cache) -> torch.Tensor:
+    return cache if isinstance(cache, torch.Tensor) else cache.data
+
+
+def supports_static_decode(model, caches: list) -> bool:
+    """Float weights in plain ``nn.Linear`` layers and float (exact) caches: what the static
+    functions are written for.  Quantized layers and int8 caches keep the varlen path."""
+    from server.model.latent_cache import LatentCache
+    from server.model.quant import QuantLinear
+    linear_ok = not any(isinstance(mod, QuantLinear) for mod in model.modules())
+    caches_ok = all(isinstance(c, (torch.Tensor, LatentCache)) for c in caches)
+    return linear_ok and caches_ok

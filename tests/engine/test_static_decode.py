@@ -1,0 +1,103 @@
+"""The static decode/verify path (server/model/static_decode.py) against the varlen path.
+
+The static path serves every step where each request feeds one token plus the same number
+of drafts; the varlen path (``static_decode=False``) is the reference.  Float32 outputs
+must be identical token for token: greedy and seeded sampling, MTP off, k=1 and k=2,
+requests arriving while others decode (prefills stay on the varlen path, so steps switch
+between the two).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.protocol import SamplingParams
+from server.model.batch import BatchMetadata, DecodeMetadata
+from server.model.static_decode import StaticDecoder
+from tests.engine.helpers import (high_acceptance_model, make_engine, prompts, requests,
+                                  run_staggered, tiny_model)
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=11)
+MODELS = {"random": tiny_model, "high_acceptance": high_acceptance_model}
+
+
+def _count_static_steps(monkeypatch) -> list[int]:
+    calls = [0]
+    original = StaticDecoder.forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticDecoder, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_static_path_emits_what_the_varlen_path_emits(model_name, k, sp, monkeypatch):
+    model = MODELS[model_name]()
+    reqs = lambda: requests(prompts(10, seed=5), sp)                     # noqa: E731
+    ref = run_staggered(make_engine(model, k, static_decode=False, adaptive_speculation=False),
+                        reqs(), every=3)
+    calls = _count_static_steps(monkeypatch)
+    eng = make_engine(model, k, static_decode=True, adaptive_speculation=False)
+    out = run_staggered(eng, reqs(), every=3)
+    assert out == ref
+    assert calls[0] > 20                      # most steps took the static path
+    assert eng.runtime.decode_path == "static"
+
+
+def test_adaptive_k_switches_between_paths_losslessly():
+    """Adaptive speculation changes k between steps: the step after a switch holds mixed
+    draft counts (varlen path), the rest are uniform (static path)."""
+    model = high_acceptance_model()
+    reqs = lambda: requests(prompts(12, seed=8), GREEDY)                 # noqa: E731
+    ref = run_staggered(make_engine(model, 0, static_decode=False), reqs(), every=2)
+    for k in (1, 2):
+        assert run_staggered(make_engine(model, k), reqs(), every=2) == ref
+
+
+def test_decode_metadata_worked_example():
+    meta = DecodeMetadata.build([5, 1], 2, [[7, 2], [4]], 4, torch.device("cpu"))
+    assert meta.positions.tolist() == [5, 6, 1, 2]
+    assert meta.slot_mapping.tolist() == [9, 10, 17, 18]
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0]]
+    assert meta.num_seqs == 2 and meta.query_len == 2
+    # at least two table columns, so a compiled step never specialises on one
+    assert DecodeMetadata.build([0], 1, [[3]], 16, torch.device("cpu")).block_tables.tolist() == [[3, 0]]
+
+
+def test_static_forward_matches_varlen_forward_and_ignores_unwritten_slots():
+    """Same hidden states as the varlen forward for a 3-token verify window on two
+    sequences of different lengths; cache slots never written hold NaN and must not leak."""
+    model = tiny_model()
+    bs, cfg = 4, model.config
+    torch.manual_seed(0)
+    caches = [torch.full((32, bs, model.kv_cache_dim), float("nan")) for _ in range(model.num_kv_layers)]
+    tables = [[5, 9, 2, 14], [3, 11, 7]]
+    lens = [9, 5]                                  # tokens already cached
+    with torch.inference_mode():
+        for s, (table, n) in enumerate(zip(tables, lens)):      # prefill each sequence
+            ids = torch.randint(0, cfg.vocab_size, (n,))
+            meta = BatchMetadata(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([n], dtype=torch.int32), torch.tensor([table], dtype=torch.int32),
+                                 torch.tensor([table[p // bs] * bs + p % bs for p in range(n)]),
+                                 bs, [n], [n])
+            model.forward(ids, meta, caches)
+        window = torch.randint(0, cfg.vocab_size, (6,))
+        varlen_caches = [c.clone() for c in caches]
+        static = model.forward(window, DecodeMetadata.build(lens, 3, tables, bs, torch.device("cpu")), caches)
+        pos = [p for n in lens for p in range(n, n + 3)]
+        seq = [0, 0, 0, 1, 1, 1]
+        width = max(len(t) for t in tables)
+        meta = BatchMetadata(torch.tensor(pos), torch.tensor([0, 3, 6], dtype=torch.int32),
+                             torch.tensor([n + 3 for n in lens], dtype=torch.int32),
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                             torch.tensor([tables[s][p // bs] * bs + p % bs for s, p in zip(seq, pos)]),
+                             bs, [3, 3], [n + 3 for n in lens])
+        varlen = model.forward(window, meta, varlen_caches)
+    assert torch.isfinite(static).all()
+    torch.testing.assert_close(static, varlen, rtol=1e-5, atol=1e-5)
