@@ -86,7 +86,8 @@ def _load_or_compile(fn, args: tuple, path: Path) -> tuple[object, bool]:
                 return torch.compiler.load_compiled_function(f), True
         except Exception as exc:                     # noqa: BLE001 - a stale or broken file
             log.warning("compiled artifact %s did not load (%s); compiling again", path, exc)
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True).aot_compile((args, {}))
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True,
+                             options={"cpp_wrapper": True}).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     compiled.save_compiled_function(str(path))
     return compiled, False

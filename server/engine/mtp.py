@@ -51,7 +51,7 @@ class NoProposer:
     def choose_k(self, states) -> int:
         return 0
 
-    def propose(self, states, starts, n_new, sampled, cu, hidden, k, uniform_rows=None):
+    def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None):
         return None
 
     def commit(self, states, drafts, k, num_drafts, sampled) -> None:
@@ -132,29 +132,29 @@ class MTPProposer:
 
     def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
                 sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
-                k: int, uniform_rows: int | None = None) -> "DraftResult | None":
+                k: int, window: DecodeMetadata | None = None) -> "DraftResult | None":
         """Draft k tokens per sequence from the verified positions (module docstring).
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
         positions, which later drafts attend to once k rises again.  Nothing is held until
         ``commit``: a step that fails later leaves the proposer as it was.
 
-        ``uniform_rows`` Q: the main step was static (every request one token plus Q - 1
-        drafts, ``hidden`` Q rows each).  The first pass then takes all Q rows of every
-        request, the rows past the emitted tokens fed token 0: they write MTP KV at
-        positions after the last verified one, which no query reads before a later pass
-        (this step's chained passes, or the next step's first pass) rewrites it.
+        ``window``: the main step was static (every request one token plus Q - 1 drafts,
+        ``hidden`` Q rows each), on this metadata.  The first pass then takes the same
+        window, all Q rows of every request, the rows past the emitted tokens fed token
+        0: they write MTP KV at positions after the last verified one, which no query
+        reads before a later pass (this step's chained passes, or the next step's first
+        pass) rewrites it.
         """
         dev = self.device
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
         tables = [s.block_table for s in states]
-        if uniform_rows:
-            q = uniform_rows
+        if window is not None:
+            q = window.query_len
             ids = [t for toks in sampled for t in toks + [0] * (q - len(toks))]
             input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
             prev_hidden = hidden
-            first: BatchMetadata | DecodeMetadata = DecodeMetadata.build(
-                starts, q, tables, self.block_size, dev)
+            first: BatchMetadata | DecodeMetadata = window
             last_rows = torch.tensor([i * q + len(toks) - 1 for i, toks in enumerate(sampled)],
                                      dtype=torch.int64).to(dev)
         else:

@@ -92,7 +92,7 @@ class ModelRunner:
         # ---- drafts for the next step (stay on the device) -----------------------------
         k = self.proposer.choose_k(states)
         drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
-                                       uniform_rows=w.K + 1 if uniform else None)
+                                       window=w.meta if uniform else None)
         return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1])
 
     def _window(self, states, starts, n_new, nd) -> _Window:

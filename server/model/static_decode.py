@@ -100,6 +100,9 @@ class StaticDecoder:
             cfg.n_routed_experts + 1 <= 4 * (cfg.num_experts_per_tok + 1)
         # (kind, several tokens per sequence) -> compiled graph
         self._graphs: dict[tuple[str, bool], object] = {}
+        # The last window's padded metadata and rotary tables: the MTP pass of a static
+        # step reuses the main forward's window (same positions, slots and tables).
+        self._last: tuple[DecodeMetadata, DecodeMetadata, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -153,8 +156,7 @@ class StaticDecoder:
         m = self.model
         x = m.model.embed_tokens(input_ids)
         n = x.shape[0]
-        x, meta = self._pad(x, meta)
-        cos, sin = _rope(m.rope, meta.positions)
+        x, meta, cos, sin = self._prepare(x, meta)
         for i in range(m.config.num_hidden_layers):
             x = self.run_layer(i, x, cos, sin, meta, _data(caches[i]))
         return m.model.norm(x[:n])
@@ -163,19 +165,25 @@ class StaticDecoder:
         """x: the MTP layer's combined input [T, H] -> its block output [T, H]."""
         i = self.model.config.num_hidden_layers + layer
         n = x.shape[0]
-        x, meta = self._pad(x, meta)
-        cos, sin = _rope(self.model.rope, meta.positions)
+        x, meta, cos, sin = self._prepare(x, meta)
         return self.run_layer(i, x, cos, sin, meta, _data(caches[i]))[:n]
 
-    def _pad(self, x: torch.Tensor, meta: DecodeMetadata) -> tuple[torch.Tensor, DecodeMetadata]:
-        """Compiled graphs are made with two or more sequences (a size-1 batch dim would
-        be specialised): a lone sequence runs twice, its copy writing the same rows to the
+    def _prepare(self, x: torch.Tensor, meta: DecodeMetadata):
+        """Pad and build rotary tables, or take them from the last call on the same window.
+
+        Compiled graphs are made with two or more sequences (a size-1 batch dim would be
+        specialised): a lone sequence runs twice, its copy writing the same rows to the
         same slots."""
-        if not self._graphs or meta.num_seqs > 1:
-            return x, meta
-        twice = DecodeMetadata(meta.positions.repeat(2), meta.slot_mapping.repeat(2),
-                               meta.block_tables.repeat(2, 1), meta.query_len)
-        return x.repeat(2, 1), twice
+        pad = bool(self._graphs) and meta.num_seqs == 1
+        if self._last is not None and self._last[0] is meta:
+            _, padded, cos, sin = self._last
+        else:
+            padded = meta if not pad else DecodeMetadata(
+                meta.positions.repeat(2), meta.slot_mapping.repeat(2),
+                meta.block_tables.repeat(2, 1), meta.query_len)
+            cos, sin = _rope(self.model.rope, padded.positions)
+            self._last = (meta, padded, cos, sin)
+        return (x.repeat(2, 1) if pad else x), padded, cos, sin
 
 
 def _rope(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
