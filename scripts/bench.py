@@ -13,6 +13,8 @@ Usage:
   scripts/bench.py --compare quant --quantized DIR             # MTP k=1: float vs an int8 checkpoint
                                                                # (DIR from scripts/quantize.py)
   scripts/bench.py --compare kv                                # MTP k=1: float vs int8 KV cache
+  scripts/bench.py --compare compile                           # MTP k=1: uncompiled vs compiled
+                                                               # (first start and later start)
   scripts/bench.py --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027  # a running daemon
 """
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Target:
     metrics_url: str
     proc: subprocess.Popen | None = None
     workdir: Path | None = None
+    start_s: float = 0.0            # launch to "Daemon start success!"
 
 
 def _free_port() -> int:
@@ -86,19 +89,22 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int,
 
 def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
                  async_scheduling: bool = False, weights: Path | None = None,
-                 kv_int8: bool = False, timeout: float = 300.0) -> Target:
+                 kv_int8: bool = False, timeout: float = 300.0,
+                 extra_env: dict[str, str] | None = None) -> Target:
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights, kv_int8)
     log = open(workdir / "daemon.log", "w")
     env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
-               MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0")
+               MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0", **(extra_env or {}))
+    t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg_path)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if "Daemon start success!" in (workdir / "daemon.log").read_text(errors="replace"):
-            return Target(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", proc, workdir)
+            return Target(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", proc, workdir,
+                          time.monotonic() - t0)
         if proc.poll() is not None:
             break
         time.sleep(0.2)
@@ -343,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
-    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv"), default="mtp",
+    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile"), default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
                          "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
@@ -366,7 +372,14 @@ def main(argv: list[str] | None = None) -> int:
                                ("1,4,16,64" if args.compare == "mtp" else "1,16,64")).split(",")]
     if args.compare == "quant" and not args.quantized:
         ap.error("--compare quant needs --quantized DIR (made by scripts/quantize.py)")
+    compile_dir = Path(tempfile.mkdtemp(prefix="bench-compile-"))
+    fresh = {"MTP_SERVE_COMPILE": "1", "MTP_SERVE_COMPILE_CACHE": str(compile_dir / "artifacts"),
+             "TORCHINDUCTOR_CACHE_DIR": str(compile_dir / "inductor")}
     plan = {"async": (("sync", 1, False, None, False), ("async", 1, True, None, False)),
+            # MTP k=1 uncompiled, compiled from empty caches (first start), compiled again
+            # on the caches the first one filled (a later start)
+            "compile": (("eager", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}),
+                        ("cold", 1, False, None, False, fresh), ("warm", 1, False, None, False, fresh)),
             "quant": (("float", 1, False, None, False), ("int8", 1, False, args.quantized, False)),
             "kv": (("kvfp", 1, False, None, False), ("kvint8", 1, False, None, True)),
             "mtp": (("off", 0, False, None, False), ("k1", 1, False, None, False),
@@ -390,10 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
         else:
-            for name, k, async_on, target_weights, kv_int8 in plan:
+            for name, k, async_on, target_weights, kv_int8, *env in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
                 targets.append(start_daemon(name, args.config_file, k, args.threads, async_on,
-                                            target_weights, kv_int8))
+                                            target_weights, kv_int8,
+                                            extra_env=env[0] if env else None))
         model = asyncio.run(model_id(targets[0]))
         runtimes = {t.name: runtime_of(t) for t in targets}
         ttft_prompt = long_prompt(weights, 200)
@@ -419,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         # keep the daemons' logs when any request failed, to see why
         failed = any(r.get("errors") for per in raw.values() for runs in per.values() for r in runs)
     finally:
+        shutil.rmtree(compile_dir, ignore_errors=True)
         for t in targets:
             stop_daemon(t, keep_logs=failed)
 
@@ -437,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
               "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos, "reps": reps,
               "results": table, "runtime": runtimes, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
               "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
+              "start_s": {t.name: round(t.start_s, 1) for t in targets if t.proc is not None},
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     print_table(report)
     if args.json:
@@ -504,7 +520,10 @@ def print_table(rep: dict) -> None:
         if rt:
             print(f"{name}: KV pool {rt.get('kv_blocks')} blocks x {rt.get('block_size')} tokens, "
                   f"KV cache {rt.get('kv_cache_dtype')}, async scheduling "
-                  f"{'on' if rt.get('async_scheduling_enabled') else 'off'}")
+                  f"{'on' if rt.get('async_scheduling_enabled') else 'off'}, decode path "
+                  f"{rt.get('decode_path')}")
+    if rep.get("start_s"):
+        print("daemon start (launch to ready): " + ", ".join(f"{n} {s:.1f} s" for n, s in rep["start_s"].items()))
     for bs, rate in rep["transformers_tok_s"].items():
         ours = [r for n, per in res.items() if n == "k1" for c, r in per.items() if c == bs]
         ratio = f"  ours(k1, conc {bs}) / transformers: {ours[0]['output_tok_s'] / rate:.2f}x" if ours else ""

@@ -78,7 +78,7 @@ def _example(model, index: int, q: int, block_size: int, device: torch.device) -
     return model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch)
 
 
-def _load_or_compile(fn, args: tuple, path: Path) -> tuple[object, bool]:
+def _load_or_compile(fn, args: tuple, path: Path, device: torch.device) -> tuple[object, bool]:
     """(compiled function, loaded from disk?)."""
     if path.is_file():
         try:
@@ -86,8 +86,10 @@ def _load_or_compile(fn, args: tuple, path: Path) -> tuple[object, bool]:
                 return torch.compiler.load_compiled_function(f), True
         except Exception as exc:                     # noqa: BLE001 - a stale or broken file
             log.warning("compiled artifact %s did not load (%s); compiling again", path, exc)
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True,
-                             options={"cpp_wrapper": True}).aot_compile((args, {}))
+    # On CPU the generated wrapper in C++ calls the kernels ~20% faster than the Python
+    # one (a layer call at batch 2: 259 vs 394 us), for ~9 s more compile per graph.
+    options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     compiled.save_compiled_function(str(path))
     return compiled, False
@@ -106,7 +108,7 @@ def compile_static_decoder(model, block_size: int, device: torch.device) -> floa
             for many in (False, True):
                 args = _example(model, index, 2 if many else 1, block_size, device)
                 fn, hit = _load_or_compile(decoder.function(kind), args,
-                                           folder / f"{kind}-{'many' if many else 'one'}.bin")
+                                           folder / f"{kind}-{'many' if many else 'one'}.bin", device)
                 # Guards were checked when the graph was made; the calls the decoder makes
                 # differ only in sizes the graph keeps symbolic (lone sequences and
                 # one-block tables are padded), so skip re-checking ~30 weights per call.

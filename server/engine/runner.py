@@ -66,10 +66,22 @@ class ModelRunner:
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def execute(self, states: list[RequestState]) -> StepResult:
-        starts = [s.num_computed_tokens for s in states]
+    def execute(self, states: list[RequestState], k: int | None = None) -> StepResult:
+        """One step for ``states``; ``k``: drafts per request for the next step (default:
+        the proposer's choice)."""
+        if k is None:
+            k = self.proposer.choose_k(states)
         n_new = [s.num_new_tokens for s in states]
         nd = [self.proposer.num_held(s.request_id) for s in states]
+        if self.static_decode:
+            decode = [i for i, n in enumerate(n_new) if n == 1]
+            if 0 < len(decode) < len(states) and len({nd[i] for i in decode}) == 1:
+                # Prefills among decodes: the decodes still take the static path, the
+                # prefills the varlen one, as two forwards of one step.
+                rest = [i for i in range(len(states)) if n_new[i] != 1]
+                return _merge([self.execute([states[i] for i in decode], k),
+                               self.execute([states[i] for i in rest], k)], decode + rest)
+        starts = [s.num_computed_tokens for s in states]
         uniform = self.static_decode and all(n == 1 for n in n_new) and min(nd) == max(nd)
         w = self._static_window(states, starts, nd[0]) if uniform else self._window(states, starts, n_new, nd)
 
@@ -90,7 +102,6 @@ class ModelRunner:
                                   [s.sampling.top_logprobs for s in states])
 
         # ---- drafts for the next step (stay on the device) -----------------------------
-        k = self.proposer.choose_k(states)
         drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
                                        window=w.meta if uniform else None)
         return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1])
@@ -193,3 +204,25 @@ class ModelRunner:
                             for j, t in enumerate(toks)])
             r0 += r
         return out
+
+
+def _merge(parts: list[StepResult], order: list[int]) -> StepResult:
+    """Results of groups of one step, back in the step's request order (``order[j]`` is the
+    step index of the j-th request of the concatenated groups)."""
+    back = sorted(range(len(order)), key=order.__getitem__)
+    def cat(field: str) -> list:
+        joined = [x for p in parts for x in getattr(p, field)]
+        return [joined[j] for j in back]
+    drafts = [p.drafts for p in parts]
+    merged = None
+    if all(d is not None for d in drafts):
+        ids = torch.cat([d.ids for d in drafts])[back]
+        probs = None
+        if any(d.probs is not None for d in drafts):
+            vocab = next(d.probs for d in drafts if d.probs is not None).shape[-1]
+            probs = torch.cat([d.probs if d.probs is not None
+                               else d.ids.new_zeros(d.ids.shape + (vocab,), dtype=torch.float32)
+                               for d in drafts])[back]
+        merged = type(drafts[0])(ids, probs)
+    return StepResult(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k, merged,
+                      sum(p.num_tokens for p in parts))

@@ -59,3 +59,28 @@ def test_compile_is_refused_where_the_static_path_does_not_apply():
     eng = make_engine(eager, 1, compile="on", kv_cache_dtype="int8")
     assert eng.runtime.decode_path == "eager"
     assert eng.runtime.compile_seconds is None
+
+
+def test_daemon_serves_the_compiled_step_and_answers_as_the_uncompiled_one(tmp_path):
+    """The default daemon path: $MTP_SERVE_COMPILE on, graphs loaded or compiled before the
+    ports open; /v1/status says so; greedy chat answers equal the uncompiled daemon's."""
+    import openai
+
+    from tests.api.daemon_proc import Daemon, make_config
+    answers = []
+    for compile_env in ("0", "1"):
+        cfg = make_config(tmp_path / compile_env, DEMO_MODEL,
+                          model={"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":1}'})
+        d = Daemon(cfg, env={"MTP_SERVE_COMPILE": compile_env}).start(timeout_s=300)
+        try:
+            runtime = d.status()["runtime"]
+            assert runtime["decode_path"] == ("compiled" if compile_env == "1" else "static")
+            assert (runtime["compile_seconds"] is not None) == (compile_env == "1")
+            client = openai.OpenAI(base_url=d.base + "/v1", api_key="x", max_retries=0)
+            answers.append([client.chat.completions.create(
+                model=client.models.list().data[0].id, temperature=0, max_tokens=48,
+                messages=[{"role": "user", "content": q}]).choices[0].message.content
+                for q in ("What's the weather like in Paris?", "Tell me about the sea.")])
+        finally:
+            assert d.terminate() == 0
+    assert answers[0] == answers[1]
