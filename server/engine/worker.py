@@ -53,7 +53,12 @@ class Worker:
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
         self.compile_seconds: float | None = None
         if should_compile(cfg.compile, self.device, self.static_decode) and not model.static_decoder.compiled:
-            self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device)
+            try:
+                self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device)
+            except Exception as exc:            # noqa: BLE001 - e.g. no C++ compiler on the host
+                log.warning("compiling the static decode step failed (%s: %s); serving it "
+                            "uncompiled ($MTP_SERVE_COMPILE=0 skips the attempt)",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         if k:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)

@@ -87,3 +87,59 @@ def test_distillation_moves_the_mtp_layer_towards_the_main_model():
         opt.step()
     _, _, kl1 = train.losses(model, rows, keep, distill=True)
     assert kl1.item() < 0.5 * kl0.item(), (kl0.item(), kl1.item())
+
+
+def _user(chat):
+    """The request the first tool call answers (the last user turn before it)."""
+    first = next(i for i, m in enumerate(chat.messages) if m.get("tool_calls"))
+    return [m["content"] for m in chat.messages[:first] if m["role"] == "user"][-1]
+
+
+def test_corpus_city_requests_name_many_cities_and_keep_the_heldout_ones_out():
+    """Tool-call arguments are learnt as copies only if no city is frequent enough to be
+    guessed; the evaluation's cities and phrasings must never reach training."""
+    import random
+
+    from demo_model import corpus, facts
+
+    rng = random.Random(0)
+    chats = [corpus.make_chat(rng, "train") for _ in range(3000)]
+    city = [c for c in chats if c.expect_tool in corpus.CITY_TOOLS]
+    assert len(city) > 500
+    names = [c.expect_args["city"] for c in city]
+    assert len(set(names)) > 0.6 * len(names)                   # mostly unseen before
+    held = [v.lower() for v in facts.EVAL_CITIES]
+    for c in chats:
+        for m in c.messages:
+            if m["role"] == "user":
+                assert not any(v in m["content"].lower() for v in held), m["content"]
+    for c in city:
+        p, name = _user(c), c.expect_args["city"]
+        assert name in p                                          # same spelling and casing
+        assert p not in {t.format(c=name) for t in corpus.WEATHER_EVAL + corpus.TIME_EVAL}
+    copy = corpus.copy_prompts(777, 40)
+    assert len({c.expect_args["city"] for c in copy}) == 40
+    for c in copy:
+        p = _user(c)
+        assert corpus.is_heldout(p)
+        assert p in {t.format(c=c.expect_args["city"]) for t in corpus.WEATHER_EVAL + corpus.TIME_EVAL}
+        assert c.expect_tool in corpus.CITY_TOOLS and c.expect_tool in {t["function"]["name"] for t in c.tools}
+
+
+def test_tokenizer_gives_a_city_the_same_tokens_in_the_prompt_and_the_arguments():
+    """A space before a capital is its own token, so an unseen city's tokens in the prompt
+    reappear unchanged in the JSON arguments (the model copies ids, it maps nothing)."""
+    import random
+
+    from demo_model import corpus, facts, render
+
+    rng = random.Random(1)
+    texts = [render.render_chat(corpus.make_chat(rng, "train")) for _ in range(600)]
+    tok = render.train_tokenizer(texts, 1024)
+    for city in facts.EVAL_CITIES + ["Paris", "New York"]:
+        name = tok.encode(city).ids
+        prompt = tok.encode(f"What is the weather in {city}?").ids
+        args = tok.encode(f'{{"city": "{city}"}}').ids
+        for ids in (prompt, args):
+            assert any(ids[i:i + len(name)] == name for i in range(len(ids))), (city, ids, name)
+        assert tok.decode(prompt) == f"What is the weather in {city}?"

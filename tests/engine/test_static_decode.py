@@ -101,3 +101,18 @@ def test_static_forward_matches_varlen_forward_and_ignores_unwritten_slots():
         varlen = model.forward(window, meta, varlen_caches)
     assert torch.isfinite(static).all()
     torch.testing.assert_close(static, varlen, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_compile_leaves_the_uncompiled_static_path(monkeypatch, caplog):
+    """No C++ compiler, a torch without Inductor...: the engine still starts, says why."""
+    import server.engine.worker as worker_module
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(worker_module, "compile_static_decoder", fail)
+    eng = make_engine(tiny_model(), 1, compile="on")
+    assert eng.runtime.decode_path == "static" and eng.runtime.compile_seconds is None
+    assert "no C++ compiler found" in caplog.text
+    out = run_staggered(eng, requests(prompts(2), GREEDY))
+    assert all(len(v) == GREEDY.max_tokens for v in out.values())
