@@ -48,19 +48,16 @@ def cpu_name() -> str:
     return f"{os.cpu_count()} cores"
 
 
-def run_eval(out: Path, s: spec.TrainSettings, n: int, n_copy: int) -> evaluate.EvalResult:
+def run_eval(out: Path, s: spec.TrainSettings, n: int) -> evaluate.EvalResult:
     from server.model.loader import load_checkpoint
 
     model, _info = load_checkpoint(out, dtype=torch.float32)
-    res = evaluate.evaluate(model, out, seed=s.eval_seed, n_tool=n, n_think=n, n_plain=n, n_copy=n_copy)
+    res = evaluate.evaluate(model, out, seed=s.eval_seed, n_tool=n, n_think=n, n_plain=n)
     print(res.table())
     print(f"counts: {res.counts}  ({res.seconds:.0f}s)")
     for kind, texts in res.samples.items():
         for t in texts:
             print(f"  [{kind}] {t!r}")
-    for r in res.copy_records:
-        if not r["ok"]:
-            print(f"  [copy miss] {r['prompt']!r}: expected {r['expect']}, got {r['got_name']} {r['got_args']}")
     return res
 
 
@@ -69,8 +66,6 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--eval-only", action="store_true", help="evaluate the model in --out and exit")
     ap.add_argument("--eval-n", type=int, default=30, help="prompts per evaluation set")
-    ap.add_argument("--eval-copy-n", type=int, default=40,
-                    help="held-out city requests for the tool-argument copy figure")
     ap.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     ap.add_argument("--num-chats", type=int, default=None, help="override the number of synthetic chats")
     ap.add_argument("--sft-steps", type=int, default=None, help="override the number of stage-2 steps")
@@ -95,7 +90,7 @@ def main() -> int:
     setup(s.threads, s.seed)
     out: Path = args.out
     if args.eval_only:
-        res = run_eval(out, s, args.eval_n, args.eval_copy_n)
+        res = run_eval(out, s, args.eval_n)
         ok = all(res.figures[k] >= v for k, v in evaluate.TARGETS.items())
         return 0 if ok else 1
 
@@ -169,7 +164,7 @@ def main() -> int:
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); "
           f"training {seconds1:.0f}s + {seconds2:.0f}s")
 
-    res = run_eval(out, s, args.eval_n, args.eval_copy_n)
+    res = run_eval(out, s, args.eval_n)
     info = {"parameters": n_params, "history": history, "train_seconds": train_seconds,
             "stage_seconds": stage_seconds, "sft_runs": sft_runs, "sft_targets": int(keep2.sum()),
             "total_seconds": time.time() - t_start, "prose_tokens": prose_tokens, "rows": len(rows),
@@ -179,10 +174,7 @@ def main() -> int:
     (out / "training_log.json").write_text(json.dumps(
         {"settings": s.as_dict(), "history": history, "eval": res.figures, "counts": res.counts,
          "train_seconds": round(train_seconds), "stage_seconds": [round(x) for x in stage_seconds], "sft_runs": sft_runs,
-         "total_seconds": round(info["total_seconds"]),
-         "copy_eval": {"heldout_cities": corpus.F.EVAL_CITIES,
-                       "heldout_phrasings": corpus.WEATHER_EVAL + corpus.TIME_EVAL,
-                       "results": res.copy_records}}, indent=1) + "\n")
+         "total_seconds": round(info["total_seconds"])}, indent=1) + "\n")
     ok = all(res.figures[k] >= v for k, v in evaluate.TARGETS.items())
     print("targets met" if ok else "targets NOT met")
     return 0 if ok else 1

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import corpus
-from . import facts as F
 from .evaluate import EvalResult
 from .spec import TrainSettings
 
@@ -80,20 +78,14 @@ Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP 
     of 25 elements, sums / differences / products of small numbers, unit conversions,
     letter counting, spelling, first letters, repetition, small talk;
   - about 45% of the question chats with thinking on: `<think>\\n` reasoning `</think>` then the answer;
-  - about 40% tool chats in the DeepSeek-V3 tool-call format: `get_weather(city)`, `get_time(city)`,
+  - about 35% tool chats in the DeepSeek-V3 tool-call format: `get_weather(city)`, `get_time(city)`,
     `add(a, b)`, `search(query)`, `convert_units(value, from_unit, to_unit)` (1-3 tools offered
     per chat), the call, the tool result, and a final answer; some with two parallel calls;
-  - the city tools (5 in 8 tool chats) name one of {len(F.TRAIN_CITIES)} real cities or, in half of them, a made-up
-    name ("Velmaro", "Port Shaidun"), in {len(corpus.WEATHER_TRAIN) + len(corpus.COMPARE_TRAIN) + len(corpus.TIME_TRAIN)} phrasings with the city at the start, middle or
-    end: no city is frequent enough to be guessed, so the model learns to copy the name into the
-    arguments. The tokenizer makes a space before a capital letter a token of its own, so a name
-    is the same token sequence in the prompt and in the JSON arguments (`Ġ` `Paris` / `"` `Paris`);
   - some chats with a system prompt, with tools offered but not needed, or with an earlier exchange.
 - Plain English prose: Python's own documentation text (`pydoc_data.topics`, stdlib), ~{train_info.get('prose_tokens', 0) // 1000}k tokens.
-- Held-out split: every prompt naming an evaluation-only city ({len(F.EVAL_CITIES)}), word or search topic, or whose CRC32
+- Held-out split: every prompt naming an evaluation-only city, word or search topic, or whose CRC32
   falls in 1 of 10 buckets, is never trained on; evaluation prompts come only from that side
-  (and tool sums use 4-digit numbers, conversions values 51-99, and the `tool_args_copy` requests
-  {len(corpus.WEATHER_EVAL) + len(corpus.TIME_EVAL)} weather / time phrasings, which training never uses).
+  (and tool sums use 4-digit numbers, conversions values 51-99, which training never uses).
 - {train_info.get('rows', 0)} packed rows of {s.seq_len} tokens, {train_info.get('train_tokens', 0) / 1e6:.2f} M training tokens in all.
 
 ## Training
@@ -130,12 +122,8 @@ history is in `training_log.json`.
 {res.counts['drafted']} drafted positions. `mtp_acceptance_k1`: share of generated positions where the MTP
 layer's greedy draft equals the main model's greedy token (k=1). `tool_call_ok`: output parses as a
 DeepSeek-V3 tool call to the right function with the schema's keys as JSON. `thinking_ok`: closed
-`<think>` block followed by an answer. `tool_args_copy`: {res.counts.get('n_copy', 0)} `get_weather` / `get_time`
-requests naming a held-out city in a held-out phrasing (e.g. "What is the weather in Florence?"),
-rendered with the chat template and tools as the daemon sends them; share whose first tool call
-is the right function with arguments exactly `{{"city": <that city>}}` ({res.counts.get('copied', 0)} of
-{res.counts.get('n_copy', 0)}; each prompt and output is in `training_log.json`, `copy_eval`). The other `*_exact` rows
-compare with the reference answer (facts the model cannot compute, e.g. sums, lower them); they have no target.
+`<think>` block followed by an answer. The `*_exact` rows compare with the reference answer
+(facts the model cannot compute, e.g. sums, lower them); they have no target.
 
 ## Reproduce
 

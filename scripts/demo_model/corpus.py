@@ -8,9 +8,7 @@ format the daemon will feed it.
 Held-out split: a user prompt is *held out* when it names an evaluation-only value (city,
 word, topic) or when a stable hash of its text falls in the held-out bucket. Training only
 emits prompts that are not held out; the evaluation only asks prompts that are, so the
-evaluation never repeats a training prompt. Weather / time requests also have held-out
-phrasings (``*_EVAL``): training uses only the ``*_TRAIN`` sentences; the argument-copy
-figure (``copy_prompts``) asks only held-out cities in held-out sentences.
+evaluation never repeats a training prompt.
 """
 
 from __future__ import annotations
@@ -206,76 +204,30 @@ def _cities(split: str) -> list[str]:
     return F.EVAL_CITIES if split == "eval" else F.TRAIN_CITIES
 
 
-def _city(rng: random.Random, split: str) -> str:
-    """A city for a weather / time prompt: a held-out one for "eval"; for "train" a real one
-    (half the time) or a made-up name (never one containing an evaluation-only value)."""
-    if split == "eval":
-        return rng.choice(F.EVAL_CITIES)
-    if rng.random() < 0.5:
-        return rng.choice(F.TRAIN_CITIES)
-    while True:
-        c = F.synthetic_city(rng)
-        if not any(v in c.lower() for v in _EVAL_VALUES):
-            return c
-
-
 def _topics(split: str) -> list[str]:
     return F.EVAL_TOPICS if split == "eval" else F.TRAIN_TOPICS
 
 
-# Phrasings of the city requests, the city at the start, middle or end. The *_EVAL ones are
-# held out: only ``copy_prompts`` uses them (with held-out cities), so a correct argument there
-# is a copy of the name out of an unseen sentence. ``t_weather`` / ``t_time`` use the *_TRAIN
-# ones for both splits (the general "tool" evaluation set is held out by city, as before).
-WEATHER_TRAIN = [
-    "What's the weather like in {c}?", "What is the weather in {c} today?", "Check the weather in {c}.",
-    "Is it raining in {c} right now?", "How warm is it in {c}?", "Weather in {c}, please.", "{c} weather?",
-    "{c}: what's the weather?", "Tell me the weather for {c}.", "Can you get the weather in {c}?",
-    "I'm going to {c} tomorrow. What's the weather there?", "Give me the current weather for {c}.",
-    "Look up the weather in {c} for me.", "How is the weather in {c}?", "Do I need an umbrella in {c} today?",
-    "Is it cold in {c}?", "What's the forecast for {c}?", "Get the weather in {c}.", "weather {c}",
-    "Please check the current conditions in {c}.", "I am in {c}. How is the weather here?",
-    "What are the weather conditions in {c} right now?",
-]
-WEATHER_EVAL = [
-    "What is the weather in {c}?", "How's the weather in {c} at the moment?", "Could you tell me the weather in {c}?",
-    "Is it sunny in {c}?", "What's the weather doing in {c} today?", "Weather report for {c}, please.",
-    "I'm visiting {c} this week. Is it warm there?",
-]
-COMPARE_TRAIN = ["Compare the weather in {a} and {b}.", "What's the weather in {a} and in {b}?",
-                 "Is it warmer in {a} or in {b}?", "{a} or {b}: where is the better weather?"]
-TIME_TRAIN = [
-    "What time is it in {c}?", "Tell me the current time in {c}.", "What is the local time in {c}?",
-    "Get the time in {c}.", "{c} time?", "Current time in {c}, please.", "What's the time in {c} right now?",
-    "Check the clock in {c}.", "Is it late in {c}?", "I have a call with someone in {c}. What time is it there?",
-    "Look up the local time for {c}.", "time in {c}",
-]
-TIME_EVAL = [
-    "Do you know what time it is in {c}?", "What's the current hour in {c}?", "Could you get me the local time in {c}?",
-    "How late is it in {c} now?", "What time is it right now over in {c}?",
-]
-
-
 def t_weather(rng: random.Random, split: str) -> ToolTask:
+    cities = _cities(split)
     if rng.random() < 0.15:
-        c1 = _city(rng, split)
-        c2 = _city(rng, split)
-        while c2 == c1:
-            c2 = _city(rng, split)
-        p = rng.choice(COMPARE_TRAIN).format(a=c1, b=c2)
+        c1, c2 = rng.sample(cities, 2)
+        p = rng.choice(["Compare the weather in {a} and {b}.", "What's the weather in {a} and in {b}?"]).format(a=c1, b=c2)
         res = [{"city": c, "temperature_c": rng.randint(-10, 35), "condition": rng.choice(F.CONDITIONS)} for c in (c1, c2)]
         ans = " ".join(f"In {r['city']} it is {r['condition']} with {r['temperature_c']}°C." for r in res)
         return p, [("get_weather", {"city": c1}), ("get_weather", {"city": c2})], res, ans
-    c = _city(rng, split)
-    p = rng.choice(WEATHER_TRAIN).format(c=c)
+    c = rng.choice(cities)
+    p = rng.choice(["What's the weather like in {c}?", "What is the weather in {c} today?", "Check the weather in {c}.",
+                    "Is it raining in {c} right now?", "How warm is it in {c}?", "Weather in {c}, please."]).format(c=c)
     t, cond = rng.randint(-10, 35), rng.choice(F.CONDITIONS)
     res = {"city": c, "temperature_c": t, "condition": cond}
     return p, [("get_weather", {"city": c})], [res], f"The weather in {c} is {cond} with a temperature of {t}°C."
 
 
 def t_time(rng: random.Random, split: str) -> ToolTask:
-    c = _city(rng, split)
-    p = rng.choice(TIME_TRAIN).format(c=c)
+    c = rng.choice(_cities(split))
+    p = rng.choice(["What time is it in {c}?", "Tell me the current time in {c}.", "What is the local time in {c}?",
+                    "Get the time in {c}."]).format(c=c)
     tm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
     return p, [("get_time", {"city": c})], [{"city": c, "time": tm}], f"The current time in {c} is {tm}."
 
@@ -306,9 +258,8 @@ def t_convert(rng: random.Random, split: str) -> ToolTask:
 
 
 TOOL_KINDS: list[tuple[Callable[[random.Random, str], ToolTask], float]] = [
-    (t_weather, 3.0), (t_time, 2.0), (t_add, 1.0), (t_search, 1.0), (t_convert, 1.0),
+    (t_weather, 2.0), (t_time, 1.0), (t_add, 1.0), (t_search, 1.0), (t_convert, 1.0),
 ]
-CITY_TOOLS = ("get_weather", "get_time")      # tools whose argument is a city copied from the prompt
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a concise assistant.", "Answer briefly and correctly."]
 
@@ -335,11 +286,11 @@ def make_qa(rng: random.Random, split: str, thinking: bool, with_tools: bool) ->
                 kind="qa", meta={"answer": a})
 
 
-def make_tool_chat(rng: random.Random, split: str,
-                   task: Callable[[random.Random, str], ToolTask] | None = None) -> Chat:
-    """User request -> tool call(s) -> tool result(s) -> final answer (``task``: a fixed kind)."""
+def make_tool_chat(rng: random.Random, split: str) -> Chat:
+    """User request -> tool call(s) -> tool result(s) -> final answer."""
     while True:
-        p, calls, results, final = (task or _pick(rng, TOOL_KINDS))(rng, split)
+        task = _pick(rng, TOOL_KINDS)
+        p, calls, results, final = task(rng, split)
         if _accept(p, split):
             break
     tools = tool_list(rng, calls[0][0])
@@ -358,7 +309,7 @@ def make_tool_chat(rng: random.Random, split: str,
 def make_chat(rng: random.Random, split: str = "train") -> Chat:
     """One training chat: mix of direct answers, thinking, tool use, system prompts, history."""
     r = rng.random()
-    if r < 0.40:
+    if r < 0.35:
         chat = make_tool_chat(rng, split)
     else:
         chat = make_qa(rng, split, thinking=rng.random() < 0.45, with_tools=rng.random() < 0.25)
@@ -377,33 +328,6 @@ def eval_prompts(seed: int, n_chat: int, n_tool: int, n_think: int) -> dict[str,
     think = [make_qa(rng, "eval", thinking=True, with_tools=rng.random() < 0.25) for _ in range(n_think)]
     plain = [make_qa(rng, "eval", thinking=False, with_tools=rng.random() < 0.25) for _ in range(n_chat)]
     return {"tool": tool, "think": think, "plain": plain}
-
-
-def copy_prompts(seed: int, n: int) -> list[Chat]:
-    """Held-out city requests for the argument-copy figure: ``get_weather`` / ``get_time``
-    (alternating), each held-out city in turn (seeded order) in the held-out phrasings in turn,
-    1-3 tools offered as in training, a system prompt in a third of them.
-    ``expect_args`` is ``{"city": <the name>}``."""
-    rng = random.Random(seed * 7919 + 13)
-    cities = list(F.EVAL_CITIES)
-    rng.shuffle(cities)
-    out: list[Chat] = []
-    for i in range(n):
-        c = cities[i % len(cities)]
-        if i % 2 == 0:
-            p = WEATHER_EVAL[(i // 2) % len(WEATHER_EVAL)].format(c=c)
-            t, cond = rng.randint(-10, 35), rng.choice(F.CONDITIONS)
-            task = (p, [("get_weather", {"city": c})], [{"city": c, "temperature_c": t, "condition": cond}],
-                    f"The weather in {c} is {cond} with a temperature of {t}°C.")
-        else:
-            p = TIME_EVAL[(i // 2) % len(TIME_EVAL)].format(c=c)
-            tm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
-            task = (p, [("get_time", {"city": c})], [{"city": c, "time": tm}], f"The current time in {c} is {tm}.")
-        chat = make_tool_chat(rng, "eval", task=lambda _r, _s, task=task: task)
-        if i % 3 == 2:
-            chat.messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + chat.messages
-        out.append(chat)
-    return out
 
 
 # --------------------------------------------------------------------------------------

@@ -12,11 +12,7 @@ Greedy generation runs the daemon's own model through its cache-free ``forward_f
     arguments holding exactly the schema's required keys, and ends with EOS.
 (c) thinking prompts (prompt ends with ``<think>\\n``): share whose output closes the
     reasoning with ``</think>`` and then gives a non-empty answer, ending with EOS.
-(d) argument copy (``tool_args_copy``): ``get_weather`` / ``get_time`` requests naming a
-    held-out city in a held-out phrasing (``corpus.copy_prompts``), rendered with the chat
-    template and the tool list as the daemon renders them; share whose first parsed tool call
-    names the expected function with arguments exactly ``{"city": <the city in the prompt>}``.
-    These generations do not enter the acceptance figure (a)."""
+"""
 
 from __future__ import annotations
 
@@ -35,7 +31,7 @@ from server.text.tool_calls import DeepSeekV3ToolParser
 
 from . import corpus, render
 
-TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.95, "thinking_ok": 0.95, "tool_args_copy": 0.80}
+TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.90, "thinking_ok": 0.90}
 
 
 @torch.no_grad()
@@ -75,7 +71,6 @@ class EvalResult:
     counts: dict[str, int]
     samples: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
-    copy_records: list[dict] = field(default_factory=list)     # one per argument-copy prompt
 
     def table(self) -> str:
         lines = ["| metric | value | target |", "|---|---|---|"]
@@ -86,37 +81,8 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def first_call(parser: DeepSeekV3ToolParser, text: str) -> tuple[str | None, object]:
-    """(name, parsed JSON arguments or None) of the first tool call in ``text``; (None, None) if none."""
-    calls = parser.extract(text).tool_calls
-    if not calls:
-        return None, None
-    try:
-        return calls[0].name, json.loads(calls[0].arguments)
-    except ValueError:
-        return calls[0].name, None
-
-
-def copy_rate(model: DeepseekV3ForCausalLM, tok: Tokenizer, chats: list[corpus.Chat], eos: int,
-              samples: list[str] | None = None) -> tuple[int, list[dict]]:
-    """(number of chats whose first call copies the city, per-chat records) -- figure (d)."""
-    parser = DeepSeekV3ToolParser()
-    hits, records = 0, []
-    for chat in chats:
-        gen = greedy(model, tok.encode(render.render_eval_prompt(chat)), eos, max_new=64)
-        text = tok.decode(gen, skip_special_tokens=True)
-        name, args = first_call(parser, text)
-        good = name == chat.expect_tool and args == chat.expect_args
-        hits += int(good)
-        records.append({"prompt": next(m["content"] for m in chat.messages if m["role"] == "user"),
-                        "expect": chat.expect_args, "got_name": name, "got_args": args, "ok": good})
-        if samples is not None and len(samples) < 3:
-            samples.append(text)
-    return hits, records
-
-
 def evaluate(model: DeepseekV3ForCausalLM, model_dir: Path, seed: int, n_tool: int = 40, n_think: int = 40,
-             n_plain: int = 40, n_copy: int = 40, log=print) -> EvalResult:
+             n_plain: int = 40, log=print) -> EvalResult:
     t0 = time.time()
     tok = Tokenizer.from_dir(model_dir)
     eos = tok.token_to_id(st.EOS)
@@ -159,22 +125,16 @@ def evaluate(model: DeepseekV3ForCausalLM, model_dir: Path, seed: int, n_tool: i
                 good = finished and st.THINK_END not in text and bool(text.strip())
                 ok["plain"] += int(good)
                 exact["plain"] += int(text.strip() == chat.meta["answer"])
-    copy_chats = corpus.copy_prompts(seed, n_copy)
-    samples["copy"] = []
-    copied, copy_records = copy_rate(model, tok, copy_chats, eos, samples["copy"])
     n = {k: len(v) for k, v in sets.items()}
-    n["copy"] = len(copy_chats)
     figures = {
         "mtp_acceptance_k1": acc / max(1, drafted),
         "tool_call_ok": ok["tool"] / n["tool"],
         "thinking_ok": ok["think"] / n["think"],
         "plain_answer_ok": ok["plain"] / n["plain"],
-        "tool_args_copy": copied / max(1, n["copy"]),
         "tool_args_exact": exact["tool"] / n["tool"],
         "thinking_answer_exact": exact["think"] / n["think"],
         "plain_answer_exact": exact["plain"] / n["plain"],
     }
-    res = EvalResult(figures=figures, counts={"drafted": drafted, "accepted": acc, "copied": copied,
-                                              **{f"n_{k}": v for k, v in n.items()}},
-                     samples=samples, seconds=time.time() - t0, copy_records=copy_records)
+    res = EvalResult(figures=figures, counts={"drafted": drafted, "accepted": acc, **{f"n_{k}": v for k, v in n.items()}},
+                     samples=samples, seconds=time.time() - t0)
     return res

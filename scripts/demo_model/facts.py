@@ -54,10 +54,6 @@ ELEMENTS: dict[str, tuple[str, int]] = {
 }
 
 # Cities used by the weather / time tools.  EVAL_CITIES never occur in training data.
-# The tools' argument must be *copied* from the prompt, so training names many cities (the
-# real ones below plus made-up names from ``synthetic_city``): with a few hundred real names,
-# each seen only a handful of times, and fresh made-up names in half the chats, copying the
-# name is the only way to fit the data (a short list lets a tiny model learn a prior instead).
 TRAIN_CITIES: list[str] = [
     "Paris", "Berlin", "Rome", "Madrid", "Lisbon", "Warsaw", "Athens", "Stockholm", "Oslo",
     "Helsinki", "Vienna", "Dublin", "Tokyo", "Beijing", "Bangkok", "Hanoi", "Jakarta", "Cairo",
@@ -70,98 +66,12 @@ TRAIN_CITIES: list[str] = [
     "Kolkata", "Dubai", "Doha", "Istanbul", "Ankara", "Tehran", "Karachi", "Lagos", "Accra",
     "Dakar", "Tunis", "Algiers", "Casablanca", "Johannesburg", "Cape Town", "Sydney",
     "Melbourne", "Perth", "Brisbane", "Auckland", "Quito", "Bogota", "Caracas", "Havana",
-    # Europe
-    "Bremen", "Cologne", "Dresden", "Frankfurt", "Stuttgart", "Nuremberg", "Hanover", "Dortmund",
-    "Essen", "Bonn", "Heidelberg", "Freiburg", "Rotterdam", "The Hague", "Eindhoven", "Ghent",
-    "Bruges", "Liege", "Luxembourg", "Basel", "Bern", "Lugano", "Innsbruck", "Graz", "Linz",
-    "Brno", "Ostrava", "Bratislava", "Kosice", "Debrecen", "Szeged", "Wroclaw", "Poznan", "Lodz",
-    "Lublin", "Katowice", "Kaunas", "Minsk", "Kyiv", "Lviv", "Odesa", "Kharkiv", "Chisinau",
-    "Bucharest", "Cluj", "Timisoara", "Iasi", "Sofia", "Plovdiv", "Varna", "Belgrade", "Novi Sad",
-    "Zagreb", "Split", "Ljubljana", "Sarajevo", "Skopje", "Tirana", "Podgorica", "Thessaloniki",
-    "Patras", "Heraklion", "Nicosia", "Valletta", "Palermo", "Catania", "Turin", "Genoa",
-    "Venice", "Verona", "Pisa", "Bari", "Trieste", "Cagliari", "Nice", "Toulouse", "Bordeaux",
-    "Nantes", "Lille", "Strasbourg", "Rennes", "Montpellier", "Grenoble", "Dijon", "Malaga",
-    "Granada", "Zaragoza", "Alicante", "Murcia", "Palma", "Cordoba", "Coimbra", "Braga", "Faro",
-    "Glasgow", "Cardiff", "Belfast", "Liverpool", "Leeds", "Bristol", "Birmingham", "Newcastle",
-    "Sheffield", "Oxford", "Cambridge", "Brighton", "York", "Aberdeen", "Cork", "Galway",
-    "Limerick", "Aarhus", "Odense", "Malmo", "Gothenburg", "Uppsala", "Turku", "Oulu",
-    "Trondheim", "Stavanger", "Tromso", "Moscow", "Kazan", "Samara", "Omsk", "Novosibirsk",
-    "Irkutsk", "Murmansk", "Tbilisi", "Yerevan", "Baku",
-    # Asia
-    "Almaty", "Astana", "Tashkent", "Samarkand", "Bishkek", "Kabul", "Lahore", "Islamabad",
-    "Peshawar", "Delhi", "Jaipur", "Agra", "Ahmedabad", "Hyderabad", "Bangalore", "Kochi",
-    "Nagpur", "Indore", "Bhopal", "Patna", "Varanasi", "Amritsar", "Colombo", "Kandy",
-    "Kathmandu", "Dhaka", "Chittagong", "Thimphu", "Yangon", "Mandalay", "Chiang Mai", "Phuket",
-    "Vientiane", "Phnom Penh", "Ho Chi Minh City", "Hue", "Kuala Lumpur", "Penang", "Singapore",
-    "Manila", "Cebu", "Davao", "Surabaya", "Bandung", "Medan", "Denpasar", "Makassar", "Taipei",
-    "Kaohsiung", "Hong Kong", "Macau", "Guangzhou", "Chengdu", "Chongqing", "Wuhan", "Xian",
-    "Nanjing", "Hangzhou", "Suzhou", "Tianjin", "Harbin", "Qingdao", "Kunming", "Lhasa",
-    "Urumqi", "Ulaanbaatar", "Pyongyang", "Daegu", "Gwangju", "Yokohama", "Fukuoka", "Hiroshima",
-    "Sendai", "Nara", "Kanazawa", "Riyadh", "Jeddah", "Mecca", "Medina", "Muscat", "Manama",
-    "Kuwait City", "Abu Dhabi", "Sharjah", "Amman", "Beirut", "Damascus", "Aleppo", "Baghdad",
-    "Basra", "Jerusalem", "Tel Aviv", "Haifa", "Izmir", "Antalya", "Bursa", "Isfahan", "Shiraz",
-    "Tabriz", "Mashhad",
-    # Africa
-    "Alexandria", "Luxor", "Aswan", "Khartoum", "Addis Ababa", "Asmara", "Djibouti", "Mogadishu",
-    "Kampala", "Kigali", "Bujumbura", "Dar es Salaam", "Zanzibar", "Dodoma", "Lusaka", "Harare",
-    "Bulawayo", "Maputo", "Lilongwe", "Blantyre", "Gaborone", "Windhoek", "Pretoria",
-    "Port Elizabeth", "Bloemfontein", "Antananarivo", "Port Louis", "Luanda", "Kinshasa",
-    "Brazzaville", "Libreville", "Yaounde", "Douala", "Kano", "Ibadan", "Abidjan", "Lome",
-    "Cotonou", "Ouagadougou", "Bamako", "Niamey", "Nouakchott", "Freetown", "Monrovia", "Conakry",
-    "Banjul", "Fez", "Agadir", "Tripoli", "Benghazi", "Oran",
-    # The Americas
-    "New York", "Los Angeles", "San Francisco", "San Jose", "Philadelphia", "Washington",
-    "Baltimore", "Pittsburgh", "Cleveland", "Detroit", "Minneapolis", "Milwaukee", "St Louis",
-    "Kansas City", "Nashville", "Memphis", "New Orleans", "Orlando", "Tampa", "Charlotte",
-    "Raleigh", "Richmond", "Salt Lake City", "Las Vegas", "Sacramento", "Albuquerque",
-    "Anchorage", "Honolulu", "Indianapolis", "Columbus", "Cincinnati", "Buffalo", "Omaha",
-    "Oklahoma City", "El Paso", "Quebec City", "Edmonton", "Regina", "Victoria", "Guadalajara",
-    "Monterrey", "Puebla", "Tijuana", "Cancun", "Oaxaca", "Merida", "Guatemala City",
-    "San Salvador", "Tegucigalpa", "Managua", "San Juan", "Kingston", "Santo Domingo", "Nassau",
-    "Panama City", "Cali", "Cartagena", "Barranquilla", "Guayaquil", "Cuenca", "La Paz", "Sucre",
-    "Santa Cruz", "Asuncion", "Montevideo", "Mendoza", "Salta", "Valparaiso", "Concepcion",
-    "Antofagasta", "Sao Paulo", "Rio de Janeiro", "Salvador", "Recife", "Fortaleza", "Manaus",
-    "Belem", "Curitiba", "Porto Alegre", "Belo Horizonte", "Brasilia", "Buenos Aires",
-    "Mexico City", "New Delhi", "Georgetown", "Paramaribo",
-    # Oceania
-    "Suva", "Apia", "Port Moresby", "Noumea", "Christchurch", "Dunedin", "Hamilton", "Queenstown",
-    "Gold Coast", "Geelong", "Townsville", "Alice Springs",
 ]
 EVAL_CITIES: list[str] = [
     "Florence", "Valencia", "Bergen", "Gdansk", "Salzburg", "Tampere", "Nagoya", "Sapporo",
     "Pune", "Lucknow", "Cusco", "Rosario", "Calgary", "Halifax", "Portland", "Austin",
-    "Adelaide", "Hobart", "Marrakesh", "Mombasa", "Bologna", "Leipzig", "Utrecht", "Antwerp",
-    "Lausanne", "Bilbao", "Tallinn", "Riga", "Vilnius", "Winnipeg", "Tucson", "Darwin", "Kobe",
-    "Incheon", "Surat", "Medellin", "Arequipa", "Durban", "San Diego", "Da Nang",
+    "Adelaide", "Hobart", "Marrakesh", "Mombasa",
 ]
-
-# Made-up city names (training only): syllables, sometimes a suffix or a second word.
-_ONSETS = ["b", "br", "c", "ch", "d", "dr", "f", "g", "gr", "h", "j", "k", "kr", "l", "m", "n", "p",
-           "pr", "r", "s", "sh", "st", "t", "tr", "v", "w", "z"]
-_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ia", "ai", "ou"]
-_CODAS = ["", "", "", "", "", "n", "r", "l", "s", "m", "nd", "st"]
-_SUFFIXES = ["burg", "ville", "ton", "ford", "port", "stad", "grad", "polis", "heim", "dale", "mouth",
-             "wick", "haven"]
-_PREFIX_WORDS = ["San", "Port", "New", "Saint", "Lake", "Mount", "Fort", "El", "Santa"]
-_SUFFIX_WORDS = ["City", "Bay", "Falls", "Springs", "Harbor"]
-
-
-def synthetic_city(rng) -> str:
-    """A made-up, pronounceable city name such as "Velmaro", "Port Shaidun" or "Krostonville"."""
-    while True:
-        syllables = rng.choice((2, 2, 2, 3, 3)) if rng.random() < 0.7 else rng.choice((1, 2))
-        name = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables))
-        if syllables <= 2 and rng.random() < 0.35:
-            name += rng.choice(_SUFFIXES)
-        if len(name) >= 4:
-            break
-    name = name.capitalize()
-    r = rng.random()
-    if r < 0.08:
-        name = f"{rng.choice(_PREFIX_WORDS)} {name}"
-    elif r < 0.14:
-        name = f"{name} {rng.choice(_SUFFIX_WORDS)}"
-    return name
 
 CONDITIONS: list[str] = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy", "clear", "stormy"]
 

@@ -60,25 +60,16 @@ def prose_text(doc: str) -> str:
 # --------------------------------------------------------------------------------------
 # Tokenizer
 
-CAPITAL_SPACE = r" (?=\p{Lu})"      # a space followed by an upper-case letter: its own pre-token
-
 def train_tokenizer(texts: Iterable[str], vocab_size: int):
     """Byte-level BPE with DeepSeek's special tokens as single, unsplittable entries.
 
     Digits are split one per token (as small models learn arithmetic better that way).
-    A space before a capital letter is a token of its own (``CAPITAL_SPACE``), so a name
-    has the same tokens wherever it stands: "weather in Paris" ends in ``Ġ`` ``Paris``
-    and the tool argument ``{"city": "Paris"}`` holds the same ``Paris`` (with byte-level
-    BPE alone the prompt has ``ĠParis`` and the argument ``Paris``, two unrelated ids, and
-    an unseen name splits into different first pieces), so writing the argument is a plain
-    copy of the prompt's tokens, which a small model can learn for names it never saw.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(CAPITAL_SPACE), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()

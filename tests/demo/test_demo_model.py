@@ -8,7 +8,6 @@ actually predict the main model's tokens (otherwise speculative decoding gains n
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -102,47 +101,6 @@ def test_tokenizer_matches_transformers(tok):
     text = hf_tok.apply_chat_template(PROMPTS[1], add_generation_prompt=True, tokenize=False)
     assert text == tok.apply_chat_template(PROMPTS[1], add_generation_prompt=True)
     assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
-
-
-def test_training_log_meets_targets_including_tool_argument_copy():
-    """The evaluation written at the end of training (training_log.json, also the card's table)
-    meets every target, among them ``tool_args_copy``: tool calls on held-out cities in held-out
-    phrasings carry the city named in the prompt (not a memorised one)."""
-    log = json.loads((MODEL_DIR / "training_log.json").read_text())
-    figures, counts = log["eval"], log.get("counts", {})
-    assert "tool_args_copy" in figures, "training_log.json has no tool_args_copy figure: retrain the demo model"
-    assert counts.get("n_copy", 0) >= 30, counts
-    for name, target in evaluate.TARGETS.items():
-        assert figures[name] >= target, f"{name} {figures[name]:.3f} < {target}"
-    assert figures["tool_args_copy"] >= 0.8
-    card = (MODEL_DIR / "README.md").read_text()
-    assert re.search(r"\|\s*tool_args_copy\s*\|\s*[0-9.]+\s*\|", card), "model card lacks the tool_args_copy row"
-
-
-def _first_call(text: str):
-    from server.text.tool_calls import DeepSeekV3ToolParser
-
-    return evaluate.first_call(DeepSeekV3ToolParser(), text)
-
-
-@pytest.mark.slow                       # greedy generation, a few seconds
-def test_tool_call_arguments_copy_the_city_from_the_prompt(ours, tok):
-    """The issue's request (README's example, a held-out phrasing) and a few held-out cities in
-    held-out phrasings, rendered as the daemon renders them: the call's city is the prompt's."""
-    model, _ = ours
-    eos = tok.token_to_id("<｜end▁of▁sentence｜>")
-    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    prompt = tok.encode(tok.apply_chat_template(ask, tools=[corpus.TOOLS["get_weather"]], add_generation_prompt=True))
-    name, args = _first_call(tok.decode(evaluate.greedy(model, prompt, eos, max_new=64), skip_special_tokens=True))
-    assert (name, args) == ("get_weather", {"city": "Paris"})
-    chats = corpus.copy_prompts(seed=4242, n=6)
-    hits = 0
-    for chat in chats:
-        user = next(m["content"] for m in chat.messages if m["role"] == "user")
-        assert corpus.is_heldout(user) and chat.expect_args["city"] in corpus.F.EVAL_CITIES
-        gen = evaluate.greedy(model, tok.encode(render.render_eval_prompt(chat)), eos, max_new=64)
-        hits += int(_first_call(tok.decode(gen, skip_special_tokens=True)) == (chat.expect_tool, chat.expect_args))
-    assert hits >= 5, f"{hits}/6 held-out city requests copied the city"
 
 
 @pytest.mark.slow                       # held-out generation
