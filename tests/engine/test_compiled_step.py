@@ -69,6 +69,7 @@ def test_daemon_serves_the_compiled_step_and_answers_as_the_uncompiled_one(tmp_p
     from tests.api.daemon_proc import Daemon, make_config
     answers = []
     for compile_env in ("0", "1"):
+        (tmp_path / compile_env).mkdir()
         cfg = make_config(tmp_path / compile_env, DEMO_MODEL,
                           model={"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":1}'})
         d = Daemon(cfg, env={"MTP_SERVE_COMPILE": compile_env}).start(timeout_s=300)
