@@ -98,6 +98,9 @@ class StaticDecoder:
         # experts are few (the demo model: 5/3), never for DeepSeek-V3's 256.
         self.dense_moe = bool(cfg.n_routed_experts) and \
             cfg.n_routed_experts + 1 <= 4 * (cfg.num_experts_per_tok + 1)
+        # Decided once: run_layer asks for every layer of every step.
+        self._kinds = ["dense" if not hasattr(layer.mlp, "gate") else "moe" if self.dense_moe else "half"
+                       for layer in self._layers]
         # (kind, several tokens per sequence) -> compiled graph
         self._graphs: dict[tuple[str, bool], object] = {}
         # The last window's padded metadata and rotary tables: the MTP pass of a static
@@ -114,9 +117,7 @@ class StaticDecoder:
     def kind(self, index: int) -> str:
         """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
         routed MoE eager)."""
-        if not hasattr(self._layers[index].mlp, "gate"):
-            return "dense"
-        return "moe" if self.dense_moe else "half"
+        return self._kinds[index]
 
     def layer_kinds(self) -> dict[str, int]:
         """One layer index per kind this model has."""
@@ -133,7 +134,7 @@ class StaticDecoder:
                    cache: torch.Tensor) -> tuple:
         layer = self._layers[index]
         args = (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm)
-        kind = self.kind(index)
+        kind = self._kinds[index]
         if kind != "half":
             args += (layer.mlp,)
         args += (x, cos, sin, meta.positions, meta.slot_mapping, meta.block_tables, cache)
@@ -144,7 +145,7 @@ class StaticDecoder:
 
     def run_layer(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
                   cache: torch.Tensor) -> torch.Tensor:
-        kind = self.kind(index)
+        kind = self._kinds[index]
         fn = self._graphs.get((kind, meta.query_len > 1)) or self.function(kind)
         out = fn(*self.layer_args(index, x, cos, sin, meta, cache))
         if kind == "half":                     # routed dispatch, eager (reads counts on the host)
