@@ -4,9 +4,14 @@ Unknown top-level fields are kept (``extra="allow"``) and reported by
 ``ignored_fields`` so the route can log them: SDKs forward provider extras through
 ``extra_body`` and refusing them would break clients.  Ranges are checked here; rules
 that depend on the server (MTP, lengths, tools) live in ``serving_common``.
+
+Types are strict (JSON types, no coercion): ``"max_tokens": "3"``, ``"stream": "true"``
+and ``true`` where an integer is expected are refused, so a boolean never becomes a token
+id.  Every integer has a bound, so no client value can overflow in the engine.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -14,10 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from server.api.errors import APIError
 
 _TORCH_LONG = 2 ** 63 - 1
+_INT32 = 2 ** 31 - 1
+# A token id written as ASCII decimal (str.isdigit() also takes "²", which int() refuses).
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Base):
@@ -77,22 +85,23 @@ class SamplingFields(_Base):
     max_tokens: int | None = Field(default=None, ge=1, le=2 ** 31 - 1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=_INT32)   # >= vocab size: no top-k
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={
+        "propertyNames": {"pattern": "^-?[0-9]{1,10}$"}})
     seed: int | None = Field(default=None, ge=-_TORCH_LONG - 1, le=_TORCH_LONG)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=128)
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=128)
     use_beam_search: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=_INT32)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
@@ -102,8 +111,9 @@ class SamplingFields(_Base):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not _TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids in ASCII decimal, "
+                                 f"got {key[:24]!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v

@@ -118,6 +118,10 @@ def build_sampling(req: SamplingFields, *, max_tokens: int, defaults: dict, voca
             raise bad_request(f"stop_token_ids holds {tid}, outside the vocabulary "
                               f"[0, {vocab_size})", "stop_token_ids")
     top_k = _default(req.top_k, defaults, "top_k", -1)
+    # top_k at or above the vocabulary keeps every token: the same as no top-k, and a
+    # value the engine's int64 tensors always hold.
+    if top_k and top_k >= vocab_size:
+        top_k = -1
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min(req.min_tokens, max_tokens),
