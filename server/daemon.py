@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from server.api.app import build_app
+from server.api.auth import ApiKeys
 from server.api.limits import Admission
 from server.api.settings import resolve_relative, settings_from_config
 from server.api.state import ServerState
@@ -150,7 +151,8 @@ class Daemon:
                                  bool(getattr(cfg, "metrics_enabled", True))),
             admission=Admission(settings.max_link_num),
             generation_defaults=dict(getattr(tokenizer, "generation_defaults", {}) or {}),
-            chat_template=chat_template, request_stop=self.request_stop)
+            chat_template=chat_template, request_stop=self.request_stop,
+            api_keys=ApiKeys(tuple(getattr(cfg, "api_keys", ()))))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from server.api.business import add_business_routes
 from server.api.errors import install_error_handlers
 from server.api.management import add_management_routes, add_metrics_route
+from server.api.openapi import business_openapi
 from server.api.state import ServerState
 
 PLANES = ("business", "management", "metrics")
@@ -19,12 +20,16 @@ def build_app(state: ServerState, planes: set[str]) -> FastAPI:
     unknown = planes - set(PLANES)
     if unknown:
         raise ValueError(f"unknown planes {sorted(unknown)}")
-    app = FastAPI(title="mtp-serve " + "+".join(p for p in PLANES if p in planes),
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    title = "mtp-serve " + "+".join(p for p in PLANES if p in planes)
+    # Only the business plane publishes a schema (GET /openapi.json, open like /health).
+    app = FastAPI(title=title, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if "business" in planes else None)
     app.state.server = state
     install_error_handlers(app)
     if "business" in planes:
         add_business_routes(app, state)
+        doc = business_openapi(title, auth=state.api_keys.enabled)
+        app.openapi = lambda: doc          # type: ignore[method-assign]
     if "management" in planes:
         add_management_routes(app, state, with_health="business" not in planes)
     if "metrics" in planes:

@@ -1,7 +1,11 @@
-"""Business plane (ipAddress:port): OpenAI routes and /health."""
+"""Business plane (ipAddress:port): OpenAI routes and /health.
+
+With API keys configured every route but /health needs ``Authorization: Bearer <key>``
+(401 otherwise), checked before a ``maxLinkNum`` slot is taken or the body is read.
+"""
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from starlette.responses import Response
 
 from server.api.body import read_json
@@ -21,6 +25,11 @@ def model_card(state: ServerState) -> dict:
 
 
 def add_business_routes(app: FastAPI, state: ServerState) -> None:
+    def authorized(request: Request) -> None:
+        state.api_keys.check(request)
+
+    auth = [Depends(authorized)]
+
     async def _run(request: Request, handler) -> Response:
         # The ticket is the handler's ``release``: calling it frees every slot it holds
         # (one now, n for a request with n choices), once.
@@ -36,19 +45,19 @@ def add_business_routes(app: FastAPI, state: ServerState) -> None:
             ticket()
             raise
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Response:
         return await _run(request, create_chat_completion)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
         return await _run(request, create_completion)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models() -> Response:
         return json_response({"object": "list", "data": [model_card(state)]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> Response:
         if model_id != state.settings.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model")

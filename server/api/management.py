@@ -4,6 +4,8 @@ Native MindIE endpoints answer errors as {"error": ..., "error_type": ...}.
 /health/timed[-N] runs a one-token dummy inference and waits at most N seconds
 (default 10, N in 1..600): 200 {"status": "healthy"} on success, 500 on timeout or
 failure, 503 with no body while the service is stopping, 404 for an invalid N.
+``/stopService`` changes state: POST only (405 for GET), refused with 403 when a browser
+page of another origin sends it, and with API keys configured it needs one (401).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from server.api.auth import guard_state_change
 from server.api.errors import APIError, error_response
 from server.api.sse import json_response
 from server.api.state import ServerState
@@ -107,8 +110,9 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
             "kv_cache": stats["kv_cache"],
         })
 
-    @app.api_route("/stopService", methods=["GET", "POST"])
-    async def stop_service() -> Response:
+    @app.post("/stopService")
+    async def stop_service(request: Request) -> Response:
+        guard_state_change(request, state.api_keys)
         state.request_stop()
         return json_response({"status": "stopping",
                               "in_flight": state.admission.in_flight})

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from server.api.auth import ApiKeys
 from server.api.limits import Admission
 from server.api.responses import TokenText
 from server.api.settings import ApiSettings
@@ -23,6 +24,7 @@ class ServerState:
     request_stop: Callable[[], None] = lambda: None   # POST /stopService -> daemon drain
     text_of: TokenText = None      # type: ignore[assignment]
     think_end_id: int | None = None
+    api_keys: ApiKeys = field(default_factory=ApiKeys)   # none configured: open
 
     def __post_init__(self) -> None:
         self.text_of = TokenText(self.tokenizer)

@@ -30,6 +30,7 @@ class AppConfig:
     metrics_enabled: bool = True            # $MIES_SERVICE_MONITOR_MODE (default on)
     compile_mode: str = "auto"              # $MTP_SERVE_COMPILE: auto | on | off
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
+    api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY
 
     # ---- sections -------------------------------------------------------------------
     @property
@@ -142,6 +143,7 @@ class AppConfig:
             "asyncScheduling": self.async_scheduling,
             "kvCacheDtype": self.kv_cache_dtype,
             "metricsEnabled": self.metrics_enabled,
+            "apiKeys": len(self.api_keys),
             "warnings": list(self.warnings),
         }
 
@@ -151,6 +153,8 @@ class AppConfig:
         out = self.document.model_dump(mode="json", by_alias=True, exclude_none=True)
         server = out["ServerConfig"]
         server["managementIpAddress"] = self.management_ip
+        if server.get("apiKeys"):               # printed by --check: never the keys themselves
+            server["apiKeys"] = ["<redacted>"] * len(server["apiKeys"])
         for entry in out["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]:
             if entry.get("plugin_params") == {"plugin_type": ""}:
                 del entry["plugin_params"]       # MindIE: no plugin = no key

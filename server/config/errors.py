@@ -159,5 +159,6 @@ def issues_from_validation(err: ValidationError, root_model: type | None = None,
         message = e["msg"]
         if message.startswith("Value error, "):
             message = message[len("Value error, "):]
-        issues.append(ConfigIssue(join_path(loc), e.get("input"), allowed, message))
+        value = "<redacted>" if "apiKeys" in loc else e.get("input")   # never echo a secret
+        issues.append(ConfigIssue(join_path(loc), value, allowed, message))
     return issues

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
 
 from server.config.app import AppConfig
 from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
 from server.config.ignored import ignored_warnings
 from server.config.plugins import decode_plugin_params
 from server.config.rules import check_rules, mc_path, model_options
-from server.config.sections import MindIEConfig
+from server.config.sections import API_KEY_RULE, MindIEConfig, check_api_key
 
 log = logging.getLogger("server.config")
 
@@ -73,6 +74,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     overridden = _apply_env_overrides(raw, env)
     async_on, metrics_on, issues = _env_switches(env)
     compile_mode = _compile_mode(env, issues)
+    env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
     issues += field_issues
@@ -106,7 +108,8 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      checkpoint_model_type=model_type, model_options_key=key,
                      model_options=options, chat_template_path=template,
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
-                     compile_mode=compile_mode)
+                     compile_mode=compile_mode,
+                     api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)))
 
 
 def _decode(data: str | bytes | Mapping[str, Any], where: str | None) -> dict[str, Any]:
@@ -170,6 +173,19 @@ def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
     issues.append(ConfigIssue("$MTP_SERVE_COMPILE", raw, "auto, 1 (on) or 0 (off)",
                               "unrecognised value"))
     return "auto"
+
+
+def _env_api_keys(env: Mapping[str, str], issues: list[ConfigIssue]) -> tuple[str, ...]:
+    """$MTP_SERVE_API_KEY: one key or several, comma-separated (the value is never echoed)."""
+    raw = env.get("MTP_SERVE_API_KEY", "")
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    for i, key in enumerate(keys):
+        try:
+            check_api_key(key)
+        except PydanticCustomError:
+            issues.append(ConfigIssue("$MTP_SERVE_API_KEY", f"<key {i + 1} of {len(keys)}>",
+                                      API_KEY_RULE, "not a usable API key"))
+    return keys
 
 
 def _validate_with_repair(raw: dict[str, Any], where: str | None

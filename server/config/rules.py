@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
 from server.config.sections import (MODEL_NAME_RULE, MindIEConfig, ModelConfig,
-                                    ModelTypeOptions, ServerConfig)
+                                    ModelTypeOptions, ServerConfig, is_all_interfaces)
 
 SV = "ServerConfig"
 MD = "BackendConfig.ModelDeployConfig"
@@ -59,7 +59,7 @@ def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
         yield from _plane_tls_rules(s)
     if not s.allow_all_zero_ip_listening:
         for key, ip in (("ipAddress", s.ip_address), ("managementIpAddress", s.management_ip_address)):
-            if ip in ("0.0.0.0", "::"):
+            if ip is not None and is_all_interfaces(ip):
                 yield ConfigIssue(f"{SV}.{key}", ip, "a specific address, or allowAllZeroIpListening: true",
                                   "listening on all interfaces needs allowAllZeroIpListening: true",
                                   related=(f"{SV}.allowAllZeroIpListening",))

@@ -57,6 +57,31 @@ def _check_ip(value: str) -> str:
     return value
 
 
+API_KEY_RULE = "8-256 printable ASCII characters, no spaces or commas"
+_API_KEY = re.compile(r"[!-+\--~]{8,256}", re.ASCII)
+
+
+def check_api_key(key: str) -> str:
+    """A key must fit an ``Authorization`` header unchanged and not be guessable by size."""
+    if not _API_KEY.fullmatch(key):
+        raise PydanticCustomError("api_key", "an API key must be " + API_KEY_RULE,
+                                  {"allowed": API_KEY_RULE})
+    return key
+
+
+def is_all_interfaces(ip: str) -> bool:
+    """Every spelling of "all interfaces": 0.0.0.0, ::, ::0, 0:0:0:0:0:0:0:0, ::0.0.0.0,
+    ::ffff:0.0.0.0 (a string compare let all but the first two through)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    if addr.is_unspecified:
+        return True
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return mapped is not None and mapped.is_unspecified
+
+
 class HealthCheckConfig(Section):
     npu_usage_threshold: StrictInt = F("npuUsageThreshold", 0, lo=0, hi=100)
 
@@ -69,6 +94,8 @@ class ServerConfig(Section):
     management_port: StrictInt = F("managementPort", 1026, lo=1024, hi=65535)
     metrics_port: StrictInt = F("metricsPort", 1027, lo=1024, hi=65535)
     allow_all_zero_ip_listening: StrictBool = F("allowAllZeroIpListening", False)
+    # Not a MindIE key: bearer keys for the business plane (with $MTP_SERVE_API_KEY).
+    api_keys: tuple[StrictStr, ...] = F("apiKeys", ())
     max_link_num: StrictInt = F("maxLinkNum", 1000, lo=1, hi=4096)
     https_enabled: StrictBool = F("httpsEnabled", True)
     full_text_enabled: StrictBool = F("fullTextEnabled", False)
@@ -121,6 +148,13 @@ class ServerConfig(Section):
     @classmethod
     def _ips(cls, value: str | None) -> str | None:
         return value if value is None else _check_ip(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for key in value:
+            check_api_key(key)
+        return value
 
     @property
     def effective_management_ip(self) -> str:
