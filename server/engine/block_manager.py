@@ -12,12 +12,20 @@ first token of the next block.  A cached block is therefore only reused when tha
 matches too, and then both its main and MTP KV are exact (never dropped, never stale).
 Free blocks that carry a hash stay findable until evicted, least recently freed first;
 free blocks without one are handed out before any cached block is evicted.
+
+Host tier (host_tier.py, optional).  With ``host_prefix`` an evicted cached block is saved
+to the tier under its hash, and ``match_prefix`` continues past the device run into the
+tier: those blocks get fresh device blocks and are loaded back instead of recomputed.
+With ``swap`` the scheduler may swap a preempted sequence's blocks out (``swap_out``) and
+back in on resume (``swap_in``).  Every move is queued here as plain (source,
+destination) pairs that the scheduler puts in the step message (``take_transfers``).
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from server.engine.host_tier import HostTier
 from server.engine.sequence import Sequence
 
 
@@ -30,13 +38,26 @@ class Block:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    block_ids: list[int]
-    hashes: list[int]
-    num_free_hits: int               # matched blocks currently free (leave the free pool on use)
+    block_ids: list[int]             # matched device blocks
+    hashes: list[int]                # every matched block: the device run, then the host run
+    num_free_hits: int               # matched device blocks currently free (leave the free pool on use)
+    host_slots: tuple[int, ...] = ()  # host tier slots of the blocks after the device run
 
     @property
-    def num_blocks(self) -> int:
+    def num_blocks(self) -> int:     # blocks whose KV need not be computed
+        return len(self.hashes)
+
+    @property
+    def num_device_blocks(self) -> int:
         return len(self.block_ids)
+
+
+@dataclass(slots=True)
+class Transfers:
+    """Copies queued for the next step message: (device block, host slot) saves and
+    (host slot, device block) loads."""
+    saves: list[tuple[int, int]]
+    loads: list[tuple[int, int]]
 
 
 def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | None) -> int:
@@ -45,7 +66,8 @@ def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | N
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = False,
-                 hash_next_token: bool = True) -> None:
+                 hash_next_token: bool = True, host: HostTier | None = None,
+                 host_prefix: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -58,7 +80,13 @@ class BlockManager:
         self._cached: dict[int, int] = {}                           # hash -> block id
         # Metrics: prompt tokens looked up / found in the prefix cache.
         self.num_prefix_queries = 0
-        self.num_prefix_hits = 0
+        self.num_prefix_hits = 0                                    # found on the device
+        self.host = host
+        self.host_prefix = host is not None and host_prefix and enable_prefix_cache
+        self.num_host_hits = 0                                      # found in the host tier
+        self.num_blocks_saved = 0                                   # device -> host copies
+        self.num_blocks_loaded = 0                                  # host -> device copies
+        self._transfers = Transfers([], [])
 
     # ---- figures --------------------------------------------------------------------
     @property
@@ -101,16 +129,21 @@ class BlockManager:
         hashes: list[int] = []
         free_hits = 0
         parent = None
+        slots: list[int] = []
         for b in range(num_full):
             h = self._block_hashes(seq.token_ids, b + 1, b, parent)[0]
-            bid = self._cached.get(h)
-            if bid is None:
-                break
-            ids.append(bid)
+            bid = self._cached.get(h) if not slots else None
+            if bid is not None:
+                ids.append(bid)
+                free_hits += self.blocks[bid].ref_count == 0
+            else:                          # the device run ended: the host tier may go on
+                slot = self.host.lookup(h) if self.host_prefix else None
+                if slot is None:
+                    break
+                slots.append(slot)
             hashes.append(h)
-            free_hits += self.blocks[bid].ref_count == 0
             parent = h
-        return PrefixMatch(ids, hashes, free_hits)
+        return PrefixMatch(ids, hashes, free_hits, tuple(slots))
 
     def register_computed(self, seq: Sequence) -> None:
         """Hash the blocks that became fully computed (call after each step)."""
@@ -142,9 +175,26 @@ class BlockManager:
             block = self.blocks[bid]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.host_prefix:       # leaves the device pool: keep it in the host tier
+                    slot = self.host.store(block.block_hash)
+                    if slot is not None:   # (None: the tier holds it already, or is all swap)
+                        self._save(bid, slot)
                 block.block_hash = None
         self.blocks[bid].ref_count = 1
         return bid
+
+    def _save(self, bid: int, slot: int) -> None:
+        self._transfers.saves.append((bid, slot))
+        self.num_blocks_saved += 1
+
+    def _load(self, slot: int, bid: int) -> None:
+        self._transfers.loads.append((slot, bid))
+        self.num_blocks_loaded += 1
+
+    def take_transfers(self) -> Transfers:
+        """The copies queued since the last call (they go into this step's message)."""
+        out, self._transfers = self._transfers, Transfers([], [])
+        return out
 
     def allocate(self, seq: Sequence, match: PrefixMatch, num_slots: int) -> None:
         """Give a waiting ``seq`` the matched prefix blocks plus fresh ones for ``num_slots``."""
@@ -155,13 +205,53 @@ class BlockManager:
                 del self._free_cached[bid]
             block.ref_count += 1
         seq.block_table = list(match.block_ids)
+        host_hashes = match.hashes[match.num_device_blocks:]
+        for h in host_hashes:              # most recently used before any slot is taken
+            self.host.touch(h)
+        for h, slot in zip(host_hashes, match.host_slots):
+            bid = self._take_free()
+            block = self.blocks[bid]
+            block.block_hash = h           # findable at once: the load runs before any read
+            self._cached[h] = bid
+            self._load(slot, bid)
+            seq.block_table.append(bid)
         seq.block_hashes = list(match.hashes)
         seq.num_hashed_blocks = match.num_blocks
         seq.num_computed_tokens = match.num_blocks * self.block_size
         if self.enable_prefix_cache:
             self.num_prefix_queries += seq.num_tokens
-            self.num_prefix_hits += seq.num_computed_tokens
+            self.num_prefix_hits += match.num_device_blocks * self.block_size
+            self.num_host_hits += len(host_hashes) * self.block_size
         self.append_slots(seq, num_slots)
+
+    # ---- swap (preemption through the host tier) ----------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.host is not None and bool(seq.block_table) and \
+            self.host.can_swap(len(seq.block_table))
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Save every block of ``seq`` to swap slots and free them (caller checked room).
+
+        Every block, not only the computed ones: with a step of ``seq`` in flight
+        (asynchronous scheduling) that step writes past ``num_computed_tokens``, and the
+        worker runs these saves after it."""
+        slots = self.host.take_swap(len(seq.block_table))
+        for bid, slot in zip(seq.block_table, slots):
+            self._save(bid, slot)
+        self.free(seq)
+        seq.swap_slots = slots
+
+    def swap_in(self, seq: Sequence, num_slots: int) -> None:
+        """Give a swapped-out ``seq`` fresh blocks, load its saved ones into them and make
+        its computed positions what they were (caller checked room)."""
+        assert not seq.block_table and seq.swap_slots, "swap_in() is for swapped-out sequences"
+        slots, seq.swap_slots = seq.swap_slots, []
+        self.append_slots(seq, max(num_slots, len(slots) * self.block_size))
+        for slot, bid in zip(slots, seq.block_table):
+            self._load(slot, bid)
+        self.host.release_swap(slots)      # read by this step's loads before any reuse
+        seq.num_computed_tokens = seq.swap_num_computed
+        self.register_computed(seq)
 
     def append_slots(self, seq: Sequence, num_slots: int) -> None:
         """Grow ``seq.block_table`` to cover positions ``0..num_slots-1``; caller checked room."""
@@ -172,7 +262,10 @@ class BlockManager:
             seq.block_table.append(self._take_free())
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks; hashed ones stay findable until evicted."""
+        """Release ``seq``'s blocks (and swap slots); hashed ones stay findable until evicted."""
+        if seq.swap_slots:
+            self.host.release_swap(seq.swap_slots)
+            seq.swap_slots = []
         for bid in reversed(seq.block_table):       # tail first: evicted before the prefix
             block = self.blocks[bid]
             block.ref_count -= 1

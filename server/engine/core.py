@@ -23,6 +23,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.executor import InProcessExecutor
+from server.engine.host_tier import HostTier
 from server.engine.worker_process import ProcessExecutor
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.output import OutputProcessor, final_output
@@ -81,17 +82,22 @@ class LLMEngine:
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
         self.executor = _make_executor(model, cfg, k, policy)
         self.worker: Worker | None = self.executor.worker   # None when it lives in another process
-        num_kv_blocks, num_int8, decode_path, compile_s = self.executor.info
+        num_kv_blocks, num_int8, decode_path, compile_s, host_blocks, block_bytes = self.executor.info
         self.runtime = RuntimeInfo(
             num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
             async_scheduling=cfg.async_scheduling, num_kv_blocks=num_kv_blocks,
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
             vocab_size=model.config.vocab_size, num_kv_layers=model.num_kv_layers,
-            num_int8_kv_layers=num_int8, decode_path=decode_path, compile_seconds=compile_s)
+            num_int8_kv_layers=num_int8, decode_path=decode_path, compile_seconds=compile_s,
+            host_kv_blocks=host_blocks, kv_block_bytes=block_bytes,
+            host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
+            swap_preemption=bool(host_blocks) and cfg.swap_preemption)
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
-                                             hash_next_token=k > 0)
+                                             hash_next_token=k > 0,
+                                             host=HostTier(host_blocks) if host_blocks else None,
+                                             host_prefix=cfg.host_cache_prefix)
         self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k,
                                    async_scheduling=cfg.async_scheduling, clock=clock)
         self.output_processor = OutputProcessor(tokenizer)
@@ -202,7 +208,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        if so.num_scheduled or so.finished_request_ids:
+        if so.num_scheduled or so.finished_request_ids or so.has_kv_transfers:
             self._in_flight.append((so, self.executor.execute_model(so)))
         if self._in_flight and (len(self._in_flight) >= self._max_in_flight or not so.num_scheduled):
             done, fut = self._in_flight.popleft()
@@ -251,10 +257,28 @@ class LLMEngine:
         return None if deadline is None else max(0.0, deadline - self.clock())
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
+        self._tier_stats(st)
         """Run ``requests`` to completion on the calling thread (tests, scripts)."""
         outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
         for r in requests:
             self.add_request(r)
+    def _tier_stats(self, st: EngineStats) -> None:
+        """The host tier's figures (all 0 without one)."""
+        b, sched, host = self.blocks, self.scheduler, self.blocks.host
+        st.host_cache_hits = b.num_host_hits
+        st.host_blocks_total = host.num_blocks if host else 0
+        st.host_blocks_used = host.num_used_blocks if host else 0
+        st.host_blocks_cached = host.num_cached_blocks if host else 0
+        st.host_usage = host.usage() if host else 0.0
+        st.kv_blocks_saved = b.num_blocks_saved
+        st.kv_blocks_loaded = b.num_blocks_loaded
+        st.kv_bytes_saved = b.num_blocks_saved * self.runtime.kv_block_bytes
+        st.kv_bytes_loaded = b.num_blocks_loaded * self.runtime.kv_block_bytes
+        st.num_requests_swapped = sched.num_swapped
+        st.num_swapped_out = sched.num_swapped_out
+        st.num_swapped_in = sched.num_swapped_in
+        st.num_preemptions_recomputed = sched.num_recomputed
+
         while self.has_unfinished():
             wait = self.idle_wait_s()
             if wait:

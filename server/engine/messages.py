@@ -11,7 +11,10 @@ Per step the scheduler sends one ``SchedulerOutput``:
     the blocks appended this step travel;
   * ``finished_request_ids``: requests whose per-request state the worker drops first;
   * ``preempted_request_ids``: requests that lost their KV blocks this step (they come
-    back later as new requests, recomputed from their tokens).
+    back later as new requests, recomputed from their tokens, or with their blocks loaded
+    back from the host tier when they were swapped out);
+  * ``kv_saves`` / ``kv_loads``: block copies between the device pool and the host tier
+    (host_tier.py) that the worker runs before the step's forward, in step order.
 
 Placeholders (asynchronous scheduling).  When step n+1 is scheduled before step n's tokens
 reached the host, a cached request carries ``num_output_placeholders = 1 + d``: the most
@@ -64,6 +67,12 @@ class SchedulerOutput:
     cached_requests: tuple[CachedRequestData, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
     preempted_request_ids: tuple[str, ...] = ()   # lost their blocks (they keep their drafts)
+    kv_saves: tuple[tuple[int, int], ...] = ()    # (device block, host slot): copied out first
+    kv_loads: tuple[tuple[int, int], ...] = ()    # (host slot, device block): then copied in
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        return bool(self.kv_saves or self.kv_loads)
 
     @property
     def num_scheduled(self) -> int:

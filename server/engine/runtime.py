@@ -40,6 +40,10 @@ class RuntimeInfo:
     num_int8_kv_layers: int = 0         # cache layers with an int8 latent (kv_cache_dtype / FA3)
     decode_path: str = "eager"          # uniform decode steps: compiled | static | eager (worker.py)
     compile_seconds: float | None = None  # start-up time spent compiling (None: not compiled)
+    host_kv_blocks: int = 0             # host KV tier size (0: no tier; host_tier.py)
+    kv_block_bytes: int = 0             # bytes one block moves between the tiers (every layer)
+    host_cache_prefix: bool = False     # evicted prefix blocks go to the tier
+    swap_preemption: bool = False       # preempted requests swap to it when it has room
 
     @property
     def mtp_enabled(self) -> bool:
@@ -63,6 +67,20 @@ class RuntimeInfo:
     def lookahead_slots(self) -> int:
         return lookahead_slots(self.num_speculative_tokens, self.async_scheduling)
 
+    @property
+    def host_tier_text(self) -> str:
+        if not self.host_kv_blocks:
+            return "off"
+        uses = [u for u, on in (("prefix cache", self.host_cache_prefix),
+                                ("swap", self.swap_preemption)) if on]
+        return f"{self.host_kv_blocks} blocks ({' + '.join(uses) or 'unused'})"
+
+    def host_tier_dict(self) -> dict:
+        return {"enabled": bool(self.host_kv_blocks), "backend": "host" if self.host_kv_blocks else "",
+                "blocks": self.host_kv_blocks, "block_bytes": self.kv_block_bytes,
+                "bytes": self.host_kv_blocks * self.kv_block_bytes,
+                "prefix_cache": self.host_cache_prefix, "swap_preemption": self.swap_preemption}
+
     def describe(self) -> str:
         """One start-up log line."""
         mtp = (f"MTP on, k={self.num_speculative_tokens}"
@@ -72,7 +90,8 @@ class RuntimeInfo:
             mtp += f" (configured k={self.configured_speculative_tokens})"
         return (f"engine runtime: {mtp}; async scheduling {'on' if self.async_scheduling else 'off'}; "
                 f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
-                f"(KV cache {self.kv_cache_dtype}); decode path {self.decode_path}"
+                f"(KV cache {self.kv_cache_dtype}); host KV tier {self.host_tier_text}; "
+                f"decode path {self.decode_path}"
                 + (f" (compiled in {self.compile_seconds:.1f} s)" if self.compile_seconds is not None else "")
                 + "; "
                 f"EOS ids {sorted(self.eos_token_ids)}")
@@ -88,4 +107,5 @@ class RuntimeInfo:
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,
                 "vocab_size": self.vocab_size, "decode_path": self.decode_path,
                 "compile_seconds": (round(self.compile_seconds, 2)
-                                    if self.compile_seconds is not None else None)}
+                                    if self.compile_seconds is not None else None),
+                "host_kv_tier": self.host_tier_dict()}

@@ -17,6 +17,10 @@ the worst case).  Two admission modes keep the engine from ever deadlocking:
     its tokens).  A sequence preempted maxPreemptCount times is re-admitted reserved.
   * reserved (maxPreemptCount == 0, or after the last allowed preemption): admission
     holds back the sequence's worst-case block count, so it always completes.
+A preempted sequence is swapped out instead of recomputed when the host tier
+(host_tier.py, ``EngineConfig.swap_preemption``) has room for its blocks: they are saved
+there and loaded back when it resumes, with its computed positions as they were (its
+drafts stay with the worker's proposer either way); recompute is the fallback.
 Freed blocks may be handed out while a step that still writes them is in flight: the
 worker runs steps in order, so the new owner's step writes them after it.
 """
@@ -63,6 +67,10 @@ class Scheduler:
         self._reserved_outstanding = 0          # blocks promised to reserved sequences
         self._decode_waste_ms = 0.0
         self.num_preemptions = 0
+        self.swap = cfg.swap_preemption and blocks.host is not None
+        self.num_swapped_out = 0                # preemptions that swapped to the host tier
+        self.num_swapped_in = 0                 # resumes that loaded the blocks back
+        self.num_recomputed = 0                 # preemptions that dropped the KV (recompute)
 
     def worst_case_blocks(self, seq: Sequence) -> int:
         n = seq.num_prompt_tokens + seq.max_output_tokens + self.worst_case_extra
@@ -77,6 +85,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.requests[seq.request_id] = seq
+
+    @property
+    def num_swapped(self) -> int:
+        """Waiting sequences whose blocks are in the host tier."""
+        return sum(1 for s in self.waiting if s.swap_slots)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -137,7 +150,13 @@ class Scheduler:
         # random draws, and so its output, do not depend on whether it was preempted.  A
         # step of it still in flight completes; update() appends its tokens.
         self.running.remove(seq)
-        self._release(seq)
+        if self.swap and self.blocks.can_swap_out(seq):
+            seq.swap_num_computed = seq.num_computed_tokens   # update() corrects it if in flight
+            self.blocks.swap_out(seq)
+            self.num_swapped_out += 1
+        else:
+            self._release(seq)
+            self.num_recomputed += 1
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.counters.num_preemptions += 1
@@ -173,8 +192,10 @@ class Scheduler:
         if prefill:
             self._schedule_waiting(new, preempted)
         finished, self._finished_ids = tuple(self._finished_ids), []
+        moves = self.blocks.take_transfers()
         return SchedulerOutput(self._step_id, tuple(new), tuple(cached), finished,
-                               tuple(s.request_id for s in preempted))
+                               tuple(s.request_id for s in preempted),
+                               tuple(moves.saves), tuple(moves.loads))
 
     def _schedule_running(self, cached: list[CachedRequestData], preempted: list[Sequence]) -> None:
         i = 0
@@ -227,15 +248,25 @@ class Scheduler:
             n_new = seq.num_tokens - match.num_blocks * self.blocks.block_size
             if new and num_tokens + n_new > cfg.max_prefill_tokens:
                 break
+            swapped = bool(seq.swap_slots)     # its blocks come back from the host tier instead
+            if swapped:
+                n_new = seq.num_tokens - seq.swap_num_computed
             slots = self._slots_needed(seq)
-            need = self.blocks.blocks_for(slots) - match.num_blocks + match.num_free_hits
+            if swapped:
+                need = max(self.blocks.blocks_for(slots), len(seq.swap_slots))
+            else:
+                need = self.blocks.blocks_for(slots) - match.num_device_blocks + match.num_free_hits
             reserve = cfg.max_preempt_count == 0 or seq.num_preemptions >= cfg.max_preempt_count
             worst = self.worst_case_blocks(seq) if reserve else 0
             extra = max(0, worst - self.blocks.blocks_for(slots))
             if need + extra > self.blocks.num_free_blocks - self._reserved_outstanding:
                 break                          # FCFS: the head waits for room
             self.waiting.popleft()
-            self.blocks.allocate(seq, match, slots)
+            if swapped:
+                self.blocks.swap_in(seq, slots)
+                self.num_swapped_in += 1
+            else:
+                self.blocks.allocate(seq, match, slots)
             if reserve:
                 seq.reserved_blocks = worst
                 self._reserved_outstanding += max(0, worst - len(seq.block_table))
@@ -276,6 +307,8 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_tokens + accepted
             c = seq.counters
             c.num_drafts += bool(n_drafts)
+            elif seq.swap_slots:               # ... or swapped out after this step wrote its KV
+                seq.swap_num_computed = seq.num_tokens + accepted
             c.num_draft_tokens += n_drafts
             c.num_accepted_tokens += accepted if n_drafts else 0
             emitted, reason, stop_reason = self._append(seq, tokens)

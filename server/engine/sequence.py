@@ -48,6 +48,8 @@ class Sequence(TokenView):
     num_hashed_blocks: int = 0        # leading blocks registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)
     reserved_blocks: int = 0          # worst-case block budget when admitted in reserve mode
+    swap_slots: list[int] = field(default_factory=list)   # host tier slots while swapped out
+    swap_num_computed: int = 0        # computed positions its swapped-out blocks hold
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

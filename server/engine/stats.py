@@ -45,6 +45,20 @@ class EngineStats:
     last_step_num_tokens: int = 0        # tokens fed to the main model by the last step
     last_step_batch_size: int = 0
     num_worker_requests: int = 0         # requests with state on the worker (leak check)
+    # host KV tier (host_tier.py); all 0 without one
+    host_blocks_total: int = 0
+    host_blocks_used: int = 0            # cached prefix blocks + swap slots
+    host_blocks_cached: int = 0          # prefix blocks findable there
+    host_usage: float = 0.0              # host_blocks_used / host_blocks_total
+    host_cache_hits: int = 0             # prompt tokens found there (prefix_cache_hits: device)
+    kv_blocks_saved: int = 0             # device -> host block copies
+    kv_blocks_loaded: int = 0            # host -> device block copies
+    kv_bytes_saved: int = 0
+    kv_bytes_loaded: int = 0
+    num_requests_swapped: int = 0        # gauge: waiting requests whose blocks are in the tier
+    num_swapped_out: int = 0             # preemptions that swapped instead of recomputing
+    num_swapped_in: int = 0              # resumes that loaded their blocks back
+    num_preemptions_recomputed: int = 0  # preemptions that dropped the KV (recompute)
 
     @property
     def acceptance_rate(self) -> float:

@@ -20,6 +20,7 @@ import torch
 from server.engine.compile_step import compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
 from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from server.engine.host_pool import HostKVPool
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.mtp import MTPProposer, NoProposer
 from server.engine.request_state import RequestState
@@ -58,6 +59,7 @@ class Worker:
             except Exception as exc:            # noqa: BLE001 - e.g. no C++ compiler on the host
                 log.warning("compiling the static decode step failed (%s: %s); serving it "
                             "uncompiled ($MTP_SERVE_COMPILE=0 skips the attempt)",
+        self.host_pool = self._host_pool(cfg, spec)
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         if k:
             if policy is None:
@@ -78,9 +80,24 @@ class Worker:
             return "eager"
         return "compiled" if self.model.static_decoder.compiled else "static"
 
-    def info(self) -> tuple[int, int, str, float | None]:
-        """What the engine's RuntimeInfo needs from the worker (sent across processes)."""
-        return self.num_kv_blocks, self.num_int8_kv_layers, self.decode_path, self.compile_seconds
+    def info(self) -> tuple[int, int, str, float | None, int, int]:
+        """What the engine's RuntimeInfo needs from the worker (sent across processes): also
+        the host tier's size in blocks and the bytes one block moves."""
+        hp = self.host_pool
+        return (self.num_kv_blocks, self.num_int8_kv_layers, self.decode_path, self.compile_seconds,
+                hp.num_slots if hp else 0, hp.bytes_per_block if hp else 0)
+
+    def _host_pool(self, cfg: EngineConfig, spec: KVCacheSpec) -> HostKVPool | None:
+        """The host tier's memory (cpuMemSize / kvPoolConfig), or None when there is none."""
+        n = cfg.host_cache_blocks
+        if n is None:
+            n = HostKVPool.slots_for(spec.bytes_per_block, cfg.host_cache_gb) if cfg.host_cache_gb > 0 else 0
+        if n <= 0:
+            return None
+        pool = HostKVPool(self.kv_caches, n, self.device, cfg.kv_pool_async_write)
+        log.info("host KV tier: %d blocks (%.1f MiB%s)", n, n * pool.bytes_per_block / (1 << 20),
+                 ", pinned" if pool.cuda else "")
+        return pool
 
     @property
     def policy(self) -> SpecPolicy | None:
@@ -113,6 +130,8 @@ class Worker:
             if st is None:
                 out.failed[cached.request_id] = "the worker holds no state for this request"
                 continue
+        if so.has_kv_transfers:               # before the forward, which reads or reuses them
+            self.host_pool.apply(so.kv_saves, so.kv_loads)
             st.block_table.extend(cached.new_block_ids)
             if st.stopped:                    # an earlier step ended it: nothing to compute
                 out.skipped.append(cached.request_id)

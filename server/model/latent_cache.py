@@ -40,6 +40,10 @@ class LatentCache:
     def read_slots(self, slots: list[int]) -> torch.Tensor:
         return self.data.view(-1, self.data.shape[-1])[slots].float()
 
+    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every stored tensor, block id first (a block moves whole: engine/host_pool.py)."""
+        return (self.data,)
+
 
 class Int8LatentCache:
     """int8 latent + a per-token scale; RoPE part in the model dtype (module docstring)."""
@@ -79,6 +83,10 @@ class Int8LatentCache:
     def read_slots(self, slots: list[int]) -> torch.Tensor:
         lat = self.latent.view(-1, self.latent_dim)[slots].float() * self.scale.view(-1, 1)[slots]
         return torch.cat([lat, self.rope.view(-1, self.rope.shape[-1])[slots].float()], dim=-1)
+
+    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every stored tensor, block id first (a block moves whole: engine/host_pool.py)."""
+        return (self.latent, self.scale, self.rope)
 
 
 CacheLike = torch.Tensor | LatentCache | Int8LatentCache

@@ -1,0 +1,117 @@
+"""The host tier's memory and the block copies between it and the device pool (worker side).
+
+A slot is one byte row holding a whole block: for every cache layer (main layers and the
+MTP layer) every tensor the layer's cache stores per block (float rows; or int8 latent,
+float32 scale and RoPE rows), laid end to end.  So a block moves whole whatever its dtype,
+and one copy per direction crosses the host/device boundary per step.
+
+The engine decides the moves (host_tier.py, block_manager.py); the step message carries
+them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, device block),
+and ``apply`` runs them before the step's forward.  Order inside one step: gather the
+device blocks being saved, gather the host slots being loaded, then write both.  That
+makes a device block that is saved and then reused as a load's destination in the same
+step, or a host slot read by a load and reused by a save, come out right.
+
+On CUDA the host rows are pinned.  Saves go device -> pinned staging -> host rows; with
+``async_write`` (kvPoolConfig.asyncWrite) the last step of that waits until the next
+``apply`` (or ``flush``), so the host does not wait for the copy behind the forward; the
+copy itself is ordered on the compute stream, before the forward reuses the blocks.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+log = logging.getLogger("server.engine")
+GIB = 1 << 30
+
+
+class HostKVPool:
+    def __init__(self, caches: Sequence, num_slots: int, device: torch.device,
+                 async_write: bool = False) -> None:
+        self.device = torch.device(device)
+        self.tensors = [t for c in caches for t in c.block_tensors()]      # each [num_blocks, ...]
+        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.bytes_per_block = sum(self.row_bytes)
+        self.num_slots = num_slots
+        self.cuda = self.device.type == "cuda"
+        self.async_write = async_write and self.cuda
+        # torch.empty: on a CPU the pages are only touched when a slot is first written.
+        self.data = torch.empty(num_slots, self.bytes_per_block, dtype=torch.uint8,
+                                pin_memory=self.cuda)                      # [num_slots, bytes]
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
+        self._load_staging: torch.Tensor | None = None
+        self._load_event: torch.cuda.Event | None = None
+
+    @staticmethod
+    def slots_for(bytes_per_block: int, mem_gb: float) -> int:
+        return int(mem_gb * GIB) // bytes_per_block
+
+    # ---- device side ----------------------------------------------------------------
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """[n, bytes_per_block] uint8 on the device: the blocks ``ids``, every layer."""
+        n = ids.numel()
+        return torch.cat([t.index_select(0, ids).reshape(n, -1).view(torch.uint8)
+                          for t in self.tensors], dim=1)
+
+    def _scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        n = ids.numel()
+        for t, part in zip(self.tensors, rows.split(self.row_bytes, dim=1)):
+            t.index_copy_(0, ids, part.contiguous().view(t.dtype).view(n, *t.shape[1:]))
+
+    # ---- the step's copies ----------------------------------------------------------
+    def apply(self, saves: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]) -> None:
+        self.flush()
+        saved = None
+        if saves:
+            bids = torch.tensor([b for b, _ in saves], dtype=torch.long, device=self.device)
+            save_slots = torch.tensor([s for _, s in saves], dtype=torch.long)
+            saved = self._gather(bids)
+        loaded = None
+        if loads:
+            load_slots = torch.tensor([s for s, _ in loads], dtype=torch.long)
+            load_bids = torch.tensor([b for _, b in loads], dtype=torch.long, device=self.device)
+            loaded = self._read_host(load_slots)
+        if saved is not None:
+            self._write_host(save_slots, saved)
+        if loaded is not None:
+            self._scatter(load_bids, loaded)
+
+    def _read_host(self, slots: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return self.data.index_select(0, slots)
+        n = slots.numel()
+        if self._load_event is not None:          # the previous H2D copy still reads it
+            self._load_event.synchronize()
+        if self._load_staging is None or self._load_staging.shape[0] < n:
+            self._load_staging = torch.empty(n, self.bytes_per_block, dtype=torch.uint8,
+                                             pin_memory=True)
+        staging = self._load_staging[:n]
+        torch.index_select(self.data, 0, slots, out=staging)
+        rows = staging.to(self.device, non_blocking=True)
+        self._load_event = torch.cuda.Event()
+        self._load_event.record()
+        return rows
+
+    def _write_host(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        if not self.cuda:
+            self.data.index_copy_(0, slots, rows)
+            return
+        staging = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        staging.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (slots, staging, event)
+        if not self.async_write:
+            self.flush()
+
+    def flush(self) -> None:
+        """Finish a deferred save (asyncWrite): wait for its copy, then file the rows."""
+        if self._pending is None:
+            return
+        slots, staging, event = self._pending
+        self._pending = None
+        event.synchronize()
+        self.data.index_copy_(0, slots, staging)
