@@ -32,6 +32,12 @@ class EngineConfig:
     adaptive_speculation: bool = True       # pick k in 0..num_speculative_tokens per step (mtp.AdaptiveK)
     enable_prefix_cache: bool = False
     kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (int8 latent + scale)
+    # host KV tier (host_tier.py): cpuMemSize / kvPoolConfig
+    host_cache_gb: float = 0.0              # its size in GiB; 0 = no tier
+    host_cache_blocks: int | None = None    # explicit size in blocks (tests); overrides host_cache_gb
+    host_cache_prefix: bool = False         # evicted prefix-cache blocks go there (kvPoolConfig "host")
+    swap_preemption: bool = False           # preempted requests swap there when it has room
+    kv_pool_async_write: bool = False       # kvPoolConfig.asyncWrite: saves finish after the step (CUDA)
     # execution
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
     async_executor: str = "auto"            # where the worker runs then: process | thread | auto
@@ -57,12 +63,6 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         max_preempt_count=sched.max_preempt_count,
         max_iter_times=sched.max_iter_times,
         max_seq_len=app.max_seq_len,
-    # host KV tier (host_tier.py): cpuMemSize / kvPoolConfig
-    host_cache_gb: float = 0.0              # its size in GiB; 0 = no tier
-    host_cache_blocks: int | None = None    # explicit size in blocks (tests); overrides host_cache_gb
-    host_cache_prefix: bool = False         # evicted prefix-cache blocks go there (kvPoolConfig "host")
-    swap_preemption: bool = False           # preempted requests swap there when it has room
-    kv_pool_async_write: bool = False       # kvPoolConfig.asyncWrite: saves finish after the step (CUDA)
         mem_size_gb=float(app.model_config.npu_mem_size),
         num_speculative_tokens=app.num_speculative_tokens,
         enable_prefix_cache=app.prefix_cache_enabled,

@@ -245,23 +245,11 @@ class LLMEngine:
         st.num_preemptions = self.scheduler.num_preemptions
         st.prefix_cache_queries = self.blocks.num_prefix_queries
         st.prefix_cache_hits = self.blocks.num_prefix_hits
+        self._tier_stats(st)
         st.num_worker_requests = self.executor.num_held_requests
         return EngineStats(**{f: (list(v) if isinstance(v, list) else v)
                               for f, v in ((f, getattr(st, f)) for f in EngineStats.__slots__)})
 
-    def idle_wait_s(self) -> float | None:
-        """Seconds until queued prefills must run (maxQueueDelayMicroseconds), if idle."""
-        if self._in_flight:
-            return None
-        deadline = self.scheduler.next_deadline()
-        return None if deadline is None else max(0.0, deadline - self.clock())
-
-    def generate(self, requests: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
-        self._tier_stats(st)
-        """Run ``requests`` to completion on the calling thread (tests, scripts)."""
-        outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
-        for r in requests:
-            self.add_request(r)
     def _tier_stats(self, st: EngineStats) -> None:
         """The host tier's figures (all 0 without one)."""
         b, sched, host = self.blocks, self.scheduler, self.blocks.host
@@ -279,6 +267,18 @@ class LLMEngine:
         st.num_swapped_in = sched.num_swapped_in
         st.num_preemptions_recomputed = sched.num_recomputed
 
+    def idle_wait_s(self) -> float | None:
+        """Seconds until queued prefills must run (maxQueueDelayMicroseconds), if idle."""
+        if self._in_flight:
+            return None
+        deadline = self.scheduler.next_deadline()
+        return None if deadline is None else max(0.0, deadline - self.clock())
+
+    def generate(self, requests: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
+        """Run ``requests`` to completion on the calling thread (tests, scripts)."""
+        outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
+        for r in requests:
+            self.add_request(r)
         while self.has_unfinished():
             wait = self.idle_wait_s()
             if wait:

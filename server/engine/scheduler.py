@@ -246,11 +246,11 @@ class Scheduler:
                 break                          # freed this step, or its last step is in flight
             match = self.blocks.match_prefix(seq)
             n_new = seq.num_tokens - match.num_blocks * self.blocks.block_size
-            if new and num_tokens + n_new > cfg.max_prefill_tokens:
-                break
             swapped = bool(seq.swap_slots)     # its blocks come back from the host tier instead
             if swapped:
                 n_new = seq.num_tokens - seq.swap_num_computed
+            if new and num_tokens + n_new > cfg.max_prefill_tokens:
+                break
             slots = self._slots_needed(seq)
             if swapped:
                 need = max(self.blocks.blocks_for(slots), len(seq.swap_slots))
@@ -305,10 +305,10 @@ class Scheduler:
             running = seq.status is SequenceStatus.RUNNING
             if running:                        # else preempted while in flight: recomputed
                 seq.num_computed_tokens = seq.num_tokens + accepted
-            c = seq.counters
-            c.num_drafts += bool(n_drafts)
             elif seq.swap_slots:               # ... or swapped out after this step wrote its KV
                 seq.swap_num_computed = seq.num_tokens + accepted
+            c = seq.counters
+            c.num_drafts += bool(n_drafts)
             c.num_draft_tokens += n_drafts
             c.num_accepted_tokens += accepted if n_drafts else 0
             emitted, reason, stop_reason = self._append(seq, tokens)

@@ -19,8 +19,8 @@ import torch
 
 from server.engine.compile_step import compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
-from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from server.engine.host_pool import HostKVPool
+from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.mtp import MTPProposer, NoProposer
 from server.engine.request_state import RequestState
@@ -51,6 +51,7 @@ class Worker:
                                             max_useful_blocks=cfg.max_batch_size * per_seq + 1,
                                             num_blocks=cfg.num_blocks)
         self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
+        self.host_pool = self._host_pool(cfg, spec)
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
         self.compile_seconds: float | None = None
         if should_compile(cfg.compile, self.device, self.static_decode) and not model.static_decoder.compiled:
@@ -59,7 +60,6 @@ class Worker:
             except Exception as exc:            # noqa: BLE001 - e.g. no C++ compiler on the host
                 log.warning("compiling the static decode step failed (%s: %s); serving it "
                             "uncompiled ($MTP_SERVE_COMPILE=0 skips the attempt)",
-        self.host_pool = self._host_pool(cfg, spec)
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         if k:
             if policy is None:
@@ -119,6 +119,8 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
+        if so.has_kv_transfers:               # before the forward, which reads or reuses them
+            self.host_pool.apply(so.kv_saves, so.kv_loads)
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
             self.proposer.drop(rid)
@@ -130,8 +132,6 @@ class Worker:
             if st is None:
                 out.failed[cached.request_id] = "the worker holds no state for this request"
                 continue
-        if so.has_kv_transfers:               # before the forward, which reads or reuses them
-            self.host_pool.apply(so.kv_saves, so.kv_loads)
             st.block_table.extend(cached.new_block_ids)
             if st.stopped:                    # an earlier step ended it: nothing to compute
                 out.skipped.append(cached.request_id)
