@@ -11,6 +11,31 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """The engine's parallel layout (EngineConfig.parallel); world_size 1 = one device."""
+
+    world_size: int = 1
+    moe_tp: int = 1
+    moe_ep: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 1120
+    nnodes: int = 1
+    node_rank: int = 0
+    timeout_s: float = 30.0         # collectives and heartbeats
+    start_timeout_s: float = 300.0  # joining and loading
+    device_ids: tuple[int, ...] = ()  # CUDA devices of this node's ranks (npuDeviceIds)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        n = self.ranks_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     # ScheduleConfig (MindIE names in comments)
     block_size: int = 16                    # cacheBlockSize
@@ -44,8 +69,10 @@ class EngineConfig:
                                             # (auto: a process on CPU, a thread on CUDA)
     static_decode: bool = True              # uniform decode/verify steps on the static path (static_decode.py)
     compile: str = "off"                    # $MTP_SERVE_COMPILE for the daemon: auto | on | off (compile_step.py)
+    tokenizer_dir: str | None = None        # tokenizer.json for grammar masks (grammar.py)
     device: str = "cpu"
     dtype: str | None = None                # None = checkpoint dtype
+    parallel: ParallelConfig = ParallelConfig()  # worldSize > 1: tensor/expert parallel ranks
 
 
 def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
@@ -70,5 +97,6 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         async_scheduling=app.async_scheduling,
         kv_cache_dtype=app.kv_cache_dtype,
         compile=app.compile_mode,
+        tokenizer_dir=str(app.model_weight_path),
     )
     return replace(cfg, **overrides) if overrides else cfg

@@ -52,6 +52,12 @@ def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
 
 def _make_executor(model: Any, cfg: EngineConfig, k: int, policy: SpecPolicy | None):
     """Inline worker (synchronous); a worker process or thread (asynchronous scheduling)."""
+    if cfg.parallel.world_size > 1:
+        from server.engine.parallel_executor import ParallelExecutor
+        if policy is not None:
+            raise EngineError("a speculation policy object cannot be given to a parallel "
+                              "engine: each rank builds its own from the config")
+        return ParallelExecutor(str(model.path), cfg, k)
     kind = cfg.async_executor
     if kind == "auto":
         kind = "thread" if torch.device(cfg.device).type == "cuda" else "process"
@@ -117,6 +123,12 @@ class LLMEngine:
         """The speculation policy the MTP proposer asks for k (None with MTP off, or when
         the worker runs in another process)."""
         return self.worker.policy if self.worker is not None else None
+
+    @property
+    def grammars(self):
+        """The worker's compiled grammars (grammar.GrammarBook), or None when the worker
+        runs in another process (it compiles a grammar there on first sight)."""
+        return self.worker.grammars if self.worker is not None else None
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:

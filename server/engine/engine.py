@@ -50,7 +50,11 @@ class AsyncEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device is not None:
             cfg = dataclasses.replace(cfg, device=device)
-        if model is None:
+        if model is None and cfg.parallel.world_size > 1:
+            # The ranks load their own shards; this process needs only the shapes.
+            from server.model.loader import inspect_checkpoint
+            model = inspect_checkpoint(app_config.model_weight_path)
+        elif model is None:
             from server.model.loader import load_checkpoint
             model, _info = load_checkpoint(app_config.model_weight_path,
                                            dtype=_DTYPES.get(cfg.dtype) if cfg.dtype else None,
@@ -60,7 +64,8 @@ class AsyncEngine:
         if tokenizer is None:
             from server.text.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(app_config.model_weight_path)
-        model.eval()
+        if isinstance(model, torch.nn.Module):
+            model.eval()
         return cls(LLMEngine(model, cfg, tokenizer))
 
     async def start(self) -> None:
@@ -92,6 +97,15 @@ class AsyncEngine:
             self._streams.pop(req.request_id, None)
             if not finished:
                 self.abort(req.request_id)
+
+    async def prepare_grammar(self, grammar: str) -> None:
+        """Compile ``grammar`` on a thread before a request using it is submitted, so the
+        engine thread only copies a compiled matcher (grammar.py); raises GrammarError.
+        A worker in another process (asynchronous scheduling on a CPU) compiles it there
+        on first sight instead, once per grammar."""
+        book = self.engine.grammars
+        if book is not None:
+            await asyncio.to_thread(book.compile, grammar)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from server.engine import grammar as G
 from server.engine.compile_step import compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
 from server.engine.host_pool import HostKVPool
 from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.mtp import MTPProposer, NoProposer
+from server.engine.rank_group import RankGroup, collective_error
 from server.engine.request_state import RequestState
 from server.engine.runner import ModelRunner, StepResult
 from server.engine.runtime import lookahead_slots
@@ -34,8 +36,12 @@ log = logging.getLogger("server.engine")
 
 class Worker:
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
-                 policy: SpecPolicy | None = None) -> None:
+                 policy: SpecPolicy | None = None, group: RankGroup | None = None) -> None:
+        """``group``: the ranks of a tensor/expert-parallel model (rank_group.py); every
+        decision that could differ between ranks (pool size, a step's measured time) is
+        agreed over it, so all ranks run the same steps."""
         self.model = model
+        self.group = group
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
         dtype = next(model.parameters()).dtype
@@ -50,6 +56,8 @@ class Worker:
         self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
                                             max_useful_blocks=cfg.max_batch_size * per_seq + 1,
                                             num_blocks=cfg.num_blocks)
+        if group is not None:
+            self.num_kv_blocks = group.agree_min(self.num_kv_blocks)
         self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
         self.host_pool = self._host_pool(cfg, spec)
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
@@ -70,6 +78,9 @@ class Worker:
             self.proposer = NoProposer()
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
                                   self.static_decode)
+        # Compiled grammars (grammar.py); the API layer compiles into it before submitting
+        # when this worker runs in its process, so the engine thread only copies.
+        self.grammars = G.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}
 
     @property
@@ -125,7 +136,12 @@ class Worker:
             self.requests.pop(rid, None)
             self.proposer.drop(rid)
         for new in so.new_requests:
-            self.requests[new.request_id] = RequestState.from_new(new)
+            st = self.requests[new.request_id] = RequestState.from_new(new)
+            if new.sampling.grammar is not None:
+                try:
+                    st.matcher = self.grammars.matcher(new.sampling.grammar, st.output_token_ids)
+                except G.GrammarError as exc:
+                    out.failed[new.request_id] = str(exc)
         states: list[RequestState] = []
         for cached in so.cached_requests:
             st = self.requests.get(cached.request_id)
@@ -137,7 +153,8 @@ class Worker:
                 out.skipped.append(cached.request_id)
                 continue
             states.append(st)
-        states += [self.requests[new.request_id] for new in so.new_requests]
+        states += [self.requests[new.request_id] for new in so.new_requests
+                   if new.request_id not in out.failed]
         out.num_held_requests = len(self.requests)
         if not states:
             return out
@@ -145,13 +162,17 @@ class Worker:
         t0 = time.perf_counter()
         try:
             done = [(states, self.runner.execute(states))]
-        except Exception:
+        except Exception as exc:
+            if self.group is not None and collective_error(exc):
+                raise                         # the group is broken: no retry can succeed
             log.exception("engine step failed; retrying its %d requests one by one", len(states))
             done = []
             for st in states:
                 try:
                     done.append(([st], self.runner.execute([st])))
                 except Exception as exc:
+                    if self.group is not None and collective_error(exc):
+                        raise
                     out.failed[st.request_id] = f"engine step failed: {exc!r}"
         for group, res in done:
             self._commit(group, res, out)
@@ -160,13 +181,22 @@ class Worker:
         # A clean cost sample for the policy: decode only, every request verified the same k
         # it now drafted (the first step after a switch mixes two k's).
         if res is not None and decode_only and all(d == res.k for d in res.num_drafts):
-            self.proposer.observe_step(len(states), res.k, out.execute_time_s)
+            seconds = out.execute_time_s
+            if self.group is not None and self.proposer.policy is not None:
+                seconds = self.group.agree_max(seconds)
+            self.proposer.observe_step(len(states), res.k, seconds)
         return out
 
     def _commit(self, states: list[RequestState], res: StepResult, out: ModelRunnerOutput) -> None:
         self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
         for st, toks, d, lp in zip(states, res.sampled, res.num_drafts, res.logprobs):
             st.advance(toks)
+            if st.matcher is not None:
+                try:
+                    G.commit(st.matcher, toks, st.stopped)
+                except G.GrammarError as exc:
+                    out.failed[st.request_id] = str(exc)
+                    continue
             out.request_ids.append(st.request_id)
             out.sampled_token_ids.append(toks)
             out.num_drafts.append(d)
@@ -174,3 +204,4 @@ class Worker:
             out.logprobs.append(lp)
         out.num_tokens += res.num_tokens
         out.spec_k = res.k
+        out.prompt_logprobs.update(res.prompt_logprobs)

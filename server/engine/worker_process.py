@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -111,37 +112,62 @@ class StepFuture:
 
 
 class ProcessExecutor:
+    """Drives worker process(es): rank 0 (or the only worker) answers every step through
+    the results pipe; other local ranks (parallel_executor.py) are watched for exit."""
+
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
                  policy: Any = None) -> None:
         ctx = mp.get_context("spawn")
-        requests_rx, self._requests = ctx.Pipe(duplex=False)
-        self._results, results_tx = ctx.Pipe(duplex=False)
+        requests_rx, requests = ctx.Pipe(duplex=False)
+        results, results_tx = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_serve, name="engine-worker", daemon=True,
+                           args=(model, cfg, num_spec_tokens, policy,
+                                 torch.get_num_threads(), logging.getLogger().level,
+                                 requests_rx, results_tx))
+        proc.start()
+        requests_rx.close()
+        results_tx.close()
+        self._attach(requests, results, [proc])
+        self._await_ready("the worker process")
+
+    def _attach(self, requests: Any, results: Any, procs: list) -> None:
+        self._requests, self._results = requests, results
+        self._procs = procs                       # [0] answers; all are watched
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
         self._held = 0
-        self._proc = ctx.Process(target=_serve, name="engine-worker", daemon=True,
-                                 args=(model, cfg, num_spec_tokens, policy,
-                                       torch.get_num_threads(), logging.getLogger().level,
-                                       requests_rx, results_tx))
-        self._proc.start()
-        requests_rx.close()
-        results_tx.close()
+        self.fatal_error: str | None = None       # set once a worker is gone: no recovery
+        self.worker = None                        # no in-process worker to inspect
+
+    def _await_ready(self, what: str) -> None:
         kind, payload = self._get(START_TIMEOUT_S)
         if kind != "ready":
             self.shutdown()
-            raise RuntimeError(f"the worker process failed to start: {payload}")
+            raise RuntimeError(f"{what} failed to start: {payload}")
         self.info = payload
-        self.worker = None                       # no in-process worker to inspect
+
+    def _dead(self) -> str | None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                who = "the worker process" if len(self._procs) == 1 else f"worker rank {rank}"
+                return f"{who} exited with code {proc.exitcode}"
+        return None
 
     def _get(self, timeout: float | None) -> tuple[str, Any]:
         while True:
             try:
                 if self._results.poll(1.0 if timeout is None else min(timeout, 1.0)):
-                    return self._results.recv()
+                    kind, payload = self._results.recv()
+                    if kind == "fatal":
+                        self.fatal_error = payload
+                        return "error", payload
+                    return kind, payload
             except (EOFError, OSError):
                 pass
-            if not self._proc.is_alive():
-                return "error", f"exited with code {self._proc.exitcode}"
+            dead = self._dead()
+            if dead is not None:
+                self.fatal_error = self.fatal_error or dead
+                return "error", self.fatal_error
             if timeout is not None:
                 timeout -= 1.0
                 if timeout <= 0:
@@ -149,15 +175,24 @@ class ProcessExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> StepFuture:
         fut = StepFuture(self)
+        if self.fatal_error is not None:
+            fut._set("error", self.fatal_error)
+            return fut
         with self._lock:
             self._pending.append(fut)
-            self._requests.send(so)
+            try:
+                self._requests.send(so)
+            except OSError:
+                pass                              # the next result read reports who died
         return fut
 
     def _receive_until(self, fut: StepFuture) -> None:
         with self._lock:
             while not fut._done:
                 head = self._pending.pop(0)
+                if self.fatal_error is not None:
+                    head._set("error", self.fatal_error)
+                    continue
                 kind, payload = self._get(None)
                 if kind == "ok":
                     self._held = payload.num_held_requests
@@ -168,12 +203,15 @@ class ProcessExecutor:
         return self._held
 
     def shutdown(self) -> None:
-        if self._proc.is_alive():
+        if self._procs[0].is_alive():
             try:
                 self._requests.send(None)
             except OSError:
                 pass
-            self._proc.join(10.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5.0)
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)

@@ -87,6 +87,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Longest query (tokens per sequence in a step) that still uses the absorbed MLA form.
         self.absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
+        # Attention heads this rank computes (fewer under tensor parallel: parallel.py).
+        self.num_local_heads = config.num_attention_heads
         # Cache layers whose latent the checkpoint quantizes (FA3 / FAKQuant scales present);
         # the engine gives them an int8 latent cache.  Set by the loader.
         self.kv_cache_int8_layers: frozenset[int] = frozenset()
@@ -112,7 +114,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.layers[self.config.num_hidden_layers + layer]  # type: ignore[return-value]
 
     def _plan(self, meta: BatchMetadata) -> AttentionPlan:
-        return build_plan(meta, self.rope, self.config.num_attention_heads, self.absorb_max_query_len)
+        return build_plan(meta, self.rope, self.num_local_heads, self.absorb_max_query_len)
 
     # -- paged path ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata | DecodeMetadata,

@@ -195,6 +195,10 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
+        # Expert parallel (parallel.py): this rank holds experts [expert_offset,
+        # expert_offset + len(experts)); ``combine`` sums the ranks' partial outputs.
+        self.expert_offset = 0
+        self.combine: nn.Module = nn.Identity()
         self._stack_key: tuple | None = None
         self._stack_params: list[nn.Parameter] | None = None
         self._stack: tuple | None = None
@@ -214,25 +218,31 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)                              # [T * k]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k                               # token of each sorted assignment
-        xs = x.index_select(0, token_of)
-        outs = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(self.experts[e](xs[start:start + n]))
-                start += n
-        ys = torch.cat(outs) * weights.reshape(-1)[order, None]   # float32 weighting
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, ys.float())
+        # Sorted by expert, this rank's experts' assignments are one contiguous run.
+        first, num_local = self.expert_offset, len(self.experts)
+        lo = sum(counts[:first])
+        mine = order[lo:lo + sum(counts[first:first + num_local])]
+        token_of = mine // k                                # token of each sorted assignment
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if mine.numel():
+            xs = x.index_select(0, token_of)
+            outs = []
+            start = 0
+            for j, n in enumerate(counts[first:first + num_local]):
+                if n:
+                    outs.append(self.experts[j](xs[start:start + n]))
+                    start += n
+            ys = torch.cat(outs) * weights.reshape(-1)[mine, None]   # float32 weighting
+            out.index_add_(0, token_of, ys.float())
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out.reshape(shape)
+        return self.combine(out).reshape(shape)
 
     @property
     def _macs_per_token_dense(self) -> int:
         e = self.experts[0]
-        return 3 * e.gate_proj.in_features * e.gate_proj.out_features * (self.num_experts + 1)
+        return 3 * e.gate_proj.in_features * e.gate_proj.out_features * (len(self.experts) + 1)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Every expert (shared ones included) on every token in two matmuls; unchosen
@@ -244,13 +254,19 @@ class MoE(nn.Module):
         """
         w_gate_up, w_down, sizes = self._stacked()
         T = x.shape[0]
-        scale = x.new_zeros(T, self.num_experts, dtype=torch.float32).scatter_(1, idx, weights)
+        scale = self.local_scale(weights, idx)               # [T, local experts]
         gu = F.linear(x, w_gate_up)                          # [T, 2 * (E*I + Is)]
         g, u = gu.chunk(2, dim=-1)
         act = F.silu(g) * u                                  # [T, E*I + Is]
-        routed = act[:, :sizes[0]].view(T, self.num_experts, -1)
+        routed = act[:, :sizes[0]].view(T, len(self.experts), -1)
         routed.mul_(scale[:, :, None].to(act.dtype))         # weight before the (linear) down proj
-        return F.linear(act, w_down)                         # [T, H]
+        return self.combine(F.linear(act, w_down))           # [T, H]
+
+    def local_scale(self, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Routing weights [T, k] at expert ids [T, k] -> dense [T, local experts] float32
+        (0 where a token did not choose the expert)."""
+        full = weights.new_zeros(weights.shape[0], self.num_experts).scatter_(1, idx, weights)
+        return full[:, self.expert_offset:self.expert_offset + len(self.experts)]
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """Expert weights concatenated for ``_dense``; rebuilt if any parameter changed

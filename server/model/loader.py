@@ -26,6 +26,7 @@ from torch import nn
 from server.model.config import DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
+from server.model.parallel import ParallelPlan, ShardError, TensorSlice, shard_model
 from server.model.quant import QuantLinear
 from server.model.quant_loader import (QuantConfigError, check_fa_scales, detect, install,
                                       load_layers)
@@ -57,8 +58,12 @@ class ModelInfo:
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu",
-                    int8_backend: str = "auto") -> tuple[DeepseekV3ForCausalLM, ModelInfo]:
+                    int8_backend: str = "auto",
+                    plan: ParallelPlan | None = None) -> tuple[DeepseekV3ForCausalLM, ModelInfo]:
     """Load model weights; dtype None means the checkpoint's ``torch_dtype``.
+
+    ``plan`` (tensor/expert parallel): build and load only that rank's shard, reading each
+    sharded tensor's slice through ``safe_open(...).get_slice`` (parallel.py says which).
 
     ``int8_backend`` (int8 checkpoints): "int_mm" (torch._int_mm), "float" (the same exact
     integer products through a float GEMM) or "auto" (int_mm on CUDA, float on CPU; see
@@ -74,11 +79,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     where = _tensor_index(path)                                  # tensor name -> file name
 
     n = cfg.num_hidden_layers
-    num_mtp = 0
-    while num_mtp < cfg.num_nextn_predict_layers and any(
-        k.startswith(f"model.layers.{n + num_mtp}.") for k in where
-    ):
-        num_mtp += 1
+    num_mtp = _num_mtp_layers(cfg, where)
     if cfg.num_nextn_predict_layers and num_mtp < cfg.num_nextn_predict_layers:
         logger.warning("%s: config has %d MTP layer(s) but the weights hold %d; %s", path,
                        cfg.num_nextn_predict_layers, num_mtp,
@@ -91,6 +92,17 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         spec = detect(path, cfg.extra, linears)
     except QuantConfigError as e:
         raise CheckpointError(str(e)) from e
+    slices: dict[str, TensorSlice] = {}
+    if plan is not None and plan.world_size > 1:
+        if spec is not None:
+            raise CheckpointError(f"{path}: int8-quantized checkpoints ({spec.describe()}) are "
+                                  "served on one device only; tensor/expert parallel needs a "
+                                  "float, bf16 or FP8 checkpoint")
+        try:
+            slices = shard_model(model, plan)
+        except ShardError as e:
+            raise CheckpointError(f"{path}: cannot be split over {plan.world_size} ranks "
+                                  f"(moe_tp {plan.moe_tp}, moe_ep {plan.moe_ep}): {e}") from e
     if spec is not None:
         if int8_backend == "auto":
             int8_backend = "int_mm" if torch.device(device).type == "cuda" else "float"
@@ -106,8 +118,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     errors: list[str] = []
     by_file: dict[str, list[str]] = {}
     for name in expected:
-        if name in where:
-            by_file.setdefault(where[name], []).append(name)
+        src = slices[name].source if name in slices else name
+        if src in where:
+            by_file.setdefault(where[src], []).append(name)
         elif name not in optional:
             errors.append(f"missing tensor {name} (not in {_listing(path)})")
     missing_files = sorted(f for f in by_file if not (path / f).is_file())
@@ -127,11 +140,26 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
             consumed.add(name)
             return handles[file].get_tensor(name)  # type: ignore[attr-defined]
 
+        def get_param(name: str) -> torch.Tensor:
+            """The tensor parameter ``name`` loads: a slice of its source under a plan.
+            FP8 tensors are read whole (their scales cover 128 x 128 blocks), then cut."""
+            sl = slices.get(name)
+            if sl is None:
+                return get(name)
+            file = where[sl.source]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(path / file), framework="pt", device="cpu"))
+            consumed.add(sl.source)
+            part = handles[file].get_slice(sl.source)  # type: ignore[attr-defined]
+            if part.get_dtype() in ("F8_E4M3", "F8_E5M2"):
+                return get(sl.source)
+            return part[sl.index(len(part.get_shape()))]
+
         files = sorted(by_file)
         for i, file in enumerate(files, 1):
             for name in by_file[file]:
                 try:
-                    t = get(name)
+                    t = get_param(name)
                 except Exception as e:  # unreadable tensor data
                     errors.append(f"tensor {name} in {file}: cannot be read ({e})")
                     continue
@@ -141,7 +169,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                                   "quantization_config); refusing to cast it to float")
                     continue
                 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    scale_name = name[: -len("weight")] + "weight_scale_inv"
+                    src = slices[name].source if name in slices else name
+                    scale_name = src[: -len("weight")] + "weight_scale_inv"
                     if scale_name not in where:
                         errors.append(f"tensor {name} in {file} is {t.dtype} but {scale_name} is missing")
                         continue
@@ -151,6 +180,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                         errors.append(f"tensor {scale_name} in {where[scale_name]}: {e}")
                         continue
                     quantized = True
+                    if name in slices:
+                        t = t[slices[name].index(t.dim())]
                 want = tuple(expected[name].shape)
                 if tuple(t.shape) != want:
                     errors.append(f"tensor {name} in {file}: shape {tuple(t.shape)}, expected {want}")
@@ -190,7 +221,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     model.eval()
 
     ignored = [k for k in where if k not in consumed and not k.endswith("weight_scale_inv")]
-    if ignored:
+    if ignored and slices:
+        logger.info("rank %d of %d: %d checkpoint tensor(s) belong to other ranks or are unused",
+                    plan.rank, plan.world_size, len(ignored))
+    elif ignored:
         logger.info("ignored %d checkpoint tensor(s) the model does not use, e.g. %s", len(ignored),
                     ", ".join(sorted(ignored)[:5]))
     if num_mtp == 0:
@@ -204,6 +238,41 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                      path=path, dtype=dtype,
                      quantization=spec.describe() if spec is not None else ("fp8" if quantized else None))
     return model, info
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What the engine's own process needs of a checkpoint whose weights live with the
+    ranks of a parallel group (parallel_executor.py): shapes and the MTP layer count."""
+
+    config: DeepseekConfig
+    num_mtp_layers: int
+    path: Path
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_mtp_layers > 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.config.num_hidden_layers + self.num_mtp_layers
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointSummary:
+    """Read config.json and the tensor index only (no weights)."""
+    path = Path(path)
+    cfg = read_config(path)
+    return CheckpointSummary(cfg, _num_mtp_layers(cfg, _tensor_index(path)), path)
+
+
+def _num_mtp_layers(cfg: DeepseekConfig, where: dict[str, str]) -> int:
+    """MTP layers the config declares and the weights hold (the first missing one ends it)."""
+    n, num_mtp = cfg.num_hidden_layers, 0
+    while num_mtp < cfg.num_nextn_predict_layers and any(
+        k.startswith(f"model.layers.{n + num_mtp}.") for k in where
+    ):
+        num_mtp += 1
+    return num_mtp
 
 
 def read_config(path: str | Path) -> DeepseekConfig:

@@ -57,11 +57,11 @@ def dense_moe(moe, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     host-side weight stacking (the caller passes the stacked weights)."""
     weights, idx = moe.gate(x)
     t = x.shape[0]
-    scale = x.new_zeros(t, moe.num_experts, dtype=torch.float32).scatter_(1, idx, weights)
+    scale = moe.local_scale(weights, idx)                           # [T, local experts]
     g, u = F.linear(x, w_gate_up).chunk(2, dim=-1)
     act = F.silu(g) * u
-    routed = act[:, :num_routed].reshape(t, moe.num_experts, -1) * scale[:, :, None].to(act.dtype)
-    return F.linear(torch.cat([routed.flatten(1), act[:, num_routed:]], dim=1), w_down)
+    routed = act[:, :num_routed].reshape(t, scale.shape[1], -1) * scale[:, :, None].to(act.dtype)
+    return moe.combine(F.linear(torch.cat([routed.flatten(1), act[:, num_routed:]], dim=1), w_down))
 
 
 def attention_half(attn, norm_in, norm_post, x, cos, sin, positions, slots, block_tables, cache):

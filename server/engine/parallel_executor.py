@@ -1,0 +1,197 @@
+"""Tensor/expert-parallel execution: one worker process per rank, rank 0 driving.
+
+The engine (scheduler, output processing) stays in the daemon's process; it talks to
+rank 0 exactly as to the single worker process (worker_process.py: two pipes, results in
+step order).  Rank 0 broadcasts each step message to the group (rank_group.py) and every
+rank executes it on its shard; only rank 0 answers.  Each rank loads its own slices of
+the checkpoint (loader.py with a ParallelPlan), so the daemon never holds the whole model.
+
+This node's ranks are this executor's children; the ranks of other nodes are started by
+``python -m server.node`` there (node.py) with the same ``rank_main``.  Faults: a local
+rank that exits is seen by the executor at once; a remote or hung one by rank 0's next
+collective (heartbeats keep them going while idle).  Either way the executor's
+``fatal_error`` is set, every step in flight and after fails with it, and the engine
+reports the daemon unhealthy (engine.py); there is no silent hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from server.engine.config import EngineConfig
+from server.engine.rank_group import PING, RankFailed, RankGroup, collective_error
+from server.engine.worker_process import ProcessExecutor
+
+log = logging.getLogger("server.engine")
+
+
+def rank_device(cfg: EngineConfig, local_index: int) -> str:
+    """This rank's device: the CPU, or the npuDeviceIds entry of its local index."""
+    if torch.device(cfg.device).type != "cuda":
+        return "cpu"
+    ids = cfg.parallel.device_ids
+    return f"cuda:{ids[local_index] if local_index < len(ids) else local_index}"
+
+
+def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: int,
+              threads: int, log_level: int, requests: Any = None, results: Any = None) -> None:
+    """One rank: join the group, load the shard, then execute broadcast steps until told
+    to stop.  Rank 0 reads the engine's messages from ``requests`` and answers on
+    ``results``; a local follower uses ``results`` once, to report start-up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    par = cfg.parallel
+    device = rank_device(cfg, rank - par.local_ranks.start)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    group: RankGroup | None = None
+    try:
+        group = RankGroup.join(par, rank, "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
+        from server.engine.worker import Worker
+        from server.model.loader import load_checkpoint
+        from server.model.parallel import ParallelPlan
+        plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}.get(cfg.dtype or "")
+        model, _ = load_checkpoint(model_path, dtype=dtype, device=device, plan=plan)
+        group.ready()
+        # Compiled graphs would have to carry the collectives; the static step runs plain.
+        worker = Worker(model, dataclasses.replace(cfg, device=device, compile="off"),
+                        num_spec_tokens, group=group)
+    except BaseException as exc:                 # noqa: BLE001 - reported, then exit
+        message = f"rank {rank}: {exc}" if not str(exc).startswith("rank") else str(exc)
+        log.error("failed to start: %s", message)
+        if group is not None:
+            group.report_failure(message)
+        if results is not None:
+            results.send(("error", f"{message}\n{traceback.format_exc()}"))
+        sys.exit(1)
+    if results is not None:
+        results.send(("ready", worker.info()))
+    code = _drive(group, worker, requests, results) if rank == 0 else _follow(group, worker)
+    group.close()
+    sys.exit(code)
+
+
+def _drive(group: RankGroup, worker: Any, requests: Any, results: Any) -> int:
+    """Rank 0: every engine message goes to the group, then to its own worker."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    parent = os.getppid()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(requests.recv())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=read, name="rank0-reader", daemon=True).start()
+    beat = max(0.2, min(2.0, group.par.timeout_s / 4))
+    with torch.inference_mode():
+        while True:
+            try:
+                so = inbox.get(timeout=beat)
+            except queue.Empty:
+                so = PING
+                if os.getppid() != parent:
+                    so = None
+            try:
+                group.broadcast(so)
+                if so is None:
+                    return 0
+                if so is PING:
+                    continue
+                out = ("ok", worker.execute_model(so))
+            except BaseException as exc:         # noqa: BLE001
+                if collective_error(exc):
+                    results.send(("fatal", f"the rank group failed: {exc}"))
+                    return 1
+                out = ("error", f"{exc!r}\n{traceback.format_exc()}")
+            results.send(out)
+
+
+def _follow(group: RankGroup, worker: Any) -> int:
+    """Other ranks: execute what rank 0 broadcasts; a broken group ends the process."""
+    with torch.inference_mode():
+        while True:
+            try:
+                so = group.broadcast(None)
+                if so is None:
+                    return 0
+                if isinstance(so, str) and so == PING:
+                    continue
+                worker.execute_model(so)
+            except BaseException as exc:         # noqa: BLE001
+                log.error("rank %d leaves the group: %s", group.rank, exc)
+                return 1
+
+
+class ParallelExecutor(ProcessExecutor):
+    """The engine's view of a rank group: ``execute_model`` / ``shutdown`` as for one worker."""
+
+    def __init__(self, model_path: str, cfg: EngineConfig, num_spec_tokens: int) -> None:
+        par = cfg.parallel
+        ctx = mp.get_context("spawn")
+        threads = max(1, torch.get_num_threads() // max(1, par.ranks_per_node))
+        requests_rx, requests = ctx.Pipe(duplex=False)
+        results, results_tx = ctx.Pipe(duplex=False)
+        procs, status = [], []
+        for rank in par.local_ranks:
+            if rank == 0:
+                args = (requests_rx, results_tx)
+            else:
+                rx, tx = ctx.Pipe(duplex=False)
+                status.append((rank, rx))
+                args = (None, tx)
+            proc = ctx.Process(target=rank_main, name=f"engine-rank{rank}", daemon=True,
+                               args=(rank, cfg, model_path, num_spec_tokens, threads,
+                                     logging.getLogger().level) + args)
+            proc.start()
+            procs.append(proc)
+        requests_rx.close()
+        results_tx.close()
+        self._attach(requests, results, procs)
+        self._status = status
+        self._await_ready(f"the rank group ({par.world_size} ranks)")
+
+    def _dead(self) -> str | None:
+        for rank, rx in self._status:            # a follower's own start-up report
+            try:
+                if rx.poll():
+                    kind, payload = rx.recv()
+                    if kind == "error":
+                        return f"worker rank {rank} failed: {payload.splitlines()[0]}"
+            except (EOFError, OSError):
+                pass
+        return super()._dead()
+
+
+def start_node_ranks(cfg: EngineConfig, model_path: str, num_spec_tokens: int) -> list:
+    """Start this node's ranks of a multi-node group (node_rank > 0): they take their steps
+    from rank 0 over the group, so they need no pipe to this process."""
+    ctx = mp.get_context("spawn")
+    threads = max(1, torch.get_num_threads() // max(1, cfg.parallel.ranks_per_node))
+    procs = []
+    for rank in cfg.parallel.local_ranks:
+        proc = ctx.Process(target=rank_main, name=f"engine-rank{rank}",
+                           args=(rank, cfg, model_path, num_spec_tokens, threads,
+                                 logging.getLogger().level))
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+__all__ = ["ParallelExecutor", "RankFailed", "rank_main", "start_node_ranks"]

@@ -1,0 +1,115 @@
+"""The process group of a tensor/expert-parallel model: rendezvous, step broadcast, faults.
+
+Every rank runs the same worker on its shard (model/parallel.py), so every rank must see
+the same step messages in the same order: rank 0 receives them from the engine and
+broadcasts each one to the group (``broadcast_object_list`` over the default group),
+which also carries them across nodes.  While the engine is idle rank 0 broadcasts a
+heartbeat, so a follower blocked on the next message times out only when rank 0 is gone,
+and rank 0 learns of a dead follower at the next collective (gloo reports a closed peer
+at once; a hung one after ``timeout_s``).
+
+Start-up is two store rendezvous with the long start timeout, then collectives with the
+short one: every rank joins (a node started late is still waited for), every rank loads
+its shard (a rank that fails says so under the store key ``failed``, named, so the others
+stop waiting at once instead of timing out).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from server.engine.config import ParallelConfig
+
+log = logging.getLogger("server.engine")
+
+PING = "ping"                   # heartbeat message: nothing to execute
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed (its message names it) or the group cannot be formed."""
+
+
+def collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the group (a peer died or hung), not from one request."""
+    return isinstance(exc, (dist.DistError, RankFailed)) or "gloo" in str(exc).lower()
+
+
+class RankGroup:
+    def __init__(self, par: ParallelConfig, rank: int, store: Any) -> None:
+        self.par = par
+        self.rank = rank
+        self.world_size = par.world_size
+        self.store = store
+
+    @classmethod
+    def join(cls, par: ParallelConfig, rank: int, backend: str) -> "RankGroup":
+        """Rendezvous on rank 0's TCP store, then form the group."""
+        start = dt.timedelta(seconds=par.start_timeout_s)
+        try:
+            store = dist.TCPStore(par.master_addr, par.master_port, par.world_size,
+                                  is_master=rank == 0, timeout=start, wait_for_workers=False)
+        except Exception as exc:
+            raise RankFailed(f"rank {rank}: cannot reach the rendezvous store at "
+                             f"{par.master_addr}:{par.master_port}: {exc}") from exc
+        group = cls(par, rank, store)
+        store.set(f"joined/{rank}", "1")
+        group._wait_all("joined", "join")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=par.world_size,
+                                timeout=dt.timedelta(seconds=par.timeout_s))
+        return group
+
+    def _wait_all(self, key: str, what: str) -> None:
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.par.start_timeout_s
+        while not self.store.check(keys):
+            if self.store.check(["failed"]):
+                raise RankFailed(self.store.get("failed").decode(errors="replace"))
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
+                raise RankFailed(f"rank(s) {missing} did not {what} within "
+                                 f"{self.par.start_timeout_s:g} s")
+            time.sleep(0.05)
+
+    def ready(self) -> None:
+        """This rank has loaded its shard; wait until every rank has."""
+        self.store.set(f"ready/{self.rank}", "1")
+        self._wait_all("ready", "load its shard")
+
+    def report_failure(self, message: str) -> None:
+        """Tell the other ranks (they stop waiting) that this rank cannot start."""
+        try:
+            self.store.set("failed", message)
+        except Exception:           # noqa: BLE001 - the store may be gone with rank 0
+            pass
+
+    # -- agreement ------------------------------------------------------------------------
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` of all ranks (e.g. KV blocks: each rank's free memory)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def agree_max(self, value: float) -> float:
+        """The largest ``value`` of all ranks (a step's time: the policy must see one)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    # -- step messages ----------------------------------------------------------------------
+    def broadcast(self, message: Any) -> Any:
+        """Rank 0 sends ``message``; every rank returns it."""
+        box = [message if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:       # noqa: BLE001 - a broken group cannot be torn down cleanly
+                pass

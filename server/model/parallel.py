@@ -1,0 +1,232 @@
+"""Tensor and expert parallelism: one rank's shard of a DeepSeek-V3 model.
+
+The model is built whole on the meta device, then ``shard_model`` replaces the pieces a
+rank holds only part of (gpt-fast's way: transform the model, do not branch inside it):
+
+* attention (MLA), tensor parallel over all ranks: ``q_proj``/``q_b_proj`` and
+  ``kv_b_proj`` keep this rank's heads (rows), ``o_proj`` keeps the matching input columns
+  and all-reduces its output.  The latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``)
+  and their norms are replicated, so every rank writes the same latent rows: the latent KV
+  cache is replicated per rank (it is shared by all heads, the MLA design; a per-head
+  split does not exist to be made).
+* dense MLP: ``gate_proj``/``up_proj`` keep a slice of the intermediate rows,
+  ``down_proj`` the matching columns and all-reduces.
+* MoE: the router is replicated (every rank routes every token the same way); routed
+  experts are partitioned over ``moe_ep`` groups of ``moe_tp`` ranks, and within a group
+  each expert's intermediate is split ``moe_tp`` ways; the shared experts' intermediate is
+  split over all ranks.  Every rank holds every token (attention is not data parallel),
+  so dispatch needs no collective: a rank runs its experts on the tokens routed to them
+  and one all-reduce of the layer output combines routed and shared partial sums.
+* embedding and ``lm_head`` (the MTP head too): vocabulary-parallel.  A rank looks up
+  only its rows (others give zero, then all-reduce: exact), and computes its vocabulary
+  slice of the logits, then all-gathers them, so every rank holds identical full logits
+  and samples identically with the counter-based sampler.
+
+Rank layout: rank r has attention rank r, expert group ``r // moe_tp`` and expert slice
+``r % moe_tp``.  ``shard_model`` returns, for each sharded parameter, which checkpoint
+tensor and which slice of it the rank loads (loader.py reads only that slice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShardError(ValueError):
+    """The model's shapes do not divide over the requested parallel sizes."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelPlan:
+    """One rank's place in the group.  ``world_size`` = tp (attention and dense layers);
+    ``moe_tp * moe_ep == world_size``."""
+
+    world_size: int = 1
+    rank: int = 0
+    moe_tp: int = 1
+    moe_ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.moe_tp * self.moe_ep != self.world_size:
+            raise ShardError(f"moe_tp ({self.moe_tp}) x moe_ep ({self.moe_ep}) must equal the "
+                             f"world size ({self.world_size})")
+        if not 0 <= self.rank < self.world_size:
+            raise ShardError(f"rank {self.rank} outside [0, {self.world_size})")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """Parameter <- ``source[start:stop]`` along ``dim`` of checkpoint tensor ``source``
+    (dim None: the whole tensor, under another name)."""
+
+    source: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        idx = [slice(None)] * ndim
+        if self.dim is not None:
+            idx[self.dim] = slice(self.start, self.stop)
+        return tuple(idx)
+
+
+# -- layers ----------------------------------------------------------------------------
+class AllReduce(nn.Module):
+    """Sum partial results over the group, in place (the MoE's combine step)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer holding a slice of the input features; output summed over ranks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, start + rows)`` of the embedding; the others look up zero."""
+
+    def __init__(self, rows: int, dim: int, start: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out * mine[..., None].to(out.dtype)
+        dist.all_reduce(out)
+        return out
+
+
+class VocabParallelHead(nn.Module):
+    """This rank's vocabulary slice of the logits, all-gathered into the full row."""
+
+    def __init__(self, rows: int, dim: int, world_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.world_size = world_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        part = F.linear(x, self.weight).contiguous()
+        parts = [torch.empty_like(part) for _ in range(self.world_size)]
+        dist.all_gather(parts, part)
+        return torch.cat(parts, dim=-1)
+
+
+# -- sharding --------------------------------------------------------------------------
+def _split(total: int, ways: int, index: int, what: str) -> tuple[int, int]:
+    if total % ways:
+        raise ShardError(f"{what} ({total}) does not divide by {ways}")
+    size = total // ways
+    return index * size, (index + 1) * size
+
+
+def _meta_linear(cls: type[nn.Linear], in_f: int, out_f: int) -> nn.Linear:
+    with torch.device("meta"):
+        return cls(in_f, out_f, bias=False)
+
+
+def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
+    """Cut the meta-device ``model`` down to rank ``plan.rank``'s shard, in place; return
+    the checkpoint slice each sharded parameter loads (parameters not named load whole)."""
+    if plan.world_size == 1:
+        return {}
+    cfg = model.config
+    tp, r = plan.world_size, plan.rank
+    slices: dict[str, TensorSlice] = {}
+
+    def rows(name: str, a: int, b: int, source: str | None = None) -> None:
+        slices[name] = TensorSlice(source or name, 0, a, b)
+
+    def cols(name: str, a: int, b: int, source: str | None = None) -> None:
+        slices[name] = TensorSlice(source or name, 1, a, b)
+
+    v0, v1 = _split(cfg.vocab_size, tp, r, "vocab_size")
+    emb = model.model.embed_tokens
+    with torch.device("meta"):
+        model.model.embed_tokens = VocabParallelEmbedding(v1 - v0, emb.embedding_dim, v0)
+        model.lm_head = VocabParallelHead(v1 - v0, cfg.hidden_size, tp)
+    rows("model.embed_tokens.weight", v0, v1)
+    rows("lm_head.weight", v0, v1)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    h0, h1 = _split(cfg.num_attention_heads, tp, r, "num_attention_heads")
+    local_heads = h1 - h0
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        attn = layer.self_attn
+        qk, dv = attn.nope_dim + attn.rope_dim, attn.v_dim
+        q_name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
+        q = getattr(attn, q_name)
+        setattr(attn, q_name, _meta_linear(nn.Linear, q.in_features, local_heads * qk))
+        rows(f"{p}.self_attn.{q_name}.weight", h0 * qk, h1 * qk)
+        kvb = attn.kv_b_proj
+        attn.kv_b_proj = _meta_linear(nn.Linear, kvb.in_features, local_heads * (attn.nope_dim + dv))
+        rows(f"{p}.self_attn.kv_b_proj.weight", h0 * (attn.nope_dim + dv), h1 * (attn.nope_dim + dv))
+        attn.o_proj = _meta_linear(RowParallelLinear, local_heads * dv, cfg.hidden_size)
+        cols(f"{p}.self_attn.o_proj.weight", h0 * dv, h1 * dv)
+        attn.num_heads = local_heads
+        if hasattr(layer.mlp, "gate"):
+            _shard_moe(layer.mlp, f"{p}.mlp", plan, rows, cols)
+        else:
+            a, b = _split(layer.mlp.gate_proj.out_features, tp, r, f"{p} intermediate_size")
+            _shard_mlp(layer.mlp, f"{p}.mlp", a, b, rows, cols, RowParallelLinear)
+        head = getattr(layer, "shared_head", None)
+        if head is not None:
+            with torch.device("meta"):
+                head.head = VocabParallelHead(v1 - v0, cfg.hidden_size, tp)
+            rows(f"{p}.shared_head.head.weight", v0, v1)
+    model.num_local_heads = local_heads
+    return slices
+
+
+def _shard_mlp(mlp: nn.Module, prefix: str, a: int, b: int, rows, cols,
+               down_cls: type[nn.Linear] = nn.Linear, source: str | None = None) -> None:
+    """Keep intermediate slice [a, b) of a SwiGLU MLP (``source``: its checkpoint prefix)."""
+    src = source or prefix
+    h = mlp.gate_proj.in_features
+    mlp.gate_proj = _meta_linear(nn.Linear, h, b - a)
+    mlp.up_proj = _meta_linear(nn.Linear, h, b - a)
+    mlp.down_proj = _meta_linear(down_cls, b - a, h)
+    rows(f"{prefix}.gate_proj.weight", a, b, f"{src}.gate_proj.weight")
+    rows(f"{prefix}.up_proj.weight", a, b, f"{src}.up_proj.weight")
+    cols(f"{prefix}.down_proj.weight", a, b, f"{src}.down_proj.weight")
+
+
+def _shard_moe(moe: nn.Module, prefix: str, plan: ParallelPlan, rows, cols) -> None:
+    e0, e1 = _split(moe.num_experts, plan.moe_ep, plan.ep_rank, f"{prefix} n_routed_experts")
+    inter = moe.experts[0].gate_proj.out_features
+    a, b = _split(inter, plan.moe_tp, plan.moe_tp_rank, f"{prefix} moe_intermediate_size")
+    kept = nn.ModuleList(moe.experts[e] for e in range(e0, e1))
+    for j, e in enumerate(range(e0, e1)):
+        _shard_mlp(kept[j], f"{prefix}.experts.{j}", a, b, rows, cols,
+                   source=f"{prefix}.experts.{e}")
+    moe.experts = kept
+    moe.expert_offset = e0
+    if moe.shared_experts is not None:
+        sa, sb = _split(moe.shared_experts.gate_proj.out_features, plan.world_size, plan.rank,
+                        f"{prefix} shared experts' intermediate size")
+        _shard_mlp(moe.shared_experts, f"{prefix}.shared_experts", sa, sb, rows, cols)
+    moe.combine = AllReduce()
+    moe._stack_params = None
