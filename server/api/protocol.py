@@ -106,6 +106,7 @@ class SamplingFields(_Base):
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)   # vLLM extra
 
     @field_validator("logit_bias")
     @classmethod

@@ -14,6 +14,7 @@ from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
+from server.api.prompt_logprobs import vllm_prompt_logprobs
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
                                   usage)
@@ -65,7 +66,7 @@ class ChatPlan:
         self.sampling = build_sampling(
             req, max_tokens=max_new_tokens(requested, len(self.prompt_ids), s),
             defaults=state.generation_defaults, vocab_size=s.vocab_size,
-            logprobs=req.logprobs, top_logprobs=top)
+            logprobs=req.logprobs, top_logprobs=top, prompt_logprobs=req.prompt_logprobs)
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning, tool_format=self.tool_format,
@@ -229,8 +230,11 @@ async def create_chat_completion(state: ServerState, raw: Any,
 
 async def _complete(plan: ChatPlan, merged: Interleave) -> dict:
     states = [ChoiceState(i) for i in range(len(merged.calls))]
+    prompt_lp = None
     async for i, out in merged:
         st = states[i]
+        if out.prompt_logprobs is not None and prompt_lp is None:
+            prompt_lp = out.prompt_logprobs
         st.token_ids.extend(out.token_ids)
         st.text.append(out.text)
         st.logprobs = merge_logprobs(st.logprobs, chat_logprobs(out.logprobs, plan.state.text_of))
@@ -238,10 +242,13 @@ async def _complete(plan: ChatPlan, merged: Interleave) -> dict:
         failure = engine_failure(out) if out.finished else None
         if failure:
             raise failure
-    return {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
+    body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
             "model": plan.state.settings.model_name,
             "choices": [_choice_body(plan, st) for st in states],
             "system_fingerprint": None, "usage": plan.usage(states)}
+    if plan.req.prompt_logprobs is not None:     # vLLM's extra, once per response
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lp, plan.state.text_of)
+    return body
 
 
 def _choice_body(plan: ChatPlan, st: ChoiceState) -> dict:
@@ -278,8 +285,12 @@ async def _stream(plan: ChatPlan, calls: list[EngineCall], release: Callable[[],
         async for i, out in merged:
             st = states[i]
             if st.last is None:
+                extra_first = {}
+                if out.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                    extra_first["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs,
+                                                                          plan.state.text_of)
                 yield event(plan.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]))
+                                         "logprobs": None, "finish_reason": None}], **extra_first))
             st.last = out
             st.token_ids.extend(out.token_ids)
             failure = engine_failure(out)

@@ -103,7 +103,8 @@ def _default(value: Any, defaults: dict, key: str, fallback: Any) -> Any:
 
 
 def build_sampling(req: SamplingFields, *, max_tokens: int, defaults: dict, vocab_size: int,
-                   logprobs: bool, top_logprobs: int) -> SamplingParams:
+                   logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None,
+                   grammar: str | None = None) -> SamplingParams:
     bias: dict[int, float] | None = None
     if req.logit_bias:
         bias = {}
@@ -142,6 +143,8 @@ def build_sampling(req: SamplingFields, *, max_tokens: int, defaults: dict, voca
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
 
 

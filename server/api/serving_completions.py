@@ -14,6 +14,7 @@ from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
+from server.api.prompt_logprobs import echo_block, join_blocks, vllm_prompt_logprobs
 from server.api.protocol import CompletionRequest
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
 from server.api.serving_common import (build_sampling, fit_prompt, max_new_tokens, new_id,
@@ -68,10 +69,21 @@ class CompletionPlan:
                               f"{len(self.prompts) * self.n} choices; at most {MAX_PROMPTS} "
                               "per request", "n")
         top = req.logprobs
+        # Prompt logprobs: OpenAI's echo + logprobs (top alternatives: logprobs), or vLLM's
+        # prompt_logprobs (top alternatives: its value); the larger count serves both.
+        self.echo_logprobs = req.echo and top is not None
+        wanted = [n for n in (top if self.echo_logprobs else None, req.prompt_logprobs)
+                  if n is not None]
+        prompt_lp = max(wanted) if wanted else None
+        limits = [max_new_tokens(req.max_tokens, len(ids), s) for ids in self.prompts]
+        # max_tokens 0 with prompt logprobs: the engine runs the prefill and one token,
+        # which this layer drops (the engine always emits at least one token).
+        self.prompt_only = prompt_lp is not None and req.max_tokens == 0
         self.samplings = [build_sampling(
-            req, max_tokens=max_new_tokens(req.max_tokens, len(ids), s),
+            req, max_tokens=1 if self.prompt_only else limit,
             defaults=state.generation_defaults, vocab_size=s.vocab_size,
-            logprobs=top is not None, top_logprobs=top or 0) for ids in self.prompts]
+            logprobs=top is not None, top_logprobs=top or 0, prompt_logprobs=prompt_lp)
+            for limit in limits]
         self.echo = [state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
                      for ids in self.prompts]
 
@@ -130,11 +142,22 @@ async def create_completion(state: ServerState, raw: Any,
 
 async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:
     states = [{"text": [plan.echo[plan.prompt_of(k)]], "logprobs": None, "last": None, "n": 0,
-               "cached": 0} for k in range(plan.num_choices)]
+               "cached": 0, "prompt": None, "prompt_lp": None} for k in range(plan.num_choices)]
     async for k, out in merged:
         if out is None:          # max_tokens 0: the echo alone
             continue
         st = states[k]
+        if out.prompt_logprobs is not None:
+            st["prompt_lp"] = out.prompt_logprobs
+            if plan.echo_logprobs:
+                st["prompt"] = echo_block(plan.prompts[plan.prompt_of(k)], out.prompt_logprobs,
+                                          plan.state.text_of)
+        if plan.prompt_only:     # the one token the engine had to make is not the answer
+            st["last"] = out
+            failure = engine_failure(out) if out.finished else None
+            if failure:
+                raise failure
+            continue
         st["text"].append(out.text)
         st["n"] += len(out.token_ids)
         lp = completion_logprobs(out.logprobs, plan.state.text_of)
@@ -151,14 +174,20 @@ async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:
 
 def _choice_body(plan: CompletionPlan, k: int, st: dict) -> dict:
     parts, last = st["logprobs"], st["last"]
-    if parts is not None:   # offsets run over the returned text
+    if st["prompt"] is not None:      # echo + logprobs: the prompt tokens lead
+        parts = join_blocks(st["prompt"], parts)
+    elif parts is not None:   # offsets run over the returned text
         offsets, pos = [], len(plan.echo[plan.prompt_of(k)])
         for token in parts["tokens"]:
             offsets.append(pos)
             pos += len(token)
         parts["text_offset"] = offsets
-    return {"index": k, "text": "".join(st["text"]), "logprobs": parts,
-            "finish_reason": finish_reason(last) or "length", "stop_reason": stop_reason(last)}
+    body = {"index": k, "text": "".join(st["text"]), "logprobs": parts,
+            "finish_reason": "length" if plan.prompt_only else (finish_reason(last) or "length"),
+            "stop_reason": None if plan.prompt_only else stop_reason(last)}
+    if plan.req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(st["prompt_lp"], plan.state.text_of)
+    return body
 
 
 async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
@@ -182,15 +211,25 @@ async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
             failure = engine_failure(item)
             if failure:
                 raise failure
-            counts[k] += len(item.token_ids)
             cached[k] = item.counters.cached_tokens
-            full[k] += item.text
-            out_text = full[k] if plan.state.settings.full_text else text + item.text
-            yield event(plan.body([{
-                "index": k, "text": out_text,
-                "logprobs": completion_logprobs(item.logprobs, plan.state.text_of),
-                "finish_reason": finish_reason(item) if item.finished else None,
-                "stop_reason": stop_reason(item) if item.finished else None}]))
+            lp = None if plan.prompt_only else completion_logprobs(item.logprobs, plan.state.text_of)
+            if item.prompt_logprobs is not None and plan.echo_logprobs:
+                lp = join_blocks(echo_block(plan.prompts[plan.prompt_of(k)], item.prompt_logprobs,
+                                            plan.state.text_of), lp)
+            if not plan.prompt_only:
+                counts[k] += len(item.token_ids)
+                full[k] += item.text
+                text += item.text
+            out_text = full[k] if plan.state.settings.full_text else text
+            choice = {
+                "index": k, "text": out_text, "logprobs": lp,
+                "finish_reason": (("length" if plan.prompt_only else finish_reason(item))
+                                  if item.finished else None),
+                "stop_reason": stop_reason(item) if item.finished and not plan.prompt_only else None}
+            if item.prompt_logprobs is not None and plan.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(item.prompt_logprobs,
+                                                                 plan.state.text_of)
+            yield event(plan.body([choice]))
         if include_usage:
             yield event(plan.body([], usage=plan.usage(counts, cached)))
     except APIError as exc:

@@ -104,3 +104,5 @@ class ModelRunnerOutput:
     spec_k: int = 0                                                    # drafts per sequence chosen
     execute_time_s: float = 0.0
     num_held_requests: int = 0                                         # worker state size after it
+    # request id -> logprobs of its prompt tokens (first entry None), from its first prefill
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)

@@ -51,7 +51,7 @@ class NoProposer:
     def choose_k(self, states) -> int:
         return 0
 
-    def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None):
+    def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None, draft_mask=None):
         return None
 
     def commit(self, states, drafts, k, num_drafts, sampled) -> None:
@@ -132,7 +132,8 @@ class MTPProposer:
 
     def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
                 sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
-                k: int, window: DecodeMetadata | None = None) -> "DraftResult | None":
+                k: int, window: DecodeMetadata | None = None,
+                draft_mask=None) -> "DraftResult | None":
         """Draft k tokens per sequence from the verified positions (module docstring).
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
@@ -145,6 +146,11 @@ class MTPProposer:
         0: they write MTP KV at positions after the last verified one, which no query
         reads before a later pass (this step's chained passes, or the next step's first
         pass) rewrites it.
+
+        ``draft_mask``: (MaskApplier, rows, bitmask), grammar masks for the first draft of
+        constrained requests (grammar.next_masks); chained drafts are not masked (their
+        masks would need the previous draft on the host).  Masking a draft changes only
+        how often it is accepted: q is the masked distribution it was drawn from.
         """
         dev = self.device
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
@@ -189,7 +195,7 @@ class MTPProposer:
                                            st.num_output_tokens + len(toks), prompt, output,
                                            st.stop_ids))
         return propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden, last_rows,
-                       samp, self.vocab_size, chain_meta)
+                       samp, self.vocab_size, chain_meta, draft_mask)
 
     def commit(self, states: list[RequestState], drafts: "DraftResult | None", k: int,
                num_drafts: list[int], sampled: list[list[int]]) -> None:
@@ -217,7 +223,7 @@ class DraftResult:
 def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
             input_ids: torch.Tensor, prev_hidden: torch.Tensor, last_rows: torch.Tensor,
             sampling: list[S.SeqSamplingInput] | None, vocab_size: int,
-            chain_meta) -> DraftResult | None:
+            chain_meta, draft_mask=None) -> DraftResult | None:
     """Run the first MTP pass plus k-1 chained passes; sample one draft per sequence per pass.
 
     first / input_ids / prev_hidden: the first pass (see module docstring).
@@ -243,6 +249,8 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
                 _advance_min_tokens(meta, sampling, c)
             h = model.mtp_forward(ids[-1], h, chain_meta(c), kv_caches, layer=0)
         logits = model.mtp_compute_logits(h, layer=0)
+        if c == 0 and draft_mask is not None:
+            logits = draft_mask[0].apply(logits, draft_mask[1], draft_mask[2])
         if meta is None:
             tok, q = logits.argmax(-1), None
         else:

@@ -130,6 +130,7 @@ class OutputProcessor:
                     seq.first_token_time = now
                 o, hit = self._requests[seq.request_id].process(
                     res.new_token_ids, logprobs.get(seq.request_id), res.finished)
+                o.prompt_logprobs = out.prompt_logprobs.get(seq.request_id)
             except Exception as exc:          # this request only
                 failures.append((seq, f"output processing failed: {exc!r}"))
                 continue

@@ -44,6 +44,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Logprobs of the prompt tokens (vLLM's prompt_logprobs): None = off, n = the chosen
+    # token plus the top n alternatives.  The prefill then computes every prompt position
+    # (no prefix-cache hit for this request: cached positions have no logits).
+    prompt_logprobs: int | None = None
+    # A grammar the output must follow (llguidance's serialised grammar; grammar.py in the
+    # API layer builds it, server/engine/grammar.py applies it as a token mask).
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -99,3 +106,6 @@ class EngineOutput:
     counters: RequestCounters = field(default_factory=RequestCounters)
     error: str | None = None
     first_token_time: float | None = None   # monotonic time the request's first token was emitted
+    # With SamplingParams.prompt_logprobs, on the request's first output: one entry per
+    # prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

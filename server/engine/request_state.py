@@ -8,6 +8,7 @@ the scheduler's view of the same request and never crosses to the worker.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from server.engine.messages import NewRequestData
 from server.engine.protocol import SamplingParams
@@ -27,6 +28,7 @@ class RequestState(TokenView):
     stop_ids: frozenset[int]
     max_output_tokens: int
     stopped: bool = False             # a token-level stop rule ended it (stop_rules.py)
+    matcher: Any = None               # its grammar's llguidance matcher (grammar.py), if any
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":

@@ -14,11 +14,12 @@ changes nothing: the worker commits a step once all of it succeeded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from server.engine import grammar as G
 from server.engine import sampler as S
 from server.engine.verifier import verify
 from server.engine.metadata import build_metadata, expand_rows
@@ -49,6 +50,7 @@ class StepResult:
     k: int                                         # drafts per request for the next step
     drafts: Any                                    # the proposer's DraftResult (or None)
     num_tokens: int                                # tokens fed to the main model
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -64,6 +66,8 @@ class ModelRunner:
         # the static path (DecodeMetadata; server/model/static_decode.py).
         self.static_decode = static_decode
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masks = G.MaskApplier(self.vocab_size, self.device)
+        self.masks_words = (self.vocab_size + 31) // 32
 
     @torch.inference_mode()
     def execute(self, states: list[RequestState], k: int | None = None) -> StepResult:
@@ -88,7 +92,16 @@ class ModelRunner:
         hidden = self.model.forward(w.input_ids, w.meta, self.kv_caches)   # [T, H]
         rows = hidden if w.logits_indices is None else hidden[w.logits_indices]
         logits = self.model.compute_logits(rows)                           # [R, V]
-        tokens, num_acc = self._verify(states, starts, n_new, nd, w, logits)
+        prompt_lp = self._prompt_logprobs(states, starts, w.cu, hidden)
+        # Grammar masks on every verified row (grammar.py); logprobs stay the raw model's.
+        matchers = [s.matcher for s in states]
+        vlogits = logits
+        if any(m is not None for m in matchers):
+            held = w.drafts.tolist()                  # a host copy, constrained steps only
+            rows, bitmask = G.window_masks(matchers, [h[:d] for h, d in zip(held, nd)],
+                                           self.masks_words)
+            vlogits = self.masks.apply(logits, torch.tensor(rows, device=logits.device), bitmask)
+        tokens, num_acc = self._verify(states, starts, n_new, nd, w, vlogits)
         want_lp = [s.sampling.logprobs for s in states]
         lp = None
         if any(want_lp):
@@ -102,9 +115,41 @@ class ModelRunner:
                                   [s.sampling.top_logprobs for s in states])
 
         # ---- drafts for the next step (stay on the device) -----------------------------
+        draft_mask = None
+        if k and any(m is not None for m in matchers):    # the first draft, where cheap
+            rows, bitmask = G.next_masks(matchers, sampled, self.masks_words)
+            draft_mask = (self.masks, torch.tensor(rows, device=self.device), bitmask)
         drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
-                                       window=w.meta if uniform else None)
-        return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1])
+                                       window=w.meta if uniform else None, draft_mask=draft_mask)
+        return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1], prompt_lp)
+
+    def _prompt_logprobs(self, states, starts, cu, hidden) -> dict[str, list[TokenLogprob | None]]:
+        """Logprobs of each prompt token for requests that asked (``prompt_logprobs``), from
+        this step's main forward over their whole prompt: hidden row j predicts token j+1.
+
+        Only a request's first prefill computes them (no output yet, nothing cached: the
+        scheduler skips the prefix cache for such requests); a recompute after preemption
+        does not repeat them.  Raw model logprobs, as vLLM reports them.
+        """
+        out: dict[str, list[TokenLogprob | None]] = {}
+        for i, st in enumerate(states):
+            n_top = st.sampling.prompt_logprobs
+            if n_top is None or starts[i] != 0 or st.num_output_tokens:
+                continue
+            n = st.num_prompt_tokens
+            if n < 2:
+                out[st.request_id] = [None]
+                continue
+            logits = self.model.compute_logits(hidden[cu[i]:cu[i] + n - 1])      # [n-1, V]
+            target = torch.tensor(st.token_ids[1:n], dtype=torch.int64, device=logits.device)
+            chosen, top_ids, top_lp = S.token_logprobs(logits, target, n_top)
+            chosen_l = chosen.tolist()
+            ids_l = top_ids.tolist() if top_ids is not None else None
+            lp_l = top_lp.tolist() if top_lp is not None else None
+            out[st.request_id] = [None] + [
+                TokenLogprob(t, chosen_l[j], list(zip(ids_l[j], lp_l[j])) if ids_l else [])
+                for j, t in enumerate(st.token_ids[1:n])]
+        return out
 
     def _window(self, states, starts, n_new, nd) -> _Window:
         """Main-forward inputs: each request's new tokens, then its drafts.
@@ -225,4 +270,5 @@ def _merge(parts: list[StepResult], order: list[int]) -> StepResult:
                                for d in drafts])[back]
         merged = type(drafts[0])(ids, probs)
     return StepResult(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k, merged,
-                      sum(p.num_tokens for p in parts))
+                      sum(p.num_tokens for p in parts),
+                      {rid: lp for p in parts for rid, lp in p.prompt_logprobs.items()})
