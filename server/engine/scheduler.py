@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import BlockManager, PrefixMatch
 from server.engine.config import EngineConfig
 from server.engine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                     SchedulerOutput)
@@ -244,7 +244,9 @@ class Scheduler:
             seq = self.waiting[0]
             if id(seq) in skip or seq.num_inflight_steps:
                 break                          # freed this step, or its last step is in flight
-            match = self.blocks.match_prefix(seq)
+            # Prompt logprobs need logits at every prompt position: no prefix-cache hit.
+            match = self.blocks.match_prefix(seq) if seq.sampling.prompt_logprobs is None \
+                else PrefixMatch([], [], 0)
             n_new = seq.num_tokens - match.num_blocks * self.blocks.block_size
             swapped = bool(seq.swap_slots)     # its blocks come back from the host tier instead
             if swapped:
