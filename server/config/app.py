@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.config.kv_pool import KvPoolSettings
 from server.config.plugins import MtpSettings, PluginParams
 from server.config.rules import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from server.config.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
@@ -31,6 +32,7 @@ class AppConfig:
     compile_mode: str = "auto"              # $MTP_SERVE_COMPILE: auto | on | off
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
     api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY
+    kv_pool: KvPoolSettings = KvPoolSettings()  # kvPoolConfig + its configPath file
 
     # ---- sections -------------------------------------------------------------------
     @property
@@ -75,6 +77,16 @@ class AppConfig:
     @property
     def prefix_cache_enabled(self) -> bool:
         return self.plugins.prefix_cache
+
+    @property
+    def host_kv_tier_gb(self) -> float:
+        """Host memory for the KV tier: the "host" pool's size (its file, else cpuMemSize),
+        or cpuMemSize as swap space when preemption is on; 0 when neither asks for it."""
+        if self.kv_pool.backend:
+            return self.kv_pool.mem_size_gb or float(self.model_config.cpu_mem_size)
+        if self.schedule.max_preempt_count > 0:
+            return float(self.model_config.cpu_mem_size)
+        return 0.0
 
     @property
     def reasoning_enabled(self) -> bool:
@@ -142,6 +154,8 @@ class AppConfig:
             "modelOptionsKey": self.model_options_key,
             "asyncScheduling": self.async_scheduling,
             "kvCacheDtype": self.kv_cache_dtype,
+            "hostKvTierGB": self.host_kv_tier_gb,
+            "kvPoolBackend": self.kv_pool.backend,
             "metricsEnabled": self.metrics_enabled,
             "apiKeys": len(self.api_keys),
             "warnings": list(self.warnings),

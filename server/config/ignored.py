@@ -5,7 +5,7 @@ nothing must not pass silently: each field below that the file sets to something
 than its default gives one line, ``<JSON path>: <value> is ignored: <why>``, logged at
 start-up and by ``--check`` and kept in ``AppConfig.warnings``.  A field left at its
 default says nothing (the operator asked for nothing).  Fields whose being ignored would
-mislead (parallel sizes, KV pooling, multi-node, per-plane TLS) are refused instead, by
+mislead (parallel sizes, unavailable KV pool backends, multi-node, per-plane TLS) are refused instead, by
 the validators in sections.py and the rules in rules.py; fields that take effect are in
 neither place.  When a field starts to take effect, its entry here goes.
 """
@@ -119,9 +119,6 @@ def ignored_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) ->
     sched = b.schedule
     for i, mc in enumerate(b.model_deploy.model_configs):
         out += _set_fields(mc, mc_path(i), MODEL)
-        if mc.cpu_mem_size > 0 and sched.max_preempt_count > 0:
-            out.append(f"{mc_path(i)}.cpuMemSize: {mc.cpu_mem_size} is ignored: preempted "
-                       "requests are recomputed, not swapped to CPU memory")
         for plugin in mc.plugin_params.plugin_type:
             if plugin in _PLUGINS:
                 out.append(f"{mc_path(i)}.plugin_params.plugin_type: {plugin!r} is ignored: "

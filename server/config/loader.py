@@ -22,6 +22,7 @@ from server.config.app import AppConfig
 from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
 from server.config.ignored import ignored_warnings
 from server.config.plugins import decode_plugin_params
+from server.config.kv_pool import load_pool_settings
 from server.config.rules import check_rules, mc_path, model_options
 from server.config.sections import API_KEY_RULE, MindIEConfig, check_api_key
 
@@ -98,6 +99,13 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                 issues.append(ConfigIssue(f"{mc_path(0)}.models.{key}.chat_template",
                                           options.chat_template, "a readable .jinja file",
                                           f"chat template not found: {template}"))
+    kv_pool, more = load_pool_settings(doc, base, check_files)
+    issues += more
+    if kv_pool.backend and doc.backend.model_deploy.model_configs and not kv_pool.mem_size_gb \
+            and doc.backend.model_deploy.model_configs[0].cpu_mem_size <= 0:
+        issues.append(ConfigIssue(f"{mc_path(0)}.cpuMemSize", 0, "> 0 (or mem_size_gb in "
+                                  "kvPoolConfig.configPath)", "the host KV pool needs a size",
+                                  related=("BackendConfig.kvPoolConfig.backend",)))
     if issues:
         raise ConfigError([_mention_env(i, overridden) for i in issues], where)
 
@@ -108,7 +116,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      checkpoint_model_type=model_type, model_options_key=key,
                      model_options=options, chat_template_path=template,
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
-                     compile_mode=compile_mode,
+                     compile_mode=compile_mode, kv_pool=kv_pool,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)))
 
 

@@ -45,7 +45,27 @@ def check_rules(doc: MindIEConfig, *, async_scheduling: bool = False) -> list[Co
         issues += _model_rules(doc, i, mc, async_scheduling)
         issues += model_options(mc, i)[2]
     issues += _schedule_rules(doc)
+    issues += _kv_pool_rules(doc)
     return issues
+
+
+def _kv_pool_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
+    """kvPoolConfig: the pool is the prefix cache's second level (MindIE: it requires the
+    prefix_cache plugin); its other keys mean nothing without a backend."""
+    pool, kp = doc.backend.kv_pool_config, "BackendConfig.kvPoolConfig"
+    if not pool.backend:
+        for key, value in (("configPath", pool.config_path), ("asyncWrite", pool.async_write)):
+            if value:
+                yield ConfigIssue(f"{kp}.{key}", value, f"unset while {kp}.backend is \"\"",
+                                  "a KV pool setting without a KV pool backend",
+                                  related=(f"{kp}.backend",))
+        return
+    for i, mc in enumerate(doc.backend.model_deploy.model_configs):
+        if not mc.plugin_params.prefix_cache:
+            yield ConfigIssue(f"{kp}.backend", pool.backend,
+                              f"\"\" unless {mc_path(i)}.plugin_params.plugin_type has prefix_cache",
+                              "the KV pool is the prefix cache's second level: enable the "
+                              "prefix_cache plugin", related=(f"{mc_path(i)}.plugin_params",))
 
 
 def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
@@ -162,8 +182,8 @@ def _schedule_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
             if mc.cpu_mem_size <= 0:
                 yield ConfigIssue(f"{mc_path(i)}.cpuMemSize", mc.cpu_mem_size,
                                   "> 0 when maxPreemptCount > 0",
-                                  "MindIE requires CPU memory for preemption (maxPreemptCount > 0); "
-                                  "this server recomputes preempted requests",
+                                  "preemption (maxPreemptCount > 0) needs host memory to swap "
+                                  "preempted requests to, as in MindIE",
                                   related=(f"{SC}.maxPreemptCount",))
     if s.max_n > s.max_batch_size:
         yield ConfigIssue(f"{SC}.maxN", s.max_n, f"[1, maxBatchSize = {s.max_batch_size}]",

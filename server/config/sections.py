@@ -162,17 +162,28 @@ class ServerConfig(Section):
         return self.management_ip_address or self.ip_address
 
 
-class KvPoolConfig(Section):
-    """MindIE's KV cache pool (an external store).  Not implemented: a value is refused."""
-    backend: StrictStr = F("backend", "")
-    config_path: StrictStr = F("configPath", "")
+KV_POOL_BACKENDS = {"host": "this daemon's host-memory pool (engine/host_tier.py)"}
+KV_POOL_RULE = '"" (no KV pool) or "host" (' + KV_POOL_BACKENDS["host"] + ")"
 
-    @field_validator("backend", "config_path")
+
+class KvPoolConfig(Section):
+    """MindIE's KV cache pool: the second cache level behind the device prefix cache.
+
+    ``backend`` "host" is the one pool this daemon has: evicted prefix blocks go to host
+    memory (docs/config.md).  MindIE's external stores (mooncake, memcache, yuanrong)
+    need their own services and client libraries, which this daemon does not link:
+    naming one is refused rather than silently serving without a pool."""
+    backend: StrictStr = F("backend", "")
+    config_path: StrictStr = F("configPath", "", doc="JSON settings of the host pool (kv_pool.py)")
+    async_write: StrictBool = F("asyncWrite", False)
+
+    @field_validator("backend")
     @classmethod
-    def _no_pool(cls, value: str) -> str:
-        if value:
-            raise PydanticCustomError("kv_pool", "KV cache pooling is not implemented",
-                                      {"allowed": '"" (no KV pool)'})
+    def _known_backend(cls, value: str) -> str:
+        if value and value not in KV_POOL_BACKENDS:
+            raise PydanticCustomError(
+                "kv_pool", f"KV cache pooling backend {value!r} is not available here (an "
+                "external store this daemon has no client for)", {"allowed": KV_POOL_RULE})
         return value
 
 
@@ -199,7 +210,7 @@ class ModelConfig(Section):
     model_weight_path: StrictStr | None = F(
         "modelWeightPath", None, doc="relative paths resolve against the config file's folder")
     world_size: StrictInt = F("worldSize", 1, lo=1, hi=U32, doc="MindIE's default is 4; here one device")
-    cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of CPU memory for KV (MindIE's swap space; preemption recomputes here)")
+    cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of host memory for KV: swap space for preemption, and the host pool's default size")
     npu_mem_size: StrictInt = F("npuMemSize", -1, doc="GB for the KV cache; -1 = auto")
     backend_type: Literal["atb", "ms", "torch"] = F("backendType", "torch", doc="MindIE's default is atb")
     trust_remote_code: StrictBool = F("trustRemoteCode", False)

@@ -96,6 +96,10 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         adaptive_speculation=app.mtp.adaptive_speculation if app.mtp else True,
         async_scheduling=app.async_scheduling,
         kv_cache_dtype=app.kv_cache_dtype,
+        host_cache_gb=app.host_kv_tier_gb,
+        host_cache_prefix=bool(app.kv_pool.backend),
+        swap_preemption=sched.max_preempt_count > 0,
+        kv_pool_async_write=app.kv_pool.async_write,
         compile=app.compile_mode,
         tokenizer_dir=str(app.model_weight_path),
     )

@@ -77,7 +77,7 @@ INVALID = [
     ("kv-pool-backend", {"BackendConfig.kvPoolConfig": {"backend": "mooncake", "configPath": ""}},
      "BackendConfig.kvPoolConfig.backend", "KV cache pooling"),
     ("kv-pool-config-path", {"BackendConfig.kvPoolConfig.configPath": "/etc/pool.json"},
-     "BackendConfig.kvPoolConfig.configPath", "KV cache pooling"),
+     "BackendConfig.kvPoolConfig.configPath", "without a KV pool backend"),
     ("management-tls-cert-with-https", {f"{SV}.managementTlsCert": "mgmt.pem"},
      f"{SV}.managementTlsCert", "tlsCert/tlsPk"),
     ("management-tls-pk-pwd-with-https", {f"{SV}.managementTlsPkPwd": "pwd.txt"},

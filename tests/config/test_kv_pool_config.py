@@ -1,0 +1,94 @@
+"""kvPoolConfig and cpuMemSize: the host KV tier they configure, and what is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cfgkit import MC0, edited, minimal, write_weights
+from server.config import ConfigError, parse_config
+from server.engine.config import engine_config_from_app
+
+KP = "BackendConfig.kvPoolConfig"
+SC = "BackendConfig.ScheduleConfig"
+PREFIX = {f"{MC0}.plugin_params": json.dumps({"plugin_type": "mtp,prefix_cache",
+                                               "num_speculative_tokens": 1})}
+
+
+def load(edits: dict, tmp_path):
+    write_weights(tmp_path / "tiny-model")
+    return parse_config(edited(minimal(), edits), base_dir=tmp_path, env={})
+
+
+def issues(edits: dict, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load(edits, tmp_path)
+    return info.value.issues
+
+
+def test_no_pool_and_no_preemption_means_no_tier(tmp_path):
+    cfg = load({f"{MC0}.cpuMemSize": 5}, tmp_path)
+    assert cfg.host_kv_tier_gb == 0 and cfg.warnings == ()
+    ec = engine_config_from_app(cfg)
+    assert (ec.host_cache_gb, ec.host_cache_prefix, ec.swap_preemption) == (0, False, False)
+
+
+def test_preemption_swaps_into_cpu_mem_size(tmp_path):
+    cfg = load({f"{MC0}.cpuMemSize": 3, f"{SC}.maxPreemptCount": 2}, tmp_path)
+    assert cfg.warnings == ()                 # cpuMemSize takes effect: no "ignored" line
+    ec = engine_config_from_app(cfg)
+    assert (ec.host_cache_gb, ec.host_cache_prefix, ec.swap_preemption) == (3.0, False, True)
+
+
+def test_host_backend_is_the_prefix_caches_second_level(tmp_path):
+    cfg = load({**PREFIX, f"{KP}": {"backend": "host", "asyncWrite": True},
+                f"{MC0}.cpuMemSize": 2}, tmp_path)
+    ec = engine_config_from_app(cfg)
+    assert (ec.host_cache_gb, ec.host_cache_prefix, ec.kv_pool_async_write) == (2.0, True, True)
+    assert cfg.derived()["kvPoolBackend"] == "host"
+
+
+def test_config_path_file_sizes_the_pool(tmp_path):
+    (tmp_path / "pool.json").write_text(json.dumps({"mem_size_gb": 0.5}))
+    cfg = load({**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
+                f"{MC0}.cpuMemSize": 0}, tmp_path)
+    assert cfg.host_kv_tier_gb == 0.5
+    assert cfg.kv_pool.config_file == (tmp_path / "pool.json").resolve()
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "memcache", "yuanrong"])
+def test_unavailable_backend_refused_with_path(backend, tmp_path):
+    (issue,) = issues({**PREFIX, f"{KP}": {"backend": backend, "configPath": "m.json"}}, tmp_path)
+    assert issue.path == f"{KP}.backend"
+    assert repr(backend) in issue.message and "not available" in issue.message
+    assert '"host"' in issue.allowed
+
+
+def test_host_backend_needs_prefix_cache(tmp_path):
+    (issue,) = issues({f"{KP}.backend": "host"}, tmp_path)
+    assert issue.path == f"{KP}.backend" and "prefix_cache" in issue.message
+
+
+@pytest.mark.parametrize("key,value", [("configPath", "pool.json"), ("asyncWrite", True)])
+def test_pool_settings_without_backend_refused(key, value, tmp_path):
+    (issue,) = issues({f"{KP}.{key}": value}, tmp_path)
+    assert issue.path == f"{KP}.{key}" and "without a KV pool backend" in issue.message
+
+
+@pytest.mark.parametrize("body,text", [
+    (None, "not readable"),
+    ("{not json", "not JSON"),
+    (json.dumps({"mem_size_gb": -1}), "greater than 0"),
+    (json.dumps({"segment_size": 1}), "no such key"),
+])
+def test_bad_pool_file_refused(body, text, tmp_path):
+    if body is not None:
+        (tmp_path / "pool.json").write_text(body)
+    found = issues({**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"}}, tmp_path)
+    assert len(found) == 1 and found[0].path.startswith(f"{KP}.configPath"), [str(i) for i in found]
+    assert text in str(found[0]), str(found[0])
+
+
+def test_host_pool_needs_a_size(tmp_path):
+    (issue,) = issues({**PREFIX, f"{KP}.backend": "host", f"{MC0}.cpuMemSize": 0}, tmp_path)
+    assert issue.path == f"{MC0}.cpuMemSize" and "size" in issue.message
