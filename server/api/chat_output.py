@@ -6,17 +6,17 @@ One object per choice.  The generated text first goes through the reasoning spli
 the deltas always add up to the full-text parse.  Tool-call text that does not parse
 comes back as content, never as an error.
 
-``forced_prefix`` is text the server appended to the prompt to force a tool call
-(``tool_choice`` required or named): the model continues it, so the parser reads
-prefix + output, and whatever the prefix produces (a call's id and name) goes out with
-the first real delta.
+``forced_prefix`` is text the server appended to the prompt (``</think>`` when a
+grammar constrains the answer of a thinking model): the model continues it, so the
+parser reads prefix + output, and whatever the prefix produces goes out with the first
+real delta.  ``allowed_names``: a parsed call to a function that was not offered is
+dropped, in the full parse and in the stream (later calls are renumbered).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from server.text.reasoning import ReasoningParser
-from server.text.special_tokens import (TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_SEP)
 from server.text.tool_calls import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 
 _PARSERS = {"deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV31ToolParser}
@@ -28,15 +28,6 @@ def normalize_format(name: str | None) -> str:
     return "deepseek_v31" if key in ("deepseekv31", "deepseekv32") else "deepseek_v3"
 
 
-def forced_opening(fmt: str, name: str | None) -> str:
-    """Generated-text prefix that forces a call in the model's own format (None: any name)."""
-    if fmt == "deepseek_v31":
-        head = TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN
-        return head if name is None else head + name + TOOL_SEP
-    head = TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP
-    return head if name is None else head + name + "\n```json\n"
-
-
 @dataclass
 class ParsedMessage:
     reasoning: str | None
@@ -46,10 +37,13 @@ class ParsedMessage:
 
 class ChatOutputParser:
     def __init__(self, *, reasoning: bool, tool_format: str | None,
-                 forced_prefix: str = "", parallel_tool_calls: bool = True) -> None:
+                 forced_prefix: str = "", parallel_tool_calls: bool = True,
+                 allowed_names: frozenset[str] | None = None) -> None:
         self.reasoning = ReasoningParser().stream() if reasoning else None
         self.tools = _PARSERS[normalize_format(tool_format)]().stream() if tool_format else None
         self.parallel = parallel_tool_calls
+        self.allowed = allowed_names
+        self._index: dict[int, int | None] = {}     # parser's call index -> ours (None: dropped)
         self._reasoning_text: list[str] = []
         self._content_text: list[str] = []
         self._pending = self._step(forced_prefix, final=False) if forced_prefix else {}
@@ -69,8 +63,8 @@ class ChatOutputParser:
             if final:
                 parts.append(self.tools.finish())
             content = "".join(p.content for p in parts)
-            calls = [tc for p in parts for tc in p.tool_calls
-                     if self.parallel or tc.get("index", 0) == 0]
+            calls = [tc for tc in (self._renumber(tc) for p in parts for tc in p.tool_calls)
+                     if tc is not None and (self.parallel or tc.get("index", 0) == 0)]
             if calls:
                 out["tool_calls"] = calls
         else:
@@ -79,6 +73,18 @@ class ChatOutputParser:
             out["content"] = content
             self._content_text.append(content)
         return out
+
+    def _renumber(self, tc: dict) -> dict | None:
+        """A streamed call delta with its index among the offered-name calls; None for a
+        call whose name was not offered (its deltas are dropped)."""
+        i = tc.get("index", 0)
+        if i not in self._index:
+            name = (tc.get("function") or {}).get("name")
+            ok = self.allowed is None or name in self.allowed
+            kept = sum(v is not None for v in self._index.values())
+            self._index[i] = kept if ok else None
+        j = self._index[i]
+        return None if j is None else {**tc, "index": j}
 
     def feed(self, delta: str) -> dict:
         """Add generated text; returns a (possibly empty) delta message."""
@@ -98,7 +104,7 @@ class ChatOutputParser:
         if self.tools is not None:
             result = self.tools.result()
             if result.tool_calls:
-                calls = [c.to_openai() for c in result.tool_calls]
+                calls = _offered([c.to_openai() for c in result.tool_calls], self.allowed)
                 if not self.parallel:
                     calls = calls[:1]
                 content = result.content or ""
@@ -119,8 +125,17 @@ def _join(a: dict, b: dict) -> dict:
     return out
 
 
+def _offered(calls: list[dict], allowed: frozenset[str] | None) -> list[dict]:
+    """Calls whose name was offered (a call to an unknown function is dropped: its markup
+    is not shown as content either)."""
+    if allowed is None:
+        return calls
+    return [c for c in calls if c["function"]["name"] in allowed]
+
+
 def parse_full_text(text: str, *, reasoning: bool, tool_format: str | None,
-                    forced_prefix: str = "", parallel_tool_calls: bool = True) -> ParsedMessage:
+                    forced_prefix: str = "", parallel_tool_calls: bool = True,
+                    allowed_names: frozenset[str] | None = None) -> ParsedMessage:
     """Non-streaming parse of a whole output (strict: malformed tool text is content)."""
     text = forced_prefix + text
     thought = None
@@ -131,7 +146,7 @@ def parse_full_text(text: str, *, reasoning: bool, tool_format: str | None,
     if tool_format:
         result = _PARSERS[normalize_format(tool_format)]().extract(text)
         if result.tool_calls:
-            calls = [c.to_openai() for c in result.tool_calls]
+            calls = _offered([c.to_openai() for c in result.tool_calls], allowed_names)
             if not parallel_tool_calls:
                 calls = calls[:1]
             text = result.content or ""

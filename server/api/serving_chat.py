@@ -8,12 +8,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from server.api.chat_output import (ChatOutputParser, forced_opening, normalize_format,
-                                     parse_full_text)
+from server.api.chat_output import ChatOutputParser, normalize_format, parse_full_text
 from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
+from server.api.grammars import (GrammarRequest, prepare_grammar, response_format_grammar,
+                                 tool_call_grammar)
 from server.api.prompt_logprobs import vllm_prompt_logprobs
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
@@ -52,11 +53,20 @@ class ChatPlan:
         tail = prompt.rstrip()
         self.reasoning = s.enable_reasoning and (
             tail.endswith(THINK_START) or bool(kwargs.get("thinking") or kwargs.get("enable_thinking")))
-        self.forced = ""
+        # Structured output: a grammar for a forced tool call or for response_format
+        # (grammars.py).  With thinking on, the server closes the thought first (the
+        # grammar describes the answer), so the reasoning is empty.
+        self.grammar: GrammarRequest | None = None
         if self.tool_format and self.tool_choice in ("required", "named"):
-            # Force the model's own tool-call opening instead of guided decoding.
-            self.forced = (THINK_END if self.reasoning else "") + \
-                forced_opening(self.tool_format, self.named)
+            self.grammar = tool_call_grammar(self.tool_format, req.tools, self.named,
+                                             req.parallel_tool_calls, state.tokenizer.token_to_id)
+        elif req.response_format is not None:
+            self.grammar = response_format_grammar(req.response_format)
+        if self.grammar is not None and req.ignore_eos:
+            raise bad_request("a forced tool call cannot be combined with ignore_eos (a "
+                              "finished grammar allows only the end-of-sequence token)",
+                              "ignore_eos")
+        self.forced = THINK_END if self.grammar is not None and self.reasoning else ""
         ids = state.tokenizer.encode(prompt + self.forced, add_special_tokens=False)
         self.prompt_ids = fit_prompt(ids, s, "messages")
         requested = req.max_completion_tokens or req.max_tokens
@@ -66,12 +76,17 @@ class ChatPlan:
         self.sampling = build_sampling(
             req, max_tokens=max_new_tokens(requested, len(self.prompt_ids), s),
             defaults=state.generation_defaults, vocab_size=s.vocab_size,
-            logprobs=req.logprobs, top_logprobs=top, prompt_logprobs=req.prompt_logprobs)
+            logprobs=req.logprobs, top_logprobs=top, prompt_logprobs=req.prompt_logprobs,
+            grammar=self.grammar.grammar if self.grammar is not None else None)
+        # A parsed call whose name was not offered never reaches the client as a call.
+        offered = {t.function.name for t in req.tools or ()}
+        self.allowed_names = frozenset({self.named} if self.named else offered)
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning, tool_format=self.tool_format,
                                 forced_prefix=self.forced,
-                                parallel_tool_calls=self.req.parallel_tool_calls)
+                                parallel_tool_calls=self.req.parallel_tool_calls,
+                                allowed_names=self.allowed_names)
 
     def engine_request(self, i: int = 0) -> EngineRequest:
         """Choice ``i``'s engine request; with n > 1 ids get ``-i`` and seeds ``seed + i``."""
@@ -206,6 +221,8 @@ async def create_chat_completion(state: ServerState, raw: Any,
     """Validate, plan and run one chat request (``n`` engine requests, one per choice);
     ``release`` frees its admission slots."""
     plan = plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release)
+    if plan.grammar is not None:
+        await prepare_grammar(state.engine, plan.grammar, release)
     req = plan.req
     s = state.settings
     calls = []
@@ -254,7 +271,8 @@ async def _complete(plan: ChatPlan, merged: Interleave) -> dict:
 def _choice_body(plan: ChatPlan, st: ChoiceState) -> dict:
     msg = parse_full_text("".join(st.text), reasoning=plan.reasoning, tool_format=plan.tool_format,
                           forced_prefix=plan.forced,
-                          parallel_tool_calls=plan.req.parallel_tool_calls)
+                          parallel_tool_calls=plan.req.parallel_tool_calls,
+                          allowed_names=plan.allowed_names)
     message: dict = {"role": "assistant", "content": msg.content, "refusal": None,
                      "tool_calls": msg.tool_calls}
     if plan.reasoning:

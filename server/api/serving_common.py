@@ -2,8 +2,8 @@
 
 Every refusal is a 400 (404 for the model) that names the parameter and says what is
 allowed.  MTP rules follow MindIE's endpoint (infer_param.cpp): ``n``/``best_of`` > 1 and
-beam search cannot be used with the mtp plugin; ``response_format`` needs structured
-output, which this server does not implement yet.  Without MTP, ``n`` runs up to
+beam search cannot be used with the mtp plugin.  ``response_format`` and forced tool
+calls are grammars (grammars.py), enforced with MTP on.  Without MTP, ``n`` runs up to
 ``maxN`` (ScheduleConfig) choices, each its own engine request holding its own admission slot.
 """
 from __future__ import annotations
@@ -52,16 +52,9 @@ def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
         what = f"plugin {plugin}" if plugin else "this server"
         raise bad_request(f"beam search cannot be used with {what}; "
                           "set use_beam_search to false", "use_beam_search")
-    rf = req.response_format
-    if rf is not None:
-        rtype = rf.get("type")
-        if rtype in ("json_object", "json_schema", "structural_tag"):
-            raise bad_request(f"response_format type {rtype!r} needs structured output, which "
-                              "this server does not implement yet (MindIE also refuses it "
-                              "with mtp); allowed: 'text'", "response_format")
-        if rtype not in (None, "text"):
-            raise bad_request(f"response_format type {rtype!r} is unknown; allowed: 'text'",
-                              "response_format")
+    if req.response_format is not None and req.ignore_eos:
+        raise bad_request("response_format cannot be combined with ignore_eos (a finished "
+                          "grammar allows only the end-of-sequence token)", "ignore_eos")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:

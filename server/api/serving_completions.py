@@ -14,6 +14,7 @@ from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
+from server.api.grammars import prepare_grammar, response_format_grammar
 from server.api.prompt_logprobs import echo_block, join_blocks, vllm_prompt_logprobs
 from server.api.protocol import CompletionRequest
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
@@ -79,10 +80,12 @@ class CompletionPlan:
         # max_tokens 0 with prompt logprobs: the engine runs the prefill and one token,
         # which this layer drops (the engine always emits at least one token).
         self.prompt_only = prompt_lp is not None and req.max_tokens == 0
+        self.grammar = response_format_grammar(req.response_format)
         self.samplings = [build_sampling(
             req, max_tokens=1 if self.prompt_only else limit,
             defaults=state.generation_defaults, vocab_size=s.vocab_size,
-            logprobs=top is not None, top_logprobs=top or 0, prompt_logprobs=prompt_lp)
+            logprobs=top is not None, top_logprobs=top or 0, prompt_logprobs=prompt_lp,
+            grammar=self.grammar.grammar if self.grammar is not None else None)
             for limit in limits]
         self.echo = [state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
                      for ids in self.prompts]
@@ -114,6 +117,8 @@ async def create_completion(state: ServerState, raw: Any,
                             is_disconnected: Callable[[], Awaitable[bool]],
                             release: Callable[[], None]) -> Response:
     plan = plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release)
+    if plan.grammar is not None:
+        await prepare_grammar(state.engine, plan.grammar, release)
     req = plan.req
     s = state.settings
     calls = []

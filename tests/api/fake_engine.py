@@ -24,8 +24,10 @@ class FakeEngine:
         self.step_delay_s = step_delay_s
         self.aborted: set[str] = set()
         self.requests: list[EngineRequest] = []
+        self.grammars: list[str] = []
         self.running = 0
         self.fail_after: int | None = None     # emit an ERROR output after this many steps
+        self.fatal_error: str | None = None    # the worker group's failure (AsyncEngine)
         self.runtime = RuntimeInfo(num_speculative_tokens, num_speculative_tokens, False, False,
                                    64, 16, frozenset(), 2048)
 
@@ -35,6 +37,10 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+
+    async def prepare_grammar(self, grammar: str) -> None:
+        """The real engine compiles it; the script ignores grammars (it is fixed text)."""
+        self.grammars.append(grammar)
 
     async def submit(self, req: EngineRequest):
         self.requests.append(req)

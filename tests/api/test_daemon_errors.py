@@ -47,11 +47,13 @@ CASES = [
     ("n > 1 under MTP", CHAT, chat(n=2), 400, "n"),
     ("best_of > 1 under MTP", COMP, comp(best_of=3), 400, "best_of"),
     ("beam search under MTP", CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
-    ("json_object response_format", CHAT, chat(response_format={"type": "json_object"}), 400,
-     "response_format"),
-    ("json_schema response_format", CHAT, chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), 400,
-     "response_format"),
+    ("structural_tag response_format", CHAT, chat(response_format={"type": "structural_tag"}),
+     400, "response_format"),
+    ("json_schema without a schema", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format"),
+    ("strict schema with a keyword not enforced", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+            "type": "array", "uniqueItems": True}}}), 400, "response_format"),
     ("tool_choice without tools", CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
     ("named tool not in tools", CHAT, chat(tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "g"}}), 400, "tool_choice"),

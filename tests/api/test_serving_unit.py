@@ -124,10 +124,12 @@ def test_parallel_tool_calls_false_keeps_first(tokenizer):
 
 
 def test_named_tool_choice_forces_the_call(tokenizer):
-    # The prompt ends with the forced opening; the model only writes the arguments.
+    # A grammar forces the call (the prompt gets no opening or fence to repeat); the
+    # script stands for what the grammar lets the model write.
     async def go():
-        client, engine, _ = make_client(tokenizer, '{"city": "Rome"}\n```' + TOOL_CALL_END +
-                                        TOOL_CALLS_END)
+        client, engine, _ = make_client(tokenizer, TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function"
+                                        + TOOL_SEP + 'get_weather\n```json\n{"city": "Rome"}\n```'
+                                        + TOOL_CALL_END + TOOL_CALLS_END)
         r = await client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
@@ -138,7 +140,10 @@ def test_named_tool_choice_forces_the_call(tokenizer):
     assert choice["message"]["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": '{"city": "Rome"}'}
     prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
-    assert prompt.endswith(TOOL_SEP + "get_weather\n```json\n")
+    assert not prompt.rstrip().endswith(("```", TOOL_SEP, "```json"))     # nothing to repeat
+    g = engine.requests[0].sampling.grammar
+    assert g is not None and engine.grammars == [g]
+    assert '"get_weather"' in g and "get_time" not in g     # only the named function
 
 
 def test_malformed_tool_text_is_content(tokenizer):
@@ -315,9 +320,9 @@ def test_sampling_params_from_request_and_generation_defaults(tokenizer):
 
 
 def test_required_tool_choice_streams_the_forced_call(tokenizer):
-    # The prompt ends with "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>";
-    # the model writes the name and arguments.
-    rest = "get_time\n```json\n{\"city\": \"Oslo\"}\n```" + TOOL_CALL_END + TOOL_CALLS_END
+    # A grammar forces the section; the script is what it lets the model write.
+    rest = (TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP +
+            "get_time\n```json\n{\"city\": \"Oslo\"}\n```" + TOOL_CALL_END + TOOL_CALLS_END)
 
     async def go():
         client, engine, _ = make_client(tokenizer, rest)
@@ -327,7 +332,7 @@ def test_required_tool_choice_streams_the_forced_call(tokenizer):
         return r, engine
     r, engine = run(go())
     prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
-    assert prompt.endswith(TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP)
+    assert not prompt.endswith(TOOL_SEP) and engine.requests[0].sampling.grammar is not None
     events = sse_events(r.text)
     calls = [tc for e in events[:-1] for tc in e["choices"][0]["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_time" and calls[0]["type"] == "function"
@@ -391,3 +396,21 @@ def test_close_stream_aborts_a_body_suspended_at_yield(tokenizer):
         return engine, released
     engine, released = run(go())
     assert engine.aborted == {"r1"} and released == [True]
+
+
+def test_a_call_to_a_function_that_was_not_offered_is_dropped(tokenizer):
+    bad = (TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "function" + TOOL_SEP + 'search\n```json\n{"q": 1}\n```'
+           + TOOL_CALL_END + "\n" + TOOL_CALL_BEGIN + "function" + TOOL_SEP
+           + 'get_time\n```json\n{}\n```' + TOOL_CALL_END + TOOL_CALLS_END)
+
+    async def go(stream):
+        client, _, _ = make_client(tokenizer, bad)
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "stream": stream})
+    msg = run(go(False)).json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_time"]
+    assert "search" not in (msg["content"] or "")
+    events = sse_events(run(go(True)).text)
+    calls = [tc for e in events[:-1] for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert {c["function"].get("name") for c in calls if "id" in c} == {"get_time"}
+    assert {c["index"] for c in calls} == {0}
