@@ -15,6 +15,11 @@ Acceptance is a prefix (draft p can only be kept if 0..p-1 were), so a step that
 Adaptive speculation (engine/mtp.py AdaptiveK), refreshed at scrape:
   spec_decode_current_k                      drafts per sequence chosen by the latest step
   spec_decode_steps_total{k}                 engine steps that drafted k tokens
+KV tiers (engine/host_tier.py), refreshed at scrape; ``cpu_cache_usage_perc`` is the host
+tier's usage and ``num_requests_swapped`` the requests whose blocks wait there:
+  prefix_cache_hit_tokens_total{tier}        prompt tokens found on the device / in the host tier
+  kv_tier_bytes_total{direction}             bytes moved device -> host (save) / host -> device (load)
+  kv_preemptions_total{mode}                 preemptions that swapped / recomputed
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ SPEC_METRIC_NAMES = (
     "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length",
     "spec_decode_current_k", "spec_decode_steps_total",
 )
+KV_TIER_METRIC_NAMES = ("prefix_cache_hit_tokens_total", "kv_tier_bytes_total",
+                        "kv_preemptions_total")
 _THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -108,6 +115,19 @@ class ServingMetrics:
         steps_k = counter("spec_decode_steps", "Engine steps by the number of draft tokens they chose.", ["k"])
         self.steps_per_k = [steps_k.labels(model_name, str(k)) for k in range(num_speculative_tokens + 1)]
         self._steps_per_k_seen = [0] * (num_speculative_tokens + 1)
+        hits = counter("prefix_cache_hit_tokens", "Prompt tokens found in a KV cache tier.", ["tier"])
+        moved = counter("kv_tier_bytes", "KV bytes moved between the device pool and the host tier.",
+                        ["direction"])
+        preempt = counter("kv_preemptions", "Preemptions by what happened to the KV.", ["mode"])
+        # stats key -> its labelled counter; each scrape adds what grew since the last one
+        self._tier_counters = {
+            "prefix_cache_hits": hits.labels(model_name, "device"),
+            "host_cache_hits": hits.labels(model_name, "host"),
+            "kv_bytes_saved": moved.labels(model_name, "save"),
+            "kv_bytes_loaded": moved.labels(model_name, "load"),
+            "num_swapped_out": preempt.labels(model_name, "swap"),
+            "num_preemptions_recomputed": preempt.labels(model_name, "recompute")}
+        self._tier_seen = dict.fromkeys(self._tier_counters, 0)
         self._n_received = self._n_failed = 0
         self._spec = [0, 0, 0]                        # drafts, draft tokens, accepted
         self._recent: deque[tuple[float, int, int]] = deque()   # (time, prompt toks, gen toks)
@@ -173,12 +193,13 @@ class ServingMetrics:
         self._update_failed_perc()
 
     # -- scrape --------------------------------------------------------------------------
-    def refresh(self, running: int, waiting: int, swapped: int, kv_usage: float) -> None:
+    def refresh(self, running: int, waiting: int, swapped: int, kv_usage: float,
+                cpu_usage: float = 0.0) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.swapped.set(swapped)
         self.npu_cache.set(kv_usage)
-        self.cpu_cache.set(0.0)
+        self.cpu_cache.set(cpu_usage)
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
             self._recent.popleft()
@@ -192,6 +213,14 @@ class ServingMetrics:
             if n > self._steps_per_k_seen[k]:
                 self.steps_per_k[k].inc(n - self._steps_per_k_seen[k])
                 self._steps_per_k_seen[k] = n
+
+    def refresh_kv_tiers(self, stats: dict) -> None:
+        """The engine's cumulative tier figures (EngineStats fields) into the counters."""
+        for key, ctr in self._tier_counters.items():
+            now = int(stats[key])
+            if now > self._tier_seen[key]:
+                ctr.inc(now - self._tier_seen[key])
+                self._tier_seen[key] = now
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,6 +40,13 @@ def stats_view(stats: EngineStats) -> dict:
     raw["mean_acceptance_length"] = stats.mean_acceptance_length
     raw["num_requests_running"] = stats.num_running
     raw["num_requests_waiting"] = stats.num_waiting
+    raw["host_kv_tier"] = {"total_blocks": stats.host_blocks_total,
+                           "used_blocks": stats.host_blocks_used,
+                           "cached_blocks": stats.host_blocks_cached,
+                           "usage": float(stats.host_usage),
+                           "hit_tokens": stats.host_cache_hits,
+                           "bytes_saved": stats.kv_bytes_saved, "bytes_loaded": stats.kv_bytes_loaded,
+                           "num_requests_swapped": stats.num_requests_swapped}
     return raw
 
 
@@ -108,6 +115,7 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
             "runtime": rt.to_dict(),
             "engine": stats,
             "kv_cache": stats["kv_cache"],
+            "host_kv_tier": {**rt.host_tier_dict(), **stats["host_kv_tier"]},
         })
 
     @app.post("/stopService")
@@ -126,8 +134,10 @@ def add_metrics_route(app: FastAPI, state: ServerState) -> None:
         st = stats_view(state.engine.stats())
         state.metrics.refresh(int(st["num_requests_running"] or 0),
                               int(st["num_requests_waiting"] or 0),
-                              0,      # preemption recomputes: nothing is ever swapped out
-                              float(st["kv_cache"]["usage"] or 0.0))
+                              int(st["num_requests_swapped"]),
+                              float(st["kv_cache"]["usage"] or 0.0),
+                              float(st["host_usage"]))
+        state.metrics.refresh_kv_tiers(st)
         if st.get("steps_per_k"):
             state.metrics.refresh_spec(int(st.get("spec_current_k") or 0), list(st["steps_per_k"]))
         return Response(state.metrics.render(),

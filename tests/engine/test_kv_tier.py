@@ -1,0 +1,185 @@
+"""The host KV tier: prefix blocks evicted from the device pool come back from host memory,
+preempted requests swap out and back in; outputs are unchanged (MTP off, k=1, k=2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_engine, prompts, requests, run_tokens, tiny_model
+from server.engine.block_manager import BlockManager
+from server.engine.host_pool import HostKVPool
+from server.engine.host_tier import HostTier
+from server.engine.protocol import SamplingParams
+from server.engine.sequence import Sequence
+from server.model.latent_cache import Int8LatentCache, LatentCache
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+# ---- bookkeeping (no torch) ---------------------------------------------------------
+
+def test_host_tier_is_lru_and_swap_slots_are_never_evicted():
+    tier = HostTier(3)
+    assert [tier.store(h) for h in (10, 11, 12)] == [0, 1, 2]
+    assert tier.store(11) is None                    # held already: no copy, now most recent
+    tier.touch(10)                                   # LRU order: 12, 11, 10
+    slots = tier.take_swap(1)                        # evicts the least recently used: 12
+    assert tier.lookup(12) is None and slots == [2] and tier.num_evicted == 1
+    assert not tier.can_swap(3) and tier.can_swap(2)
+    assert tier.store(13) == 1 and tier.lookup(11) is None    # 11 was next in line
+    tier.release_swap(slots)
+    assert tier.usage() == 2 / 3 and tier.num_swap_slots == 0
+
+
+def _seq(tokens: list[int], rid: str = "s") -> Sequence:
+    return Sequence(rid, tokens, len(tokens), GREEDY, max_output_tokens=4, seed=0)
+
+
+def test_evicted_block_is_saved_and_a_later_match_loads_it():
+    bm = BlockManager(4, 4, enable_prefix_cache=True, host=HostTier(8), host_prefix=True)
+    a = _seq(list(range(1, 11)))                      # 10 tokens: blocks 0, 1 full, 2 partial
+    bm.allocate(a, bm.match_prefix(a), 10)
+    a.num_computed_tokens = 10
+    bm.register_computed(a)
+    hashes, a_blocks = list(a.block_hashes), a.block_table[:2]
+    bm.free(a)
+    assert bm.take_transfers().saves == []           # nothing left the device yet
+    b = _seq(list(range(50, 66)), "b")               # takes all 4 blocks: evicts a's two
+    bm.allocate(b, bm.match_prefix(b), 16)
+    saves = bm.take_transfers().saves
+    assert sorted(s for _, s in saves) == [0, 1] and len(saves) == 2
+    bm.free(b)
+    again = _seq(list(range(1, 11)), "a2")
+    match = bm.match_prefix(again)
+    assert (match.num_device_blocks, match.num_blocks) == (0, 2)
+    bm.allocate(again, match, 10)
+    loads = bm.take_transfers().loads
+    slot_of = dict(saves)                            # device block -> the slot it went to
+    assert [s for s, _ in loads] == [slot_of[b] for b in a_blocks]
+    assert [bid for _, bid in loads] == again.block_table[:2]
+    assert again.num_computed_tokens == 8 and again.block_hashes == hashes
+    assert bm.num_host_hits == 8 and bm.num_prefix_hits == 0
+
+
+# ---- the copies (torch) -------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["float", "int8"])
+def test_blocks_move_whole_and_same_step_reuse_is_ordered(kind):
+    g = torch.Generator().manual_seed(0)
+    if kind == "float":
+        caches = [LatentCache(torch.randn(6, 4, 8, generator=g)) for _ in range(3)]
+    else:
+        caches = [Int8LatentCache(6, 4, 6, 2, torch.bfloat16, "cpu") for _ in range(3)]
+        for c in caches:
+            c.write(torch.arange(24), torch.randn(24, 8, generator=g))
+    pool = HostKVPool(caches, 4, torch.device("cpu"))
+    before = [[t.clone() for t in c.block_tensors()] for c in caches]
+    pool.apply([(1, 0), (2, 1)], [])                 # save blocks 1, 2
+    # one step: save block 3 into slot 0 (reusing it) while loading slot 0 into block 3
+    pool.apply([(3, 0)], [(0, 3), (1, 5)])
+    for c, old in zip(caches, before):
+        for t, o in zip(c.block_tensors(), old):
+            assert torch.equal(t[3], o[1]) and torch.equal(t[5], o[2])
+    pool.apply([], [(0, 4)])                         # slot 0 now holds the old block 3
+    for c, old in zip(caches, before):
+        for t, o in zip(c.block_tensors(), old):
+            assert torch.equal(t[4], o[3])
+
+
+# ---- the engine ---------------------------------------------------------------------
+
+def _prefix_workload(n: int = 6, length: int = 40, rounds: int = 3):
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(2, 500, (length,), generator=g).tolist() for _ in range(n)]
+    return [[(f"r{r}-{i}", p + [7, 8, r]) for i, p in enumerate(prefixes)] for r in range(rounds)]
+
+
+def _run_prefix_workload(k: int, **tier):
+    # 6 prefixes of 5 full blocks each = 30 blocks, the device pool has 24, so with LRU
+    # every prefix is evicted before it comes round again.
+    engine = make_engine(tiny_model(), k=k, num_blocks=24, block_size=8, max_batch_size=2,
+                         enable_prefix_cache=True, **tier)
+    outs, first = {}, None
+    for r, batch in enumerate(_prefix_workload()):
+        for rid, p in batch:
+            outs.update(run_tokens(engine, requests([p], GREEDY, prefix=rid)))
+        if r == 0:
+            first = engine.stats()
+    st = engine.stats()
+    later_queries = st.prefix_cache_queries - first.prefix_cache_queries
+    later_hits = (st.prefix_cache_hits + st.host_cache_hits
+                  - first.prefix_cache_hits - first.host_cache_hits)
+    return outs, later_hits / later_queries, st
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_host_tier_turns_evicted_prefixes_into_hits_with_identical_outputs(k):
+    plain, rate_off, st_off = _run_prefix_workload(k)
+    tiered, rate_on, st_on = _run_prefix_workload(k, host_cache_blocks=64, host_cache_prefix=True)
+    assert tiered == plain
+    assert rate_off < 0.2 and rate_on > 0.85, (rate_off, rate_on)
+    assert st_off.host_cache_hits == 0 and st_on.host_cache_hits > 0
+    assert st_on.kv_blocks_loaded * 8 == st_on.host_cache_hits
+    assert st_on.kv_bytes_loaded == st_on.kv_blocks_loaded * (st_on.kv_bytes_saved // st_on.kv_blocks_saved)
+    assert st_on.num_prompt_tokens < st_off.num_prompt_tokens
+
+
+def test_host_tier_with_int8_kv_cache_is_exact_too():
+    plain, _, _ = _run_prefix_workload(1, kv_cache_dtype="int8")
+    tiered, rate, st = _run_prefix_workload(1, kv_cache_dtype="int8", host_cache_blocks=64,
+                                            host_cache_prefix=True)
+    assert tiered == plain and rate > 0.85 and st.host_cache_hits > 0
+
+
+def test_full_host_tier_evicts_lru_and_stays_correct():
+    plain, _, _ = _run_prefix_workload(1)
+    tiered, rate, st = _run_prefix_workload(1, host_cache_blocks=12, host_cache_prefix=True)
+    assert tiered == plain and st.host_blocks_used == 12 and st.host_usage == 1.0
+
+
+# ---- swap-based preemption ----------------------------------------------------------
+
+SEEDED = SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True, seed=3)
+
+
+@pytest.mark.parametrize("k,async_on", [(0, False), (1, True), (2, False), (2, True)])
+def test_preempted_requests_swap_and_resume_without_recompute(k, async_on):
+    model, ps = tiny_model(), prompts(6, seed=2, lo=10, hi=30)
+    kw = dict(async_scheduling=async_on, async_executor="thread")
+    ref = run_tokens(make_engine(model, k=k, num_blocks=512, **kw), requests(ps, SEEDED))
+    engine = make_engine(model, k=k, num_blocks=22, max_batch_size=6, max_preempt_count=100,
+                         host_cache_blocks=200, swap_preemption=True, **kw)
+    assert run_tokens(engine, requests(ps, SEEDED)) == ref
+    st = engine.stats()
+    assert st.num_preemptions > 0 and st.num_swapped_out == st.num_preemptions
+    assert st.num_swapped_in == st.num_swapped_out and st.num_preemptions_recomputed == 0
+    # Resumes feed only the tokens after the restored KV: the prompts plus ~1 per resume.
+    assert st.num_prompt_tokens <= sum(map(len, ps)) + st.num_swapped_in * (1 + k)
+    assert st.host_blocks_used == 0 and st.num_requests_swapped == 0    # all slots back
+
+
+def test_swap_falls_back_to_recompute_when_the_tier_is_full():
+    model, ps = tiny_model(), prompts(6, seed=2, lo=10, hi=30)
+    ref = run_tokens(make_engine(model, k=1, num_blocks=512), requests(ps, SEEDED))
+    engine = make_engine(model, k=1, num_blocks=22, max_batch_size=6, max_preempt_count=100,
+                         host_cache_blocks=2, swap_preemption=True)
+    assert run_tokens(engine, requests(ps, SEEDED)) == ref
+    st = engine.stats()
+    assert st.num_preemptions_recomputed > 0
+    assert st.num_swapped_out + st.num_preemptions_recomputed == st.num_preemptions
+
+
+def test_swap_through_the_worker_process():
+    """Async scheduling on a CPU runs the worker in its own process: the copies travel in
+    the pickled step messages, in step order."""
+    model, ps = tiny_model(), prompts(5, seed=4, lo=10, hi=30)
+    ref = run_tokens(make_engine(model, k=1, num_blocks=512), requests(ps, SEEDED))
+    engine = make_engine(model, k=1, num_blocks=20, max_batch_size=5, max_preempt_count=100,
+                         host_cache_blocks=200, swap_preemption=True, async_scheduling=True,
+                         async_executor="process")
+    try:
+        assert run_tokens(engine, requests(ps, SEEDED)) == ref
+        st = engine.stats()
+        assert st.num_swapped_out > 0 and st.num_preemptions_recomputed == 0
+    finally:
+        engine.shutdown()
