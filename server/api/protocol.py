@@ -24,6 +24,9 @@ _INT32 = 2 ** 31 - 1
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -172,9 +175,9 @@ def parse_request(model: type[BaseModel], data: Any) -> BaseModel:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [str(p) for p in err.get("loc", ())]
-        # Union members add their type name to the location; keep only field path parts.
-        loc = [p for p in loc if not p.startswith(("function-", "literal[", "list[", "str",
-                                                   "int", "dict[", "NamedToolChoice"))]
+        # Union members add their type name to the location ("str", "list[int]",
+        # "NamedToolChoice"); keep only field path parts ("stream" is a field, not "str").
+        loc = [p for p in loc if p not in _UNION_TAGS and "[" not in p and not p[:1].isupper()]
         param = ".".join(loc) or None
         raise APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}",
                        param) from None
