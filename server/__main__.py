@@ -53,6 +53,9 @@ def serve(cfg: AppConfig) -> int:
     """Run the daemon until it stops and return its exit code (0 after a clean drain, 1
     when it could not serve). Imported here, not at the top, so ``--check`` validates a
     config without loading torch and the model code."""
+    if cfg.parallel.node_rank > 0:          # a worker node of a multi-node group
+        from server.node import run_node
+        return run_node(cfg)
     from server.daemon import run_daemon
     return run_daemon(cfg)
 

@@ -33,6 +33,7 @@ from server.metrics import make_metrics
 log = logging.getLogger("server.daemon")
 READY_LINE = "Daemon start success!"
 EXIT_OK, EXIT_FAIL = 0, 1
+FATAL_STOP_DELAY_S = 5.0       # /health shows 503 this long after the worker group failed
 
 
 class DaemonError(RuntimeError):
@@ -117,6 +118,15 @@ class Daemon:
         self.cfg = cfg
         self.stop = asyncio.Event()
         self.servers: list[_Server] = []
+        self.fatal: str | None = None      # the worker group failed: exit non-zero
+
+    def _on_fatal(self, error: str) -> None:
+        """The engine's worker group is gone: in-flight requests have failed with ``error``
+        and /health answers 503; stop after a grace period that lets probes see it."""
+        self.fatal = error
+        log.error("worker group failed (%s); stopping in %gs with exit code %d",
+                  error, FATAL_STOP_DELAY_S, EXIT_FAIL)
+        asyncio.get_running_loop().call_later(FATAL_STOP_DELAY_S, self.request_stop)
 
     def request_stop(self) -> None:
         if not self.stop.is_set():
@@ -140,6 +150,8 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await engine.shutdown(drain=False)
             raise
+        loop = asyncio.get_running_loop()
+        engine.on_fatal = lambda error: loop.call_soon_threadsafe(self._on_fatal, error)
         await engine.start()
         settings = settings_from_config(cfg, engine.runtime)
         chat_template = None
@@ -179,7 +191,7 @@ class Daemon:
         state.admission.stop_accepting()
         await self._drain(state, settings.e2e_timeout_s)
         await self._close(tasks, engine, drain=True)
-        return EXIT_OK
+        return EXIT_FAIL if self.fatal else EXIT_OK
 
     async def _drain(self, state: ServerState, limit_s: float) -> None:
         """Wait for in-flight requests; say how it ended, so an operator watching a stop

@@ -65,6 +65,6 @@ def add_business_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if not state.admission.accepting:
+        if not state.admission.accepting or state.engine.fatal_error is not None:
             return Response(status_code=503)
         return Response(status_code=200)

@@ -82,7 +82,8 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
     if with_health:
         @app.get("/health")
         async def health() -> Response:
-            return Response(status_code=200 if state.admission.accepting else 503)
+            healthy = state.admission.accepting and state.engine.fatal_error is None
+            return Response(status_code=200 if healthy else 503)
 
     @app.get("/health/{rest:path}")
     async def health_timed(request: Request, rest: str) -> Response:
@@ -104,7 +105,9 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
         s = state.settings
         rt = state.engine.runtime
         return json_response({
-            "status": "running" if state.admission.accepting else "stopping",
+            "status": ("unhealthy" if state.engine.fatal_error is not None
+                       else "running" if state.admission.accepting else "stopping"),
+            "error": state.engine.fatal_error,
             "model_name": s.model_name,
             "in_flight": state.admission.in_flight,
             "max_link_num": s.max_link_num,

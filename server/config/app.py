@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config.kv_pool import KvPoolSettings
+from server.config.parallel import ParallelLayout
 from server.config.plugins import MtpSettings, PluginParams
 from server.config.rules import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from server.config.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
@@ -32,6 +33,7 @@ class AppConfig:
     compile_mode: str = "auto"              # $MTP_SERVE_COMPILE: auto | on | off
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
     api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY
+    parallel: ParallelLayout = ParallelLayout()  # worldSize/tp/moe_tp/moe_ep, nodes ($NNODES...)
     kv_pool: KvPoolSettings = KvPoolSettings()  # kvPoolConfig + its configPath file
 
     # ---- sections -------------------------------------------------------------------

@@ -5,7 +5,7 @@ nothing must not pass silently: each field below that the file sets to something
 than its default gives one line, ``<JSON path>: <value> is ignored: <why>``, logged at
 start-up and by ``--check`` and kept in ``AppConfig.warnings``.  A field left at its
 default says nothing (the operator asked for nothing).  Fields whose being ignored would
-mislead (parallel sizes, unavailable KV pool backends, multi-node, per-plane TLS) are refused instead, by
+mislead (parallel sizes not built, unavailable KV pool backends, per-plane TLS) are refused instead, by
 the validators in sections.py and the rules in rules.py; fields that take effect are in
 neither place.  When a field starts to take effect, its entry here goes.
 """
@@ -25,7 +25,7 @@ MD = "BackendConfig.ModelDeployConfig"
 SC = "BackendConfig.ScheduleConfig"
 
 _NO_PD = "PD disaggregation is not implemented (no inter-instance links)"
-_NO_MULTI_NODE = "multi-node inference is not implemented"
+_NO_INTER_NODE_TLS = "inter-node TLS is not implemented (ranks talk torch.distributed over TCP)"
 _NO_MTLS = "client certificates are not checked (no mutual TLS)"
 _SCHEDULER = "the scheduler does not read it (docs/config.md lists the keys it does)"
 _NO_CHUNKED = "chunked prefill is not implemented (a prompt is prefilled in one step)"
@@ -52,8 +52,7 @@ HEALTH_CHECK: dict[str, str] = {
 BACKEND: dict[str, str] = {
     "backendName": "there is one built-in engine",
     "tokenizerProcessNumber": "tokenizing runs in the daemon's own process",
-    "multiNodesInferPort": _NO_MULTI_NODE,
-    **{k: _NO_MULTI_NODE for k in (
+    **{k: _NO_INTER_NODE_TLS for k in (
         "interNodeTLSEnabled", "interNodeTlsCaPath", "interNodeTlsCaFiles", "interNodeTlsCert",
         "interNodeTlsPk", "interNodeTlsPkPwd", "interNodeTlsCrlPath", "interNodeTlsCrlFiles",
         "interNodeKmcKsfMaster", "interNodeKmcKsfStandby")},
@@ -77,7 +76,7 @@ SCHEDULE: dict[str, str] = {
     "stageSelectPolicy": _SCHEDULER, "dynamicBatchSizeEnable": _SCHEDULER,
     "prefillExpectedTime": _SCHEDULER, "decodeExpectedTime": _SCHEDULER,
     "bufferResponseEnabled": "responses are sent as tokens are produced",
-    "distributedEnable": _NO_MULTI_NODE, "layerwiseDisaggregated": _SCHEDULER,
+    "distributedEnable": _SCHEDULER, "layerwiseDisaggregated": _SCHEDULER,
     "splitType": _SCHEDULER, "splitStartType": _SCHEDULER, "splitChunkTokens": _SCHEDULER,
     "splitStartBatchSize": _SCHEDULER, "policyType": _SCHEDULER,
 }
@@ -91,7 +90,7 @@ TOP: dict[str, str] = {
 }
 MODEL_OPTIONS: dict[str, str] = {
     "early_stopping_text": "generation stops only on stop strings, stop ids and EOS",
-    "ep_level": "expert parallelism is not implemented",
+    "ep_level": "experts are partitioned by moe_ep and combined with one all-reduce",
 }
 ENV: dict[str, str] = {
     "NPU_MEMORY_FRACTION": "the KV cache pool is sized by npuMemSize "

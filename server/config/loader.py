@@ -23,6 +23,7 @@ from server.config.errors import ConfigError, ConfigIssue, issues_from_validatio
 from server.config.ignored import ignored_warnings
 from server.config.plugins import decode_plugin_params
 from server.config.kv_pool import load_pool_settings
+from server.config.parallel import parallel_issues, parallel_layout
 from server.config.rules import check_rules, mc_path, model_options
 from server.config.sections import API_KEY_RULE, MindIEConfig, check_api_key
 
@@ -81,6 +82,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     issues += field_issues
     issues += [i for i in check_rules(doc, async_scheduling=async_on)
                if not any(i.involves(d) for d in dropped)]
+    issues += [i for i in parallel_issues(doc, env) if not any(i.involves(d) for d in dropped)]
 
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     key, options, _ = (model_options(doc.backend.model_deploy.model_configs[0], 0)
@@ -117,7 +119,8 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      model_options=options, chat_template_path=template,
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
                      compile_mode=compile_mode, kv_pool=kv_pool,
-                     api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)))
+                     api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
+                     parallel=parallel_layout(doc, env))
 
 
 def _decode(data: str | bytes | Mapping[str, Any], where: str | None) -> dict[str, Any]:

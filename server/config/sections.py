@@ -37,13 +37,14 @@ class Section(BaseModel):
                               protected_namespaces=(), populate_by_name=False)
 
 
-def _one_device(value: int | None, what: str, allowed: str) -> int | None:
-    """Refuse a parallel size above 1: the daemon runs one model on one device (a GPU or
-    the CPU), and accepting ``tp: 8`` while serving on one device would mislead."""
+def _not_built(value: int | None, what: str, allowed: str) -> int | None:
+    """Refuse a parallel size above 1 for a kind of parallelism this daemon does not
+    build: accepting ``cp: 2`` while serving without it would mislead.  (worldSize, tp,
+    moe_tp and moe_ep are real: config/parallel.py checks how they fit together.)"""
     if value is not None and value > 1:
         raise PydanticCustomError(
-            "single_device", "{what} of {value}: serving over several devices is not "
-            "implemented; this daemon runs one model on one device (a GPU or the CPU)",
+            "not_built", "{what} of {value} is not implemented; tensor parallel (tp) and "
+            "expert parallel (moe_tp, moe_ep) over worldSize ranks are",
             {"what": what, "value": value, "allowed": allowed})
     return value
 
@@ -209,7 +210,7 @@ class ModelConfig(Section):
     model_name: StrictStr | None = F("modelName", None, doc=MODEL_NAME_RULE)
     model_weight_path: StrictStr | None = F(
         "modelWeightPath", None, doc="relative paths resolve against the config file's folder")
-    world_size: StrictInt = F("worldSize", 1, lo=1, hi=U32, doc="MindIE's default is 4; here one device")
+    world_size: StrictInt = F("worldSize", 1, lo=1, hi=4096, doc="ranks (devices, or CPU processes); MindIE's default is 4")
     cpu_mem_size: StrictInt = F("cpuMemSize", 5, lo=0, hi=U32, doc="GB of host memory for KV: swap space for preemption, and the host pool's default size")
     npu_mem_size: StrictInt = F("npuMemSize", -1, doc="GB for the KV cache; -1 = auto")
     backend_type: Literal["atb", "ms", "torch"] = F("backendType", "torch", doc="MindIE's default is atb")
@@ -252,21 +253,14 @@ class ModelConfig(Section):
     def _dp(cls, value: int) -> int:
         if value == 0:
             raise PydanticCustomError("dp", "dp must not be 0", {"allowed": "-1 (unset) or 1"})
-        return _one_device(value, "dp (data parallelism)", "-1 (unset) or 1")
+        return _not_built(value, "dp (attention data parallelism)", "-1 (unset) or 1")
 
-    @field_validator("world_size")
-    @classmethod
-    def _world(cls, value: int) -> int:
-        return _one_device(value, "worldSize", "1")
-
-    @field_validator("tp", "cp", "sp", "moe_tp", "moe_ep", "pp")
+    @field_validator("cp", "sp", "pp")
     @classmethod
     def _parallel(cls, value: int | None, info: ValidationInfo) -> int | None:
-        what = {"tp": "tp (tensor parallelism)", "cp": "cp (context parallelism)",
-                "sp": "sp (sequence parallelism)", "moe_tp": "moe_tp (MoE tensor parallelism)",
-                "moe_ep": "moe_ep (expert parallelism)", "pp": "pp (pipeline parallelism)"}
-        unset = info.field_name in ("tp", "moe_tp", "moe_ep", "pp")
-        return _one_device(value, what[info.field_name], "1 or unset" if unset else "1")
+        what = {"cp": "cp (context parallelism)", "sp": "sp (sequence parallelism)",
+                "pp": "pp (pipeline parallelism)"}
+        return _not_built(value, what[info.field_name], "1 or unset" if info.field_name == "pp" else "1")
 
 
 class ModelDeployConfig(Section):
@@ -336,7 +330,7 @@ class BackendConfig(Section):
     backend_name: StrictStr = F("backendName", "mindieservice_llm_engine")
     model_instance_number: StrictInt = F("modelInstanceNumber", 1, lo=1, hi=10)
     npu_device_ids: tuple[tuple[StrictInt, ...], ...] = F(
-        "npuDeviceIds", ((0,),), doc="one device here; MindIE's default is [[0, 1, 2, 3]]")
+        "npuDeviceIds", ((0,),), doc="one inner list of worldSize CUDA device ids; MindIE's default is [[0, 1, 2, 3]]")
     tokenizer_process_number: StrictInt = F("tokenizerProcessNumber", 8, lo=1, hi=32)
     multi_nodes_infer_enabled: StrictBool = F("multiNodesInferEnabled", False)
     multi_nodes_infer_port: StrictInt = F("multiNodesInferPort", 1120, lo=1024, hi=65535)
@@ -400,21 +394,15 @@ class BackendConfig(Section):
 
     @field_validator("npu_device_ids")
     @classmethod
-    def _one_device_list(cls, value: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-        count = sum(len(group) for group in value)
-        if len(value) > 1 or count > 1:
+    def _one_device_group(cls, value: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        if len(value) != 1 or not value[0]:
             raise PydanticCustomError(
-                "single_device", "{count} devices in {groups} group(s): serving over several "
-                "devices is not implemented; this daemon runs one model on one device",
-                {"count": count, "groups": len(value), "allowed": "one device, e.g. [[0]]"})
-        return value
-
-    @field_validator("multi_nodes_infer_enabled")
-    @classmethod
-    def _one_node(cls, value: bool) -> bool:
-        if value:
-            raise PydanticCustomError("single_node", "multi-node inference is not implemented",
-                                      {"allowed": "false"})
+                "single_instance", "{groups} device groups: one model instance is served, so "
+                "npuDeviceIds holds exactly one non-empty list (the devices of its worldSize "
+                "ranks)", {"groups": len(value), "allowed": "one list, e.g. [[0]] or [[0, 1]]"})
+        if len(set(value[0])) != len(value[0]) or min(value[0]) < 0:
+            raise PydanticCustomError("device_ids", "device ids must be distinct and >= 0",
+                                      {"allowed": "e.g. [[0, 1, 2, 3]]"})
         return value
 
     @field_validator("backend_name")

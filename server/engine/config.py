@@ -101,6 +101,25 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         swap_preemption=sched.max_preempt_count > 0,
         kv_pool_async_write=app.kv_pool.async_write,
         compile=app.compile_mode,
+        parallel=_parallel_config(app),
         tokenizer_dir=str(app.model_weight_path),
     )
     return replace(cfg, **overrides) if overrides else cfg
+
+
+def _parallel_config(app: Any) -> ParallelConfig:
+    lay = getattr(app, "parallel", None)
+    if lay is None or lay.world_size == 1:
+        return ParallelConfig()
+    port = lay.master_port if lay.master_port is not None else _free_port()
+    return ParallelConfig(world_size=lay.world_size, moe_tp=lay.moe_tp, moe_ep=lay.moe_ep,
+                          master_addr=lay.master_addr or "127.0.0.1", master_port=port,
+                          nnodes=lay.nnodes, node_rank=lay.node_rank, device_ids=lay.device_ids)
+
+
+def _free_port() -> int:
+    """A loopback port for a one-node group's rendezvous (nothing else is told about it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -185,6 +185,12 @@ class LLMEngine:
         self._finish_bookkeeping(seq)
         self._pending.append(final_output(seq, FinishReason.ABORT))
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the worker group is gone for good (a rank died or hung), else None: every
+        later step fails with it, so the daemon reports unhealthy and stops."""
+        return getattr(self.executor, "fatal_error", None)
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or self.scheduler.has_finished_to_report
                 or bool(self._pending) or bool(self._in_flight))

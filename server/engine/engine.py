@@ -40,6 +40,8 @@ class AsyncEngine:
         self._stopping = False
         self._accepting = True
         self._stats = engine.stats()
+        # Called (from the engine thread) once the worker group is gone for good.
+        self.on_fatal: Any = None
 
     @classmethod
     def from_config(cls, app_config: Any, model: Any = None, tokenizer: Any = None, *,
@@ -115,6 +117,10 @@ class AsyncEngine:
         return self._stats
 
     @property
+    def fatal_error(self) -> str | None:
+        return self.engine.fatal_error
+
+    @property
     def runtime(self) -> RuntimeInfo:
         """What the engine runs with (effective k, async scheduling, KV blocks, EOS ids)."""
         return self.engine.runtime
@@ -174,11 +180,18 @@ class AsyncEngine:
             try:
                 outputs = eng.step()
             except Exception:                      # a scheduler bug must not kill the thread
-                log.exception("engine step raised; failing the requests in the engine")
-                outputs = eng.fail_all("internal engine error")
+                fatal = eng.fatal_error
+                if fatal is None:
+                    log.exception("engine step raised; failing the requests in the engine")
+                else:
+                    log.error("the worker group failed: %s", fatal)
+                outputs = eng.fail_all(fatal or "internal engine error")
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     loop, q = stream
                     loop.call_soon_threadsafe(q.put_nowait, out)
             self._stats = eng.stats()
+            if eng.fatal_error is not None and self.on_fatal is not None:
+                self.on_fatal(eng.fatal_error)
+                self.on_fatal = None

@@ -82,7 +82,10 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
         results.send(("ready", worker.info()))
     code = _drive(group, worker, requests, results) if rank == 0 else _follow(group, worker)
     group.close()
-    sys.exit(code)
+    logging.shutdown()
+    # Not sys.exit: interpreter teardown may destroy the backend's threads mid-flight
+    # ("terminate called without an active exception").
+    os._exit(code)
 
 
 def _drive(group: RankGroup, worker: Any, requests: Any, results: Any) -> int:
@@ -124,12 +127,14 @@ def _drive(group: RankGroup, worker: Any, requests: Any, results: Any) -> int:
 
 
 def _follow(group: RankGroup, worker: Any) -> int:
-    """Other ranks: execute what rank 0 broadcasts; a broken group ends the process."""
+    """Other ranks: execute what rank 0 broadcasts; a broken group ends the process, and
+    so does the end of its parent (checked at every message: heartbeats come while idle)."""
+    parent = os.getppid()
     with torch.inference_mode():
         while True:
             try:
                 so = group.broadcast(None)
-                if so is None:
+                if so is None or os.getppid() != parent:
                     return 0
                 if isinstance(so, str) and so == PING:
                     continue

@@ -41,6 +41,13 @@ def make_engine(model, k: int = 0, *, num_blocks: int = 512, block_size: int = 8
                      blocks=blocks)
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def prompts(n: int, *, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 512) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()
