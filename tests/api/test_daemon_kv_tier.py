@@ -1,0 +1,74 @@
+"""The host KV tier through the real daemon: kvPoolConfig {"backend": "host"} behind the
+prefix cache, a device pool too small for three long prompts, and /metrics + /v1/status."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import pytest
+
+from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
+
+pytestmark = pytest.mark.slow          # starts a real daemon
+
+WORDS = "the fox jumps over a lazy dog while cats sleep in warm sun by the river".split()
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_weights, tmp_path_factory):
+    # maxBatchSize 1 and maxSeqLen 256 cap the device pool at 1 * ceil((256 + 1) / 16) + 1
+    # = 18 blocks of 16 tokens: two ~100-token prompts fit, four do not.
+    cfg = make_config(
+        tmp_path_factory.mktemp("cfg-kv-tier"), tiny_weights,
+        model={"plugin_params": '{"plugin_type":"mtp,prefix_cache","num_speculative_tokens":1}',
+               "cpuMemSize": 1},
+        deploy={"maxSeqLen": 256, "maxInputTokenLen": 200},
+        schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1, "cacheBlockSize": 16})
+    doc = json.loads(cfg.read_text())
+    doc["BackendConfig"]["kvPoolConfig"] = {"backend": "host", "configPath": "", "asyncWrite": False}
+    cfg.write_text(json.dumps(doc, indent=2))
+    d = Daemon(cfg, env={"MTP_SERVE_COMPILE": "0"}, log_level="info").start()
+    yield d
+    assert d.terminate() == 0, d.output()[-3000:]
+
+
+def _prompt(seed: int) -> str:               # ~170 tokens with the tiny checkpoint's tokenizer
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(44))
+
+
+def _complete(d: Daemon, prompt: str) -> dict:
+    r = httpx.post(d.base + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{name}\{{[^}}]*{labels}[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name}{{{labels}}} not in /metrics"
+    return float(m.group(1))
+
+
+def test_evicted_prefix_comes_back_from_host_memory(daemon):
+    st = daemon.status()
+    tier = st["host_kv_tier"]
+    assert tier["enabled"] and tier["backend"] == "host" and tier["prefix_cache"]
+    assert tier["blocks"] > 0 and tier["bytes"] == tier["blocks"] * tier["block_bytes"]
+    assert "host KV tier" in daemon.output()
+    first = [_complete(daemon, _prompt(s)) for s in (1, 2, 3, 4)]
+    again = _complete(daemon, _prompt(1))          # evicted from the device by 2, 3 and 4
+    assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]
+    n, cached = again["usage"]["prompt_tokens"], again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (n - 1) // 16 * 16, (n, cached)           # every full block was a hit
+    st = daemon.wait_kv_free()
+    tier = st["host_kv_tier"]
+    assert tier["hit_tokens"] == cached and tier["bytes_loaded"] > 0 and tier["bytes_saved"] > 0
+    text = httpx.get(daemon.metrics + "/metrics", timeout=10).text
+    assert _metric(text, "prefix_cache_hit_tokens_total", 'tier="host"') == tier["hit_tokens"]
+    assert _metric(text, "kv_tier_bytes_total", 'direction="load"') == tier["bytes_loaded"]
+    assert _metric(text, "cpu_cache_usage_perc") == pytest.approx(tier["usage"])
+    assert 0 < tier["usage"] <= 1
+    assert _metric(text, "num_requests_swapped") == 0
