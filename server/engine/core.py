@@ -98,7 +98,10 @@ class LLMEngine:
             num_int8_kv_layers=num_int8, decode_path=decode_path, compile_seconds=compile_s,
             host_kv_blocks=host_blocks, kv_block_bytes=block_bytes,
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
-            swap_preemption=bool(host_blocks) and cfg.swap_preemption)
+            swap_preemption=bool(host_blocks) and cfg.swap_preemption,
+            world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
+            moe_ep=cfg.parallel.moe_ep,
+            worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,
                                              hash_next_token=k > 0,

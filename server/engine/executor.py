@@ -49,6 +49,8 @@ class InProcessExecutor:
     def num_held_requests(self) -> int:
         return self.worker.num_held_requests
 
+    worker_pids: tuple[int, ...] = ()           # the worker is in this process
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -44,6 +44,10 @@ class RuntimeInfo:
     kv_block_bytes: int = 0             # bytes one block moves between the tiers (every layer)
     host_cache_prefix: bool = False     # evicted prefix blocks go to the tier
     swap_preemption: bool = False       # preempted requests swap to it when it has room
+    world_size: int = 1                 # ranks of a tensor/expert-parallel group (parallel_executor.py)
+    moe_tp: int = 1
+    moe_ep: int = 1
+    worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
 
     @property
     def mtp_enabled(self) -> bool:
@@ -92,6 +96,8 @@ class RuntimeInfo:
                 f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
                 f"(KV cache {self.kv_cache_dtype}); host KV tier {self.host_tier_text}; "
                 f"decode path {self.decode_path}"
+                + (f" on {self.world_size} ranks (tp {self.world_size}, moe_tp {self.moe_tp}, "
+                   f"moe_ep {self.moe_ep})" if self.world_size > 1 else "")
                 + (f" (compiled in {self.compile_seconds:.1f} s)" if self.compile_seconds is not None else "")
                 + "; "
                 f"EOS ids {sorted(self.eos_token_ids)}")
@@ -108,4 +114,7 @@ class RuntimeInfo:
                 "vocab_size": self.vocab_size, "decode_path": self.decode_path,
                 "compile_seconds": (round(self.compile_seconds, 2)
                                     if self.compile_seconds is not None else None),
-                "host_kv_tier": self.host_tier_dict()}
+                "host_kv_tier": self.host_tier_dict(),
+                "parallel": {"world_size": self.world_size, "tp": self.world_size,
+                             "moe_tp": self.moe_tp, "moe_ep": self.moe_ep,
+                             "worker_pids": list(self.worker_pids)}}

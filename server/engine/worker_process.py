@@ -202,6 +202,10 @@ class ProcessExecutor:
     def num_held_requests(self) -> int:
         return self._held
 
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self._procs)
+
     def shutdown(self) -> None:
         if self._procs[0].is_alive():
             try:

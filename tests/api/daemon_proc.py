@@ -41,7 +41,8 @@ def demo_model_ready() -> bool:
 
 def make_config(folder: Path, weights: Path, *, server: dict | None = None,
                 deploy: dict | None = None, schedule: dict | None = None,
-                model: dict | None = None, same_mgmt_metrics: bool = True) -> Path:
+                model: dict | None = None, same_mgmt_metrics: bool = True,
+                backend: dict | None = None) -> Path:
     """A MindIE config.json for the test daemon, based on the project's conf/config.json."""
     doc = json.loads((ROOT / "conf" / "config.json").read_text())
     doc = copy.deepcopy(doc)
@@ -61,6 +62,7 @@ def make_config(folder: Path, weights: Path, *, server: dict | None = None,
     sch = doc["BackendConfig"]["ScheduleConfig"]
     sch.update({"maxIterTimes": 256, "maxPrefillTokens": 4096})
     sch.update(schedule or {})
+    doc["BackendConfig"].update(backend or {})
     path = folder / "config.json"
     path.write_text(json.dumps(doc, indent=2))
     return path

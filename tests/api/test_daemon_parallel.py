@@ -1,0 +1,162 @@
+"""The daemon over a rank group (worldSize 2, gloo on this CPU) against one process.
+
+Same answers (greedy and seeded, streamed and not, with tools and reasoning) from a
+tp=2 daemon, from a two-"node" group (two launchers on loopback, one rank each,
+multiNodesInferEnabled, moe_ep=2) and from the one-process daemon, all with MTP k=2 on
+the demo model (fixed k, so the acceptance counters can be compared); then a rank killed mid-stream: the stream ends with an error within 30 s,
+/health answers 503, the daemon exits 1 and leaves no process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
+
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.slow, pytest.mark.demo,
+              pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
+DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
+K2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2,"adaptive_speculation":false}'}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+QUESTIONS = ["What is 12 plus 30?", "What is the capital of France?", "Name three colors."]
+
+
+def _env() -> dict:
+    return {"MTP_SERVE_COMPILE": "0"}
+
+
+def _answers(d: Daemon) -> list:
+    client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60)
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        msgs = [{"role": "user", "content": q}]
+        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=40, temperature=0)
+        out.append(r.choices[0].message.content)
+        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=40,
+                                           temperature=0.9, seed=100 + i)
+        out.append(r.choices[0].message.content)
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL_NAME, messages=msgs, max_tokens=40, temperature=0, stream=True) if c.choices)
+        out.append(text)
+    r = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=48, temperature=0, tools=TOOLS,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    out.append([(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []])
+    r = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "What is 7 times 6?"}],
+        extra_body={"chat_template_kwargs": {"thinking": True}})
+    m = r.choices[0].message
+    out.append((getattr(m, "reasoning_content", None), m.content))
+    return out
+
+
+def _acceptance(d: Daemon) -> tuple[int, int]:
+    text = httpx.get(d.metrics + "/metrics", timeout=10).text
+    vals = {}
+    for line in text.splitlines():
+        for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+            if line.startswith(name):
+                vals[name] = vals.get(name, 0) + float(line.split()[-1])
+    return (int(vals.get("spec_decode_num_draft_tokens_total", -1)),
+            int(vals.get("spec_decode_num_accepted_tokens_total", -1)))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    d = Daemon(make_config(folder, DEMO, model=K2), env=_env()).start()
+    try:
+        return _answers(d), _acceptance(d)
+    finally:
+        assert d.terminate() == 0
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:          # a zombie is gone for our purposes
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_tp2_daemon_answers_like_one_process_then_survives_a_dead_rank(tmp_path, reference):
+    ref_answers, ref_acceptance = reference
+    cfg = make_config(tmp_path, DEMO, model={**K2, "worldSize": 2},
+                      backend={"npuDeviceIds": [[0, 1]]})
+    d = Daemon(cfg, env=_env()).start()
+    try:
+        assert _answers(d) == ref_answers
+        assert _acceptance(d) == ref_acceptance         # drafts and accepted counts equal
+        status = d.status()
+        par = status["runtime"]["parallel"]
+        assert (par["world_size"], par["moe_tp"], par["moe_ep"]) == (2, 2, 1)
+        pids = par["worker_pids"]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+
+        # A long stream, then rank 1 dies under it.
+        client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60, max_retries=0)
+        stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", stream=True,
+                                           max_tokens=400, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as err:
+            for _chunk in stream:
+                pass
+        assert time.monotonic() - t0 < 30
+        assert "rank" in str(err.value) or "worker" in str(err.value)
+        assert httpx.get(d.base + "/health", timeout=5).status_code == 503
+        st = d.status()
+        assert st["status"] == "unhealthy" and "rank" in st["error"]
+        assert d.proc.wait(30) == 1
+        assert "worker group failed" in d.output()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "a rank outlived the daemon"
+    finally:
+        d.kill()
+
+
+def test_two_node_group_on_loopback(tmp_path, reference):
+    ref_answers, _ = reference
+    cfg = make_config(tmp_path, DEMO, model={**K2, "worldSize": 2, "moe_ep": 2},
+                      backend={"multiNodesInferEnabled": True, "interNodeTLSEnabled": False})
+    env = {**_env(), "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    node1 = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg)],
+                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env,
+                                            "NODE_RANK": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    d = Daemon(cfg, env={**env, "NODE_RANK": "0"})
+    try:
+        d.start()
+        assert d.status()["runtime"]["parallel"]["worker_pids"].__len__() == 1   # one rank here
+        assert _answers(d) == ref_answers
+        assert d.terminate() == 0
+        out, _ = node1.communicate(timeout=30)
+        assert node1.returncode == 0, out
+        assert "the group was shut down" in out
+    finally:
+        d.kill()
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(10)
