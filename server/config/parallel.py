@@ -36,7 +36,7 @@ class ParallelLayout:
 def _moe_sizes(mc: ModelConfig, tp: int) -> tuple[int, int]:
     world = mc.world_size
     if mc.moe_tp is None and mc.moe_ep is None:
-        return tp, 1
+        return world, 1            # MindIE: moe_tp = tp, which must be worldSize here
     if mc.moe_tp is None:
         return max(1, world // mc.moe_ep), mc.moe_ep
     if mc.moe_ep is None:
@@ -82,7 +82,7 @@ def parallel_issues(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
                           related=(f"{p}.worldSize", f"{p}.moe_tp", f"{p}.moe_ep"))
     if not b.multi_nodes_infer_enabled:
         ids = b.npu_device_ids[0]
-        if world > 1 and len(ids) != world:
+        if len(ids) != world:
             yield ConfigIssue(f"{BC}.npuDeviceIds", [list(ids)],
                               f"one list of worldSize ({world}) device ids, e.g. "
                               f"{[list(range(world))]}",

@@ -149,9 +149,11 @@ def test_two_node_group_on_loopback(tmp_path, reference):
     d = Daemon(cfg, env={**env, "NODE_RANK": "0"})
     try:
         d.start()
-        assert d.status()["runtime"]["parallel"]["worker_pids"].__len__() == 1   # one rank here
+        pids = d.status()["runtime"]["parallel"]["worker_pids"]
+        assert len(pids) == 1                             # rank 0 here, rank 1 on "node 1"
         assert _answers(d) == ref_answers
-        assert d.terminate() == 0
+        assert d.terminate() == 0                          # SIGTERM: drain, stop every rank
+        assert not any(_alive(p) for p in pids)
         out, _ = node1.communicate(timeout=30)
         assert node1.returncode == 0, out
         assert "the group was shut down" in out

@@ -42,7 +42,6 @@ IGNORED = [
     (f"{SV}.layerwiseDisaggregated", True, False),
     (f"{BC}.backendName", "other_engine", "mindieservice_llm_engine"),
     (f"{BC}.tokenizerProcessNumber", 4, 8),
-    (f"{BC}.multiNodesInferPort", 2000, 1120),
     (f"{BC}.interNodeTLSEnabled", False, True),
     (f"{BC}.interNodeTlsCert", "node.pem", "security/grpc/certs/server.pem"),
     (f"{BC}.npuDeviceIds", [[3]], [[0]]),

@@ -56,24 +56,30 @@ INVALID = [
     ("weight-path-missing", {f"{MC0}.modelWeightPath": DELETE}, f"{MC0}.modelWeightPath", "required"),
     ("world-size-zero", {f"{MC0}.worldSize": 0}, f"{MC0}.worldSize", "[1, "),
     ("dp-zero", {f"{MC0}.dp": 0}, f"{MC0}.dp", "-1 (unset) or 1"),
-    # one model on one device: a parallel size, device list, pool or TLS key this daemon
-    # would ignore is refused (an operator would be misled about where and how it runs)
-    ("world-size-four", {f"{MC0}.worldSize": 4}, f"{MC0}.worldSize", "one device"),
-    ("tp-two", {f"{MC0}.tp": 2}, f"{MC0}.tp", "1 or unset"),
+    # parallel layouts that do not fit together, and kinds of parallelism not built, are
+    # refused (an operator would be misled about where and how it runs)
+    ("world-size-four-one-device", {f"{MC0}.worldSize": 4}, "BackendConfig.npuDeviceIds",
+     "one list of worldSize (4) device ids"),
+    ("tp-two", {f"{MC0}.tp": 2}, f"{MC0}.tp", "worldSize (1)"),
     ("dp-two", {f"{MC0}.dp": 2}, f"{MC0}.dp", "-1 (unset) or 1"),
     ("cp-two", {f"{MC0}.cp": 2}, f"{MC0}.cp", "context parallelism"),
     ("sp-two", {f"{MC0}.sp": 2}, f"{MC0}.sp", "sequence parallelism"),
-    ("moe-tp-two", {f"{MC0}.moe_tp": 2}, f"{MC0}.moe_tp", "1 or unset"),
-    ("moe-ep-eight", {f"{MC0}.moe_ep": 8}, f"{MC0}.moe_ep", "expert parallelism"),
+    ("moe-tp-two", {f"{MC0}.moe_tp": 2}, f"{MC0}.moe_tp", "moe_tp * moe_ep == worldSize (1)"),
+    ("moe-ep-eight", {f"{MC0}.moe_ep": 8}, f"{MC0}.moe_ep", "moe_tp * moe_ep == worldSize (1)"),
+    ("moe-ep-three-of-four", {f"{MC0}.worldSize": 4, f"{MC0}.moe_ep": 3,
+                              "BackendConfig.npuDeviceIds": [[0, 1, 2, 3]]},
+     f"{MC0}.moe_ep", "moe_tp * moe_ep == worldSize (4)"),
     ("pp-two", {f"{MC0}.pp": 2}, f"{MC0}.pp", "pipeline parallelism"),
-    ("npu-device-ids-four", {"BackendConfig.npuDeviceIds": [[0, 1, 2, 3]]},
-     "BackendConfig.npuDeviceIds", "[[0]]"),
+    ("npu-device-ids-four-for-one-rank", {"BackendConfig.npuDeviceIds": [[0, 1, 2, 3]]},
+     "BackendConfig.npuDeviceIds", "worldSize (1)"),
     ("npu-device-ids-two-groups", {"BackendConfig.npuDeviceIds": [[0], [1]]},
-     "BackendConfig.npuDeviceIds", "one device"),
+     "BackendConfig.npuDeviceIds", "exactly one"),
+    ("npu-device-ids-repeated", {f"{MC0}.worldSize": 2, "BackendConfig.npuDeviceIds": [[1, 1]]},
+     "BackendConfig.npuDeviceIds", "distinct"),
     ("model-instances-two", {"BackendConfig.modelInstanceNumber": 2},
      "BackendConfig.modelInstanceNumber", "one model instance"),
-    ("multi-node", {"BackendConfig.multiNodesInferEnabled": True},
-     "BackendConfig.multiNodesInferEnabled", "multi-node"),
+    ("multi-node-without-saying-tls-is-off", {"BackendConfig.multiNodesInferEnabled": True},
+     "BackendConfig.interNodeTLSEnabled", "not encrypted"),
     ("kv-pool-backend", {"BackendConfig.kvPoolConfig": {"backend": "mooncake", "configPath": ""}},
      "BackendConfig.kvPoolConfig.backend", "KV cache pooling"),
     ("kv-pool-config-path", {"BackendConfig.kvPoolConfig.configPath": "/etc/pool.json"},
@@ -158,16 +164,16 @@ def test_rule_refuses_with_path(case_id, edits, path, text, tmp_path):
     assert len(issues) == 1, [str(i) for i in issues]      # one mistake, one report
 
 
-@pytest.mark.parametrize("name,paths", [
-    ("mindie_shipped.json", {f"{MC0}.worldSize", "BackendConfig.npuDeviceIds"}),
-    ("deepseek_mtp_prefix.json", {f"{MC0}.worldSize", f"{MC0}.tp", "BackendConfig.npuDeviceIds"}),
+@pytest.mark.parametrize("name,layout", [
+    ("mindie_shipped.json", (4, 4, 4, 1, (0, 1, 2, 3))),
+    ("deepseek_mtp_prefix.json", (8, 8, 8, 1, tuple(range(8)))),
 ])
-def test_multi_device_files_are_refused(name, paths, tmp_path):
-    """MindIE's own 4- and 8-device examples: every field that asks for more than one device
-    is named (tests/config/test_valid_configs.py loads them cut down to one device)."""
-    issues = issues_of(fixture(name), tmp_path)
-    assert {i.path for i in issues} == paths, [str(i) for i in issues]
-    assert all("one device" in i.message or "one device" in i.allowed for i in issues)
+def test_multi_device_files_load_with_their_layout(name, layout, tmp_path):
+    """MindIE's own 4- and 8-device examples load verbatim: worldSize ranks, tp = worldSize,
+    the MoE layers split moe_tp = worldSize ways, one device id per rank."""
+    write_weights(tmp_path / "tiny-model")
+    lay = parse_config(fixture(name), base_dir=tmp_path, env={}).parallel
+    assert (lay.world_size, lay.tp, lay.moe_tp, lay.moe_ep, lay.device_ids) == layout
 
 
 def test_plane_tls_keys_at_defaults_are_accepted_with_https(tmp_path):
@@ -275,3 +281,30 @@ def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "nope.json", env={})
     assert "cannot read" in info.value.issues[0].message
+
+
+MULTI_NODE = {f"{MC0}.worldSize": 4, "BackendConfig.multiNodesInferEnabled": True,
+              "BackendConfig.interNodeTLSEnabled": False}
+
+
+@pytest.mark.parametrize("env,path,text", [
+    ({"NNODES": "3"}, "$NNODES", "a divisor of worldSize (4)"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "$NODE_RANK", "0 .. NNODES - 1 (1)"),
+    ({"NNODES": "two"}, "$NNODES", "non-negative integer"),
+    ({"NNODES": "2", "MASTER_PORT": "80"}, "$MASTER_PORT", "1024..65535"),
+])
+def test_multi_node_environment_is_checked(env, path, text, tmp_path):
+    issues = issues_of(edited(minimal(), MULTI_NODE), tmp_path, env)
+    assert [i.path for i in issues] == [path], [str(i) for i in issues]
+    assert text in issues[0].allowed or text in issues[0].message
+
+
+def test_multi_node_layout_from_the_environment(tmp_path):
+    """npuDeviceIds is ignored for multi-node (as in MindIE); the master port defaults to
+    multiNodesInferPort."""
+    write_weights(tmp_path / "tiny-model")
+    doc = edited(minimal(), {**MULTI_NODE, "BackendConfig.multiNodesInferPort": 2345})
+    lay = parse_config(doc, base_dir=tmp_path,
+                       env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5"}).parallel
+    assert (lay.world_size, lay.nnodes, lay.node_rank, lay.master_addr, lay.master_port) == \
+        (4, 2, 1, "10.0.0.5", 2345)

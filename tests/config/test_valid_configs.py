@@ -30,8 +30,8 @@ VALID = [
         "model_name": "tiny", "model_config.world_size": 1, "model_config.npu_mem_size": -1,
         "backend.npu_device_ids": ((0,),), "model_config.backend_type": "torch", "max_n": 128,
         "async_scheduling": False, "metrics_enabled": True, "warnings": ()}),
-    # MindIE's multi-device examples, cut down to the one device this daemon serves on
-    # (verbatim, they are refused: test_invalid_configs.py::test_multi_device_files_are_refused)
+    # MindIE's multi-device examples, cut down to one device (verbatim, they load as rank
+    # groups: test_invalid_configs.py::test_multi_device_files_load_with_their_layout)
     ("mindie-shipped-example", fixture("mindie_shipped.json"), ONE_DEVICE, {
         "model_name": "llama_65b", "server.https_enabled": True, "management_ip": "127.0.0.2",
         "server.health_check.npu_usage_threshold": 0, "schedule.max_queue_delay_microseconds": 5000,

@@ -115,3 +115,12 @@ def test_shard_weights_are_at_most_060_of_the_whole(capsys):
 def test_shapes_that_do_not_divide_are_refused(tiny_path):
     with pytest.raises(CheckpointError, match="cannot be split over 3 ranks .moe_tp 3, moe_ep 1.: vocab_size .512. does not divide by 3"):
         load_checkpoint(tiny_path, plan=ParallelPlan(3, 0, 3, 1))
+
+
+def test_a_rank_that_cannot_start_is_named(tiny_path):
+    """Three ranks cannot split 4 heads / 512 vocabulary rows: the start fails with
+    the rank and the reason, and no rank process is left behind."""
+    cfg = dataclasses.replace(BASE, parallel=ParallelConfig(world_size=3, moe_tp=3, moe_ep=1,
+                                                            master_port=free_port()))
+    with pytest.raises(RuntimeError, match=r"rank \d: .*cannot be split over 3 ranks"):
+        LLMEngine(inspect_checkpoint(tiny_path), cfg, eos_token_ids=set())
