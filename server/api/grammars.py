@@ -13,7 +13,8 @@ grammar text (the engine applies it as a token mask: server/engine/grammar.py).
   of the V3 format is part of the grammar, so the server no longer writes it into the
   prompt for the model to repeat.
 
-JSON is written as ``json.dumps`` writes it (``", "`` and ``": "``, no other
+Objects that list ``properties`` get no other keys unless the schema allows them
+(``_close_objects``).  JSON is written as ``json.dumps`` writes it (``", "`` and ``": "``, no other
 whitespace): the model cannot stall in whitespace and the text is what DeepSeek models
 emit.  A grammar's text is its cache key: the engine compiles each distinct grammar once.
 """
@@ -45,12 +46,37 @@ class GrammarRequest:
     param: str              # the request field it came from (for errors)
 
 
+def _close_objects(node: Any) -> None:
+    """An object schema that lists ``properties`` and says nothing about extra ones gets
+    none (``additionalProperties: false``), as xgrammar's default strict mode and OpenAI's
+    strict mode do: otherwise a model can wander off into invented keys that no client
+    expects (Pydantic's schemas, e.g. LangChain's, never say)."""
+    if isinstance(node, list):
+        for item in node:
+            _close_objects(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if "properties" in node and not {"additionalProperties", "patternProperties",
+                                     "unevaluatedProperties"} & node.keys():
+        node["additionalProperties"] = False
+    for key, value in node.items():
+        if key in ("properties", "$defs", "definitions", "dependentSchemas"):
+            if isinstance(value, dict):
+                for sub in value.values():
+                    _close_objects(sub)
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not",
+                     "additionalProperties", "contains", "then", "else", "if"):
+            _close_objects(value)
+
+
 def _schema(schema: Any, strict: bool, param: str) -> dict:
     if isinstance(schema, bool):              # JSON Schema allows true/false
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise bad_request("the JSON schema must be an object", param)
     out = copy.deepcopy(schema)
+    _close_objects(out)
     guidance = dict(out.get("x-guidance") or {})
     guidance.update(_JSON_STYLE, lenient=not strict)
     out["x-guidance"] = guidance
