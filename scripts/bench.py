@@ -14,7 +14,12 @@ Usage:
                                                                # (DIR from scripts/quantize.py)
   scripts/bench.py --compare kv                                # MTP k=1: float vs int8 KV cache
   scripts/bench.py --compare compile                           # MTP k=1: uncompiled vs compiled
+  scripts/bench.py --compare tp                                # MTP k=1: one process vs tp=2 ranks
                                                                # (first start and later start)
+  scripts/bench.py --compare kvpool                            # prefix cache without / with the
+                                                               # host KV tier (bench_kvpool.py)
+  scripts/bench.py --compare structured [--concurrency 16]     # MTP k=1: with vs without a
+                                                               # json_schema (bench_structured.py)
   scripts/bench.py --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027  # a running daemon
 """
 from __future__ import annotations
@@ -60,7 +65,8 @@ def _free_port() -> int:
 
 
 def _write_config(base: Path, workdir: Path, spec_tokens: int,
-                  weights_override: Path | None = None, kv_int8: bool = False) -> tuple[Path, int, int]:
+                  weights_override: Path | None = None, kv_int8: bool = False,
+                  world_size: int = 1) -> tuple[Path, int, int]:
     cfg = json.loads(base.read_text())
     port, mport = _free_port(), _free_port()
     srv = cfg["ServerConfig"]
@@ -79,6 +85,9 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int,
         models.setdefault(key, {}).setdefault("kv_cache_options", {})["kv_cache_dtype"] = "int8"
     mc["plugin_params"] = (json.dumps({"plugin_type": "mtp", "num_speculative_tokens": spec_tokens})
                            if spec_tokens > 0 else "")
+    if world_size > 1:                     # tensor parallel over world_size rank processes
+        mc["worldSize"] = world_size
+        cfg["BackendConfig"]["npuDeviceIds"] = [list(range(world_size))]
     sched = cfg["BackendConfig"]["ScheduleConfig"]
     sched["maxBatchSize"] = max(int(sched.get("maxBatchSize", 64)), 64)
     sched["maxPrefillBatchSize"] = min(int(sched.get("maxPrefillBatchSize", 16)), sched["maxBatchSize"])
@@ -90,9 +99,10 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int,
 def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
                  async_scheduling: bool = False, weights: Path | None = None,
                  kv_int8: bool = False, timeout: float = 300.0,
-                 extra_env: dict[str, str] | None = None) -> Target:
+                 extra_env: dict[str, str] | None = None, world_size: int = 1) -> Target:
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights, kv_int8)
+    cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights, kv_int8,
+                                          world_size)
     log = open(workdir / "daemon.log", "w")
     env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
                MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0", **(extra_env or {}))
@@ -349,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
-    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile"), default="mtp",
+    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp",
+                                          "structured"),
+                    default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
                          "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
@@ -367,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
+    if args.compare == "kvpool":
+        from bench_kvpool import main as kvpool_main
+        return kvpool_main(args)
+    if args.compare == "structured":
+        from bench_structured import main as structured_main
+        return structured_main(args)
 
     levels = [int(x) for x in (args.concurrency or
                                ("1,4,16,64" if args.compare == "mtp" else "1,16,64")).split(",")]
@@ -382,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("cold", 1, False, None, False, fresh), ("warm", 1, False, None, False, fresh)),
             "quant": (("float", 1, False, None, False), ("int8", 1, False, args.quantized, False)),
             "kv": (("kvfp", 1, False, None, False), ("kvint8", 1, False, None, True)),
+            # MTP k=1 on one process vs two tensor-parallel ranks (static step, uncompiled
+            # on both: the ranks do not compile their step)
+            "tp": (("tp1", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}, 1),
+                   ("tp2", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}, 2)),
             "mtp": (("off", 0, False, None, False), ("k1", 1, False, None, False),
                     ("k2", 2, False, None, False))}[args.compare]
     import torch
@@ -403,11 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             targets.append(Target("url", args.url.rstrip("/"), args.metrics_url or args.url + "/metrics"))
         else:
-            for name, k, async_on, target_weights, kv_int8, *env in plan:
+            for name, k, async_on, target_weights, kv_int8, *extra in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
                 targets.append(start_daemon(name, args.config_file, k, args.threads, async_on,
                                             target_weights, kv_int8,
-                                            extra_env=env[0] if env else None))
+                                            extra_env=extra[0] if extra else None,
+                                            world_size=extra[1] if len(extra) > 1 else 1))
         model = asyncio.run(model_id(targets[0]))
         runtimes = {t.name: runtime_of(t) for t in targets}
         ttft_prompt = long_prompt(weights, 200)
