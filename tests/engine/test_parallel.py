@@ -93,6 +93,21 @@ def test_random_checkpoint_identical_k2(tiny_path):
     assert _parallel(tiny_path, 2, "tp4-moe2x2") == _single(tiny_path, 2)
 
 
+def test_fp8_checkpoint_identical(tmp_path):
+    """Block-FP8 weights (read whole per rank, dequantized, then cut) served in float32."""
+    path = str(make_tiny_checkpoint(tmp_path / "fp8", seed=2, fp8=True))
+    model, _ = load_checkpoint(path, dtype=torch.float32)
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=1, dtype="float32")
+    ref = run_tokens(LLMEngine(model.eval(), cfg, eos_token_ids=set()), _requests(512))
+    par = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=2, moe_tp=2, moe_ep=1,
+                                                           master_port=free_port()))
+    engine = LLMEngine(inspect_checkpoint(path), par, eos_token_ids=set())
+    try:
+        assert run_tokens(engine, _requests(512)) == ref
+    finally:
+        engine.shutdown()
+
+
 def test_transformers_checkpoint_identical(hf_path):
     assert _parallel(hf_path, 0, "ep2") == _single(hf_path, 0)
 
