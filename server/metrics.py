@@ -17,7 +17,7 @@ Adaptive speculation (engine/mtp.py AdaptiveK), refreshed at scrape:
   spec_decode_steps_total{k}                 engine steps that drafted k tokens
 KV tiers (engine/host_tier.py), refreshed at scrape; ``cpu_cache_usage_perc`` is the host
 tier's usage and ``num_requests_swapped`` the requests whose blocks wait there:
-  prefix_cache_hit_tokens_total{tier}        prompt tokens found on the device / in the host tier
+  prefix_cache_hit_tokens_total{tier}        prompt tokens found on the device / host tier / disk
   kv_tier_bytes_total{direction}             bytes moved device -> host (save) / host -> device (load)
   kv_preemptions_total{mode}                 preemptions that swapped / recomputed
 """
@@ -123,6 +123,7 @@ class ServingMetrics:
         self._tier_counters = {
             "prefix_cache_hits": hits.labels(model_name, "device"),
             "host_cache_hits": hits.labels(model_name, "host"),
+            "disk_cache_hits": hits.labels(model_name, "disk"),
             "kv_bytes_saved": moved.labels(model_name, "save"),
             "kv_bytes_loaded": moved.labels(model_name, "load"),
             "num_swapped_out": preempt.labels(model_name, "swap"),

@@ -46,7 +46,13 @@ def stats_view(stats: EngineStats) -> dict:
                            "usage": float(stats.host_usage),
                            "hit_tokens": stats.host_cache_hits,
                            "bytes_saved": stats.kv_bytes_saved, "bytes_loaded": stats.kv_bytes_loaded,
-                           "num_requests_swapped": stats.num_requests_swapped}
+                           "num_requests_swapped": stats.num_requests_swapped,
+                           "disk": {"total_blocks": stats.disk_blocks_total,
+                                    "used_blocks": stats.disk_blocks_used,
+                                    "hit_tokens": stats.disk_cache_hits,
+                                    "bytes_written": stats.disk_bytes_written,
+                                    "bytes_read": stats.disk_bytes_read,
+                                    "corrupt_files": stats.disk_corrupt_files}}
     return raw
 
 

@@ -4,7 +4,9 @@
 MindIE passes ``configPath`` to the pool backend (for mooncake, a client JSON).  For the
 "host" backend it is an optional JSON object with snake_case keys, read once at load:
 
-  {"mem_size_gb": 8}        host memory for the pool in GB (default: cpuMemSize)
+  {"mem_size_gb": 8,        host memory for the pool in GB (default: cpuMemSize)
+   "disk_path": "kv-disk",  a folder for the disk tier (relative to the config's folder)
+   "disk_size_gb": 50}      its size bound in GB (required with disk_path)
 
 Rules that read files live here (the loader calls ``load_pool_settings``); the ones that
 read only config.json fields are in rules.py.
@@ -12,6 +14,7 @@ read only config.json fields are in rules.py.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,8 @@ class HostPoolFile(BaseModel):
     """The JSON object at ``configPath`` for the "host" backend (unknown keys refused)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     mem_size_gb: float | None = Field(None, gt=0, le=1 << 20)
+    disk_path: str | None = Field(None, min_length=1)
+    disk_size_gb: float | None = Field(None, gt=0, le=1 << 30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,8 @@ class KvPoolSettings:
     config_file: Path | None = None    # configPath, absolute
     mem_size_gb: float | None = None   # from the file; None: cpuMemSize
     async_write: bool = False
+    disk_dir: Path | None = None       # disk tier folder, absolute (None: no disk tier)
+    disk_size_gb: float = 0.0
 
 
 def load_pool_settings(doc: MindIEConfig, base: Path,
@@ -45,11 +52,11 @@ def load_pool_settings(doc: MindIEConfig, base: Path,
     where = f"{KP}.configPath"
     issues: list[ConfigIssue] = []
     file = (base / pool.config_path).resolve() if pool.config_path else None
-    mem = None
+    settings = HostPoolFile()
     if file is not None and check_files:
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
-            mem = HostPoolFile.model_validate(raw).mem_size_gb
+            settings = HostPoolFile.model_validate(raw)
         except OSError as exc:
             issues.append(ConfigIssue(where, pool.config_path, "a readable JSON file",
                                       f"KV pool settings not readable: {exc.strerror or exc}"))
@@ -60,4 +67,17 @@ def load_pool_settings(doc: MindIEConfig, base: Path,
             else:
                 issues.append(ConfigIssue(where, pool.config_path, "a JSON object",
                                           f"KV pool settings are not JSON: {exc}"))
-    return KvPoolSettings(pool.backend, file, mem, pool.async_write), issues
+    disk_dir = None
+    if (settings.disk_path is None) != (settings.disk_size_gb is None):
+        have, need = ("disk_path", "disk_size_gb") if settings.disk_path else ("disk_size_gb", "disk_path")
+        issues.append(ConfigIssue(f"{where} ({file.name}).{need}", None, f"set together with {have}",
+                                  f"the disk tier needs both disk_path and disk_size_gb"))
+    elif settings.disk_path is not None:
+        disk_dir = (file.parent / settings.disk_path).resolve()
+        parent = disk_dir if disk_dir.exists() else disk_dir.parent
+        if not (parent.is_dir() and os.access(parent, os.W_OK)):
+            issues.append(ConfigIssue(f"{where} ({file.name}).disk_path", settings.disk_path,
+                                      "a writable folder (or one that can be made in a writable one)",
+                                      f"disk tier folder not usable: {disk_dir}"))
+    return KvPoolSettings(pool.backend, file, settings.mem_size_gb, pool.async_write, disk_dir,
+                          settings.disk_size_gb or 0.0), issues

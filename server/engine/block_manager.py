@@ -19,12 +19,18 @@ tier: those blocks get fresh device blocks and are loaded back instead of recomp
 With ``swap`` the scheduler may swap a preempted sequence's blocks out (``swap_out``) and
 back in on resume (``swap_in``).  Every move is queued here as plain (source,
 destination) pairs that the scheduler puts in the step message (``take_transfers``).
+With a disk tier (disk_tier.py) too, a block saved to the host tier is also written to
+disk, and a match goes on from the host tier into files verified before they count.
+
+Hashes are stable across processes (ints only, no ``None``, whose hash is an address
+before Python 3.12), so blocks a previous daemon wrote to disk are found again.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from server.engine.disk_tier import DiskTier
 from server.engine.host_tier import HostTier
 from server.engine.sequence import Sequence
 
@@ -41,7 +47,9 @@ class PrefixMatch:
     block_ids: list[int]             # matched device blocks
     hashes: list[int]                # every matched block: the device run, then the host run
     num_free_hits: int               # matched device blocks currently free (leave the free pool on use)
-    host_slots: tuple[int, ...] = ()  # host tier slots of the blocks after the device run
+    # each block after the device run: its host tier slot (int), or its bytes read from
+    # the disk tier and verified (bytes)
+    tier_sources: tuple[int | bytes, ...] = ()
 
     @property
     def num_blocks(self) -> int:     # blocks whose KV need not be computed
@@ -54,20 +62,24 @@ class PrefixMatch:
 
 @dataclass(slots=True)
 class Transfers:
-    """Copies queued for the next step message: (device block, host slot) saves and
-    (host slot, device block) loads."""
-    saves: list[tuple[int, int]]
-    loads: list[tuple[int, int]]
+    """Copies queued for the next step message: (device block, host slot) saves,
+    (host slot, device block) loads, (host slot, hash, path) disk writes of saved blocks
+    and (payload, device block) loads from disk."""
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    disk_writes: list[tuple[int, int, str]] = field(default_factory=list)
+    disk_loads: list[tuple[bytes, int]] = field(default_factory=list)
 
 
 def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | None) -> int:
-    return hash((parent, next_token, tokens))
+    return hash((-1 if parent is None else parent, -1 if next_token is None else next_token,
+                 tokens))
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = False,
                  hash_next_token: bool = True, host: HostTier | None = None,
-                 host_prefix: bool = False) -> None:
+                 host_prefix: bool = False, disk: DiskTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -84,9 +96,11 @@ class BlockManager:
         self.host = host
         self.host_prefix = host is not None and host_prefix and enable_prefix_cache
         self.num_host_hits = 0                                      # found in the host tier
+        self.disk = disk if self.host_prefix else None
+        self.num_disk_hits = 0                                      # found on disk
         self.num_blocks_saved = 0                                   # device -> host copies
         self.num_blocks_loaded = 0                                  # host -> device copies
-        self._transfers = Transfers([], [])
+        self._transfers = Transfers()
 
     # ---- figures --------------------------------------------------------------------
     @property
@@ -129,21 +143,23 @@ class BlockManager:
         hashes: list[int] = []
         free_hits = 0
         parent = None
-        slots: list[int] = []
+        sources: list[int | bytes] = []
         for b in range(num_full):
             h = self._block_hashes(seq.token_ids, b + 1, b, parent)[0]
-            bid = self._cached.get(h) if not slots else None
+            bid = self._cached.get(h) if not sources else None
             if bid is not None:
                 ids.append(bid)
                 free_hits += self.blocks[bid].ref_count == 0
-            else:                          # the device run ended: the host tier may go on
-                slot = self.host.lookup(h) if self.host_prefix else None
-                if slot is None:
+            else:                          # the device run ended: the tiers may go on
+                src = self.host.lookup(h) if self.host_prefix else None
+                if src is None and self.disk is not None:
+                    src = self.disk.read(h)            # verified, or None (a miss)
+                if src is None:
                     break
-                slots.append(slot)
+                sources.append(src)
             hashes.append(h)
             parent = h
-        return PrefixMatch(ids, hashes, free_hits, tuple(slots))
+        return PrefixMatch(ids, hashes, free_hits, tuple(sources))
 
     def register_computed(self, seq: Sequence) -> None:
         """Hash the blocks that became fully computed (call after each step)."""
@@ -179,6 +195,9 @@ class BlockManager:
                     slot = self.host.store(block.block_hash)
                     if slot is not None:   # (None: the tier holds it already, or is all swap)
                         self._save(bid, slot)
+                        path = self.disk.plan_write(block.block_hash) if self.disk else None
+                        if path is not None:
+                            self._transfers.disk_writes.append((slot, block.block_hash, path))
                 block.block_hash = None
         self.blocks[bid].ref_count = 1
         return bid
@@ -193,7 +212,7 @@ class BlockManager:
 
     def take_transfers(self) -> Transfers:
         """The copies queued since the last call (they go into this step's message)."""
-        out, self._transfers = self._transfers, Transfers([], [])
+        out, self._transfers = self._transfers, Transfers()
         return out
 
     def allocate(self, seq: Sequence, match: PrefixMatch, num_slots: int) -> None:
@@ -205,15 +224,20 @@ class BlockManager:
                 del self._free_cached[bid]
             block.ref_count += 1
         seq.block_table = list(match.block_ids)
-        host_hashes = match.hashes[match.num_device_blocks:]
-        for h in host_hashes:              # most recently used before any slot is taken
+        tier_hashes = match.hashes[match.num_device_blocks:]
+        for h in tier_hashes:              # most recently used before any slot is taken
             self.host.touch(h)
-        for h, slot in zip(host_hashes, match.host_slots):
+        num_disk = 0
+        for h, src in zip(tier_hashes, match.tier_sources):
             bid = self._take_free()
             block = self.blocks[bid]
             block.block_hash = h           # findable at once: the load runs before any read
             self._cached[h] = bid
-            self._load(slot, bid)
+            if isinstance(src, bytes):
+                self._transfers.disk_loads.append((src, bid))
+                num_disk += 1
+            else:
+                self._load(src, bid)
             seq.block_table.append(bid)
         seq.block_hashes = list(match.hashes)
         seq.num_hashed_blocks = match.num_blocks
@@ -221,7 +245,8 @@ class BlockManager:
         if self.enable_prefix_cache:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += match.num_device_blocks * self.block_size
-            self.num_host_hits += len(host_hashes) * self.block_size
+            self.num_host_hits += (len(tier_hashes) - num_disk) * self.block_size
+            self.num_disk_hits += num_disk * self.block_size
         self.append_slots(seq, num_slots)
 
     # ---- swap (preemption through the host tier) ----------------------------------------

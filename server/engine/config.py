@@ -63,6 +63,8 @@ class EngineConfig:
     host_cache_prefix: bool = False         # evicted prefix-cache blocks go there (kvPoolConfig "host")
     swap_preemption: bool = False           # preempted requests swap there when it has room
     kv_pool_async_write: bool = False       # kvPoolConfig.asyncWrite: saves finish after the step (CUDA)
+    disk_cache_dir: str | None = None       # disk tier behind the host tier (disk_tier.py); None = none
+    disk_cache_gb: float = 0.0              # its size bound in GiB
     # execution
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
     async_executor: str = "auto"            # where the worker runs then: process | thread | auto
@@ -100,6 +102,8 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         host_cache_prefix=bool(app.kv_pool.backend),
         swap_preemption=sched.max_preempt_count > 0,
         kv_pool_async_write=app.kv_pool.async_write,
+        disk_cache_dir=str(app.kv_pool.disk_dir) if app.kv_pool.disk_dir else None,
+        disk_cache_gb=app.kv_pool.disk_size_gb,
         compile=app.compile_mode,
         parallel=_parallel_config(app),
         tokenizer_dir=str(app.model_weight_path),

@@ -12,10 +12,12 @@ the step it just launched.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import logging
 import random
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +25,9 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.executor import InProcessExecutor
+from server.engine.disk_tier import DiskTier
 from server.engine.host_tier import HostTier
+from server.engine.kv_file import HEADER_BYTES
 from server.engine.worker_process import ProcessExecutor
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.output import OutputProcessor, final_output
@@ -106,7 +110,8 @@ class LLMEngine:
                                              enable_prefix_cache=cfg.enable_prefix_cache,
                                              hash_next_token=k > 0,
                                              host=HostTier(host_blocks) if host_blocks else None,
-                                             host_prefix=cfg.host_cache_prefix)
+                                             host_prefix=cfg.host_cache_prefix,
+                                             disk=self._disk_tier(model, cfg))
         self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k,
                                    async_scheduling=cfg.async_scheduling, clock=clock)
         self.output_processor = OutputProcessor(tokenizer)
@@ -271,6 +276,20 @@ class LLMEngine:
         return EngineStats(**{f: (list(v) if isinstance(v, list) else v)
                               for f, v in ((f, getattr(st, f)) for f in EngineStats.__slots__)})
 
+    def _disk_tier(self, model: Any, cfg: EngineConfig) -> DiskTier | None:
+        """The disk tier, in a folder named after what makes a block's bytes mean something
+        (the model's config and files, block size, MTP-aware hashing, cache layout)."""
+        rt = self.runtime
+        if not (cfg.disk_cache_dir and rt.host_cache_prefix):
+            return None
+        ident = repr((model.config, cfg.tokenizer_dir, cfg.block_size, rt.mtp_enabled,
+                      rt.num_kv_layers, rt.num_int8_kv_layers, rt.kv_block_bytes))
+        fingerprint = hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
+        capacity = int(cfg.disk_cache_gb * (1 << 30)) // (rt.kv_block_bytes + HEADER_BYTES)
+        disk = DiskTier(Path(cfg.disk_cache_dir) / fingerprint, capacity, rt.kv_block_bytes)
+        log.info("disk KV tier: %s, %d blocks (%d found)", disk.dir, capacity, disk.num_blocks)
+        return disk
+
     def _tier_stats(self, st: EngineStats) -> None:
         """The host tier's figures (all 0 without one)."""
         b, sched, host = self.blocks, self.scheduler, self.blocks.host
@@ -287,6 +306,13 @@ class LLMEngine:
         st.num_swapped_out = sched.num_swapped_out
         st.num_swapped_in = sched.num_swapped_in
         st.num_preemptions_recomputed = sched.num_recomputed
+        disk = b.disk
+        st.disk_cache_hits = b.num_disk_hits
+        st.disk_blocks_total = disk.capacity_blocks if disk else 0
+        st.disk_blocks_used = disk.num_blocks if disk else 0
+        st.disk_bytes_written = disk.num_written * self.runtime.kv_block_bytes if disk else 0
+        st.disk_bytes_read = disk.num_read * self.runtime.kv_block_bytes if disk else 0
+        st.disk_corrupt_files = disk.num_corrupt if disk else 0
 
     def idle_wait_s(self) -> float | None:
         """Seconds until queued prefills must run (maxQueueDelayMicroseconds), if idle."""

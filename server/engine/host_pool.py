@@ -3,7 +3,8 @@
 A slot is one byte row holding a whole block: for every cache layer (main layers and the
 MTP layer) every tensor the layer's cache stores per block (float rows; or int8 latent,
 float32 scale and RoPE rows), laid end to end.  So a block moves whole whatever its dtype,
-and one copy per direction crosses the host/device boundary per step.
+and one copy per direction crosses the host/device boundary per step.  The same row is
+what a disk tier file holds (kv_file.py).
 
 The engine decides the moves (host_tier.py, block_manager.py); the step message carries
 them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, device block),
@@ -23,6 +24,8 @@ import logging
 from typing import Sequence
 
 import torch
+
+from server.engine.kv_file import write_block
 
 log = logging.getLogger("server.engine")
 GIB = 1 << 30
@@ -62,7 +65,9 @@ class HostKVPool:
             t.index_copy_(0, ids, part.contiguous().view(t.dtype).view(n, *t.shape[1:]))
 
     # ---- the step's copies ----------------------------------------------------------
-    def apply(self, saves: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]) -> None:
+    def apply(self, saves: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]],
+              disk_writes: Sequence[tuple[int, int, str]] = (),
+              disk_loads: Sequence[tuple[bytes, int]] = ()) -> None:
         self.flush()
         saved = None
         if saves:
@@ -76,8 +81,16 @@ class HostKVPool:
             loaded = self._read_host(load_slots)
         if saved is not None:
             self._write_host(save_slots, saved)
+        if disk_writes:                       # the rows just saved, now final on the host
+            self.flush()
+            for slot, block_hash, path in disk_writes:
+                write_block(path, block_hash, self.data[slot].numpy().data)
         if loaded is not None:
             self._scatter(load_bids, loaded)
+        if disk_loads:
+            rows = torch.frombuffer(bytearray(b"".join(p for p, _ in disk_loads)), dtype=torch.uint8)
+            ids = torch.tensor([b for _, b in disk_loads], dtype=torch.long, device=self.device)
+            self._scatter(ids, rows.view(len(disk_loads), self.bytes_per_block).to(self.device))
 
     def _read_host(self, slots: torch.Tensor) -> torch.Tensor:
         if not self.cuda:

@@ -14,7 +14,8 @@ Per step the scheduler sends one ``SchedulerOutput``:
     back later as new requests, recomputed from their tokens, or with their blocks loaded
     back from the host tier when they were swapped out);
   * ``kv_saves`` / ``kv_loads``: block copies between the device pool and the host tier
-    (host_tier.py) that the worker runs before the step's forward, in step order.
+    (host_tier.py) that the worker runs before the step's forward, in step order;
+    ``kv_disk_writes`` / ``kv_disk_loads`` the same for the disk tier (disk_tier.py).
 
 Placeholders (asynchronous scheduling).  When step n+1 is scheduled before step n's tokens
 reached the host, a cached request carries ``num_output_placeholders = 1 + d``: the most
@@ -69,10 +70,12 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...] = ()   # lost their blocks (they keep their drafts)
     kv_saves: tuple[tuple[int, int], ...] = ()    # (device block, host slot): copied out first
     kv_loads: tuple[tuple[int, int], ...] = ()    # (host slot, device block): then copied in
+    kv_disk_writes: tuple[tuple[int, int, str], ...] = ()  # (host slot, hash, path): saved block to disk
+    kv_disk_loads: tuple[tuple[bytes, int], ...] = ()      # (verified payload, device block)
 
     @property
     def has_kv_transfers(self) -> bool:
-        return bool(self.kv_saves or self.kv_loads)
+        return bool(self.kv_saves or self.kv_loads or self.kv_disk_writes or self.kv_disk_loads)
 
     @property
     def num_scheduled(self) -> int:

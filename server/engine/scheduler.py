@@ -195,7 +195,8 @@ class Scheduler:
         moves = self.blocks.take_transfers()
         return SchedulerOutput(self._step_id, tuple(new), tuple(cached), finished,
                                tuple(s.request_id for s in preempted),
-                               tuple(moves.saves), tuple(moves.loads))
+                               tuple(moves.saves), tuple(moves.loads),
+                               tuple(moves.disk_writes), tuple(moves.disk_loads))
 
     def _schedule_running(self, cached: list[CachedRequestData], preempted: list[Sequence]) -> None:
         i = 0

@@ -59,6 +59,13 @@ class EngineStats:
     num_swapped_out: int = 0             # preemptions that swapped instead of recomputing
     num_swapped_in: int = 0              # resumes that loaded their blocks back
     num_preemptions_recomputed: int = 0  # preemptions that dropped the KV (recompute)
+    # disk KV tier (disk_tier.py); all 0 without one
+    disk_blocks_total: int = 0
+    disk_blocks_used: int = 0
+    disk_cache_hits: int = 0             # prompt tokens found there (verified files)
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    disk_corrupt_files: int = 0          # damaged files found and removed (never served)
 
     @property
     def acceptance_rate(self) -> float:

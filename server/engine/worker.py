@@ -131,7 +131,7 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
         if so.has_kv_transfers:               # before the forward, which reads or reuses them
-            self.host_pool.apply(so.kv_saves, so.kv_loads)
+            self.host_pool.apply(so.kv_saves, so.kv_loads, so.kv_disk_writes, so.kv_disk_loads)
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
             self.proposer.drop(rid)

@@ -72,3 +72,56 @@ def test_evicted_prefix_comes_back_from_host_memory(daemon):
     assert _metric(text, "cpu_cache_usage_perc") == pytest.approx(tier["usage"])
     assert 0 < tier["usage"] <= 1
     assert _metric(text, "num_requests_swapped") == 0
+
+
+def _disk_daemon(folder, weights) -> Daemon:
+    cfg = make_config(
+        folder, weights,
+        model={"plugin_params": '{"plugin_type":"mtp,prefix_cache","num_speculative_tokens":1}',
+               "cpuMemSize": 1},
+        deploy={"maxSeqLen": 256, "maxInputTokenLen": 200},
+        schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1, "cacheBlockSize": 16})
+    (folder / "pool.json").write_text(json.dumps({"disk_path": "kv-disk", "disk_size_gb": 1}))
+    doc = json.loads(cfg.read_text())
+    doc["BackendConfig"]["kvPoolConfig"] = {"backend": "host", "configPath": "pool.json"}
+    cfg.write_text(json.dumps(doc, indent=2))
+    return Daemon(cfg, env={"MTP_SERVE_COMPILE": "0"}, log_level="info").start()
+
+
+def test_disk_tier_keeps_prefixes_across_a_restart(tiny_weights, tmp_path):
+    d = _disk_daemon(tmp_path, tiny_weights)
+    try:
+        first = [_complete(d, _prompt(s)) for s in (1, 2, 3, 4)]   # 1 leaves the device
+        written = d.wait_kv_free()["host_kv_tier"]["disk"]
+        assert written["used_blocks"] > 0 and written["bytes_written"] > 0
+    finally:
+        assert d.terminate() == 0, d.output()[-3000:]
+    files = sorted((tmp_path / "kv-disk").glob("*/*.kvb"))
+    assert len(files) == written["used_blocks"]
+
+    d = _disk_daemon(tmp_path, tiny_weights)                        # empty device and host
+    try:
+        again = _complete(d, _prompt(1))
+        assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]
+        n, cached = again["usage"]["prompt_tokens"], again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        disk = d.wait_kv_free()["host_kv_tier"]["disk"]
+        assert cached == (n - 1) // 16 * 16 == disk["hit_tokens"] and disk["corrupt_files"] == 0
+        text = httpx.get(d.metrics + "/metrics", timeout=10).text
+        assert _metric(text, "prefix_cache_hit_tokens_total", 'tier="disk"') == cached
+    finally:
+        assert d.terminate() == 0, d.output()[-3000:]
+
+    for f in files:                                                 # damage every file
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0x01
+        f.write_bytes(bytes(data))
+    d = _disk_daemon(tmp_path, tiny_weights)
+    try:
+        again = _complete(d, _prompt(1))
+        assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]    # recomputed
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        disk = d.wait_kv_free()["host_kv_tier"]["disk"]
+        assert disk["corrupt_files"] >= 1 and disk["hit_tokens"] == 0
+        assert "is damaged; removed" in d.output()
+    finally:
+        assert d.terminate() == 0, d.output()[-3000:]

@@ -92,3 +92,22 @@ def test_bad_pool_file_refused(body, text, tmp_path):
 def test_host_pool_needs_a_size(tmp_path):
     (issue,) = issues({**PREFIX, f"{KP}.backend": "host", f"{MC0}.cpuMemSize": 0}, tmp_path)
     assert issue.path == f"{MC0}.cpuMemSize" and "size" in issue.message
+
+
+def test_disk_tier_settings(tmp_path):
+    (tmp_path / "pool.json").write_text(json.dumps({"disk_path": "kv-disk", "disk_size_gb": 2}))
+    cfg = load({**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
+                f"{MC0}.cpuMemSize": 1}, tmp_path)
+    ec = engine_config_from_app(cfg)
+    assert ec.disk_cache_dir == str((tmp_path / "kv-disk").resolve()) and ec.disk_cache_gb == 2
+    assert not (tmp_path / "kv-disk").exists()          # made when the engine starts, not by --check
+
+
+@pytest.mark.parametrize("body,key", [({"disk_path": "kv-disk"}, "disk_size_gb"),
+                                      ({"disk_size_gb": 1}, "disk_path"),
+                                      ({"disk_path": "no/such/parent", "disk_size_gb": 1}, "disk_path")])
+def test_disk_tier_settings_refused(body, key, tmp_path):
+    (tmp_path / "pool.json").write_text(json.dumps(body))
+    (issue,) = issues({**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
+                       f"{MC0}.cpuMemSize": 1}, tmp_path)
+    assert issue.path == f"{KP}.configPath (pool.json).{key}", str(issue)

@@ -9,6 +9,7 @@ from helpers import make_engine, prompts, requests, run_tokens, tiny_model
 from server.engine.block_manager import BlockManager
 from server.engine.host_pool import HostKVPool
 from server.engine.host_tier import HostTier
+from server.engine.kv_file import file_name, hash_of_name, read_block, write_block
 from server.engine.protocol import SamplingParams
 from server.engine.sequence import Sequence
 from server.model.latent_cache import Int8LatentCache, LatentCache
@@ -183,3 +184,72 @@ def test_swap_through_the_worker_process():
         assert st.num_swapped_out > 0 and st.num_preemptions_recomputed == 0
     finally:
         engine.shutdown()
+
+
+# ---- the disk tier ------------------------------------------------------------------
+
+def _disk_engine(folder, **kw):
+    return make_engine(tiny_model(), k=1, num_blocks=24, block_size=8, max_batch_size=2,
+                       enable_prefix_cache=True, host_cache_blocks=64, host_cache_prefix=True,
+                       disk_cache_dir=str(folder), disk_cache_gb=0.01, **kw)
+
+
+def _one_round(engine) -> dict:
+    out = {}
+    for rid, p in _prefix_workload(rounds=1)[0]:
+        out.update(run_tokens(engine, requests([p], GREEDY, prefix=rid)))
+    return out
+
+
+def test_disk_tier_survives_a_restart_and_never_serves_a_damaged_file(tmp_path):
+    first = _disk_engine(tmp_path)
+    ref = _one_round(first)
+    written = first.stats()
+    assert written.disk_blocks_used > 0 and written.disk_bytes_written > 0
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]       # named by the fingerprint
+    files = sorted(folder.glob("*.kvb"))
+    assert len(files) == written.disk_blocks_used
+
+    restarted = _disk_engine(tmp_path)                  # a new engine: empty device and host
+    assert _one_round(restarted) == ref
+    st = restarted.stats()
+    assert st.disk_cache_hits > 0 and st.disk_corrupt_files == 0
+    assert st.disk_bytes_read == st.disk_cache_hits // 8 * written.kv_bytes_saved // written.kv_blocks_saved
+
+    flipped, cut = files[0], files[1]
+    data = bytearray(flipped.read_bytes())
+    data[-1] ^= 0x40                                    # a payload bit: the digest catches it
+    flipped.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-10])             # truncated: caught by its length
+    third = _disk_engine(tmp_path)
+    assert _one_round(third) == ref                     # recomputed where a file was damaged
+    st = third.stats()
+    assert st.disk_corrupt_files == 2 and st.disk_cache_hits > 0
+    block_bytes = written.kv_bytes_saved // written.kv_blocks_saved
+    for f in (flipped, cut):          # removed, or written again whole once recomputed
+        assert not f.exists() or read_block(f, hash_of_name(f.name), block_bytes) is not None
+
+
+def test_disk_files_of_another_layout_are_not_read(tmp_path):
+    ref = _one_round(_disk_engine(tmp_path))
+    other = _disk_engine(tmp_path, kv_cache_dtype="int8")   # other bytes per block: own folder
+    _one_round(other)
+    assert other.stats().disk_cache_hits == 0
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+    assert _one_round(_disk_engine(tmp_path)) == ref
+
+
+def test_kv_file_round_trip_and_every_kind_of_damage(tmp_path):
+    path = tmp_path / file_name(-5)
+    assert hash_of_name(path.name) == -5
+    write_block(path, -5, b"x" * 64)
+    assert read_block(path, -5, 64) == b"x" * 64
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]      # no temporary left
+    assert read_block(path, -6, 64) is None                         # another block's file
+    assert read_block(path, -5, 63) is None                         # another layout
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + b"y")
+    assert read_block(path, -5, 64) is None                         # payload changed
+    path.write_bytes(data[:40])
+    assert read_block(path, -5, 64) is None                         # truncated
+    assert read_block(tmp_path / "missing.kvb", -5, 64) is None

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""KV pool benchmark (``scripts/bench.py --compare kvpool``): the prefix cache with and
+without the host KV tier (kvPoolConfig backend "host"), on the demo model, MTP k=1.
+
+Both daemons get a device pool capped at ``maxBatchSize * ceil((maxSeqLen + 1) /
+block) + 1`` blocks (maxBatchSize 4, maxSeqLen 1152: 293 blocks of 16 tokens, 4,688
+tokens) and the same work, run one daemon after the other:
+
+  * hit rate: P distinct prompts of ~1,000 tokens (whose full blocks need about 4x the
+    device pool) requested in R rounds; the rate is prompt tokens found (device + host
+    tier) / prompt tokens looked up, over rounds 2..R (round 1 is cold by construction),
+    from the engine's counters on /v1/status;
+  * TTFT of a ~1,000-token prompt whose blocks were evicted from the device pool: each
+    repetition sends a fresh prompt once, then enough other long prompts to push its
+    blocks out of the device pool, then the prompt again, timed (streamed, first token).
+    Without the tier it is recomputed; with it, its blocks are loaded from host memory.
+  * the greedy outputs of every request, compared between the two daemons.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import ROOT, Target, _free_port, _machine, stop_daemon  # noqa: E402
+
+WORDS = ("the engine verifies each draft token against the main model and keeps the accepted "
+         "prefix before it drafts again while blocks of the cache move between device and host "
+         "memory when the pool runs short").split()
+
+
+def _config(base: Path, workdir: Path, tier: bool) -> tuple[Path, int, int]:
+    cfg = json.loads(base.read_text())
+    port, mport = _free_port(), _free_port()
+    cfg["ServerConfig"].update(ipAddress="127.0.0.1", managementIpAddress="127.0.0.1", port=port,
+                               managementPort=mport, metricsPort=mport, httpsEnabled=False)
+    be = cfg["BackendConfig"]
+    be["kvPoolConfig"] = {"backend": "host" if tier else "", "configPath": "", "asyncWrite": False}
+    dep = be["ModelDeployConfig"]
+    dep.update(maxSeqLen=1152, maxInputTokenLen=1100)
+    mc = dep["ModelConfig"][0]
+    weights = Path(mc["modelWeightPath"])
+    if not weights.is_absolute():
+        mc["modelWeightPath"] = str((base.parent / weights).resolve())
+    mc["plugin_params"] = json.dumps({"plugin_type": "mtp,prefix_cache", "num_speculative_tokens": 1})
+    mc["cpuMemSize"] = 1 if tier else 0
+    be["ScheduleConfig"].update(maxBatchSize=4, maxPrefillBatchSize=4, cacheBlockSize=16,
+                                maxIterTimes=64)
+    path = workdir / "config.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    return path, port, mport
+
+
+def _start(name: str, base: Path, tier: bool, threads: int) -> Target:
+    import os
+    import subprocess
+    import tempfile
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-kvpool-{name}-"))
+    cfg, port, mport = _config(base, workdir, tier)
+    log = open(workdir / "daemon.log", "w")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MTP_SERVE_COMPILE="0",
+               MINDIE_ASYNC_SCHEDULING_ENABLE="0")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300:
+        if "Daemon start success!" in (workdir / "daemon.log").read_text(errors="replace"):
+            return Target(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics",
+                          proc, workdir, time.monotonic() - t0)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"daemon {name} did not start:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
+
+
+def _prompt(seed: int, words: int = 425) -> str:      # ~1,000 tokens (demo tokenizer)
+    rng = random.Random(seed)
+    return f"request {seed}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _complete(client: httpx.Client, t: Target, prompt: str) -> tuple[float, str, int]:
+    """(TTFT s, text, prompt tokens) of one streamed greedy completion."""
+    body = {"model": "deepseek-v3-tiny-mtp", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, n = None, [], 0
+    with client.stream("POST", t.base_url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = chunk["usage"]["prompt_tokens"]
+            for c in chunk.get("choices") or []:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(c.get("text") or "")
+    return ttft or time.perf_counter() - t0, "".join(text), n
+
+
+def _engine(client: httpx.Client, t: Target) -> dict:
+    return client.get(t.metrics_url.rsplit("/metrics", 1)[0] + "/v1/status").json()
+
+
+def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> dict:
+    with httpx.Client(timeout=600) as client:
+        st0 = _engine(client, t)
+        pool_tokens = st0["kv_cache"]["total_blocks"] * st0["kv_cache"]["block_size"]
+        texts: dict[str, str] = {}
+        marks = []
+        n_tokens = 0
+        for r in range(rounds):
+            for i in range(num_prompts):
+                _, texts[f"r{r}-p{i}"], n_tokens = _complete(client, t, _prompt(i))
+            marks.append(_engine(client, t)["engine"])
+        a, b = marks[0], marks[-1]
+        queried = b["prefix_cache_queries"] - a["prefix_cache_queries"]
+        device = b["prefix_cache_hits"] - a["prefix_cache_hits"]
+        host = b["host_cache_hits"] - a["host_cache_hits"]
+        ttfts, restored = [], []
+        for rep in range(reps):
+            seed = 10_000 + rep
+            _complete(client, t, _prompt(seed))                     # its blocks are now cached
+            for j in range(flush):                                  # ... and pushed out
+                _complete(client, t, _prompt(20_000 + rep * 100 + j))
+            before = _engine(client, t)["engine"]
+            ttft, texts[f"ttft{rep}"], _ = _complete(client, t, _prompt(seed))
+            after = _engine(client, t)["engine"]
+            ttfts.append(ttft)
+            restored.append((after["host_cache_hits"] - before["host_cache_hits"],
+                             after["prefix_cache_hits"] - before["prefix_cache_hits"]))
+        st = _engine(client, t)
+    return {"device_pool_tokens": pool_tokens, "prompt_tokens": n_tokens,
+            "prefix_tokens_over_pool": round(num_prompts * (n_tokens // 16 * 16) / pool_tokens, 2),
+            "hit_rate": (device + host) / queried, "device_hit_rate": device / queried,
+            "host_hit_rate": host / queried, "ttft_1000_s": statistics.median(ttfts),
+            "ttft_all_s": [round(x, 4) for x in ttfts],
+            "restored_tokens_host_device": restored, "texts": texts,
+            "host_kv_tier": st["host_kv_tier"]}
+
+
+def main(args) -> int:
+    num_prompts, rounds, reps, flush = (12, 2, 2, 6) if args.quick else (20, 3, 5, 6)
+    results = {}
+    for name, tier in (("no-tier", False), ("host-tier", True)):
+        print(f"starting daemon {name} ...", file=sys.stderr)
+        t = _start(name, args.config_file, tier, args.threads)
+        try:
+            results[name] = run_one(t, num_prompts, rounds, reps, flush)
+        finally:
+            stop_daemon(t)
+    off, on = results["no-tier"], results["host-tier"]
+    report = {
+        "machine": _machine(), "threads": args.threads,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "prompts": num_prompts, "rounds": rounds, "reps": reps,
+        "outputs_identical": off["texts"] == on["texts"],
+        "ttft_speedup": off["ttft_1000_s"] / on["ttft_1000_s"],
+        "results": {k: {kk: vv for kk, vv in v.items() if kk != "texts"} for k, v in results.items()},
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    print(f"\nKV pool ({report['machine']}; {num_prompts} prompts x {rounds} rounds, "
+          f"{off['prompt_tokens']} tokens each = {off['prefix_tokens_over_pool']}x the device pool "
+          f"of {off['device_pool_tokens']} tokens)")
+    print(f"{'':10} {'hit rate':>9} {'device':>7} {'host':>7} {'TTFT 1k (s)':>12}")
+    for name, r in results.items():
+        print(f"{name:10} {r['hit_rate']:9.3f} {r['device_hit_rate']:7.3f} {r['host_hit_rate']:7.3f} "
+              f"{r['ttft_1000_s']:12.4f}")
+    print(f"TTFT speed-up {report['ttft_speedup']:.1f}x; outputs identical: {report['outputs_identical']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
