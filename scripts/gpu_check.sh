@@ -13,6 +13,7 @@
 #      graphs: there is no CUDA-graph capture path in the engine yet.
 #   4. bench_http: the bundled demo model through the HTTP daemon (scripts/bench.py,
 #      MTP off vs k=1 vs k=2, concurrency 1/16/64).
+#   5. bench_tp: one process vs tensor parallel over two GPUs (only with >= 2 GPUs).
 # Outputs: $OUT_DIR/<step>.log for every step, gpu_bench_eager.json, gpu_bench_compiled.json,
 # gpu_bench_http.json; OUT_DIR = $OUT (the device tool's output folder) or /tmp/gpu_check.
 #
@@ -75,6 +76,17 @@ run_step bench_compiled 100 python3 scripts/gpu_bench.py --size big --dtype bf16
   --json "$OUT_DIR/gpu_bench_compiled.json"
 run_step bench_http 300 python3 scripts/bench.py --quick --no-peer --concurrency 1,16,64 \
   --json "$OUT_DIR/gpu_bench_http.json"
+
+# Tensor parallel over two GPUs (NCCL for the model's collectives): only where the device
+# machine has at least two; one H200 (today's loan) skips it and says so.
+if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
+  run_step bench_tp 120 python3 scripts/bench.py --compare tp --quick --concurrency 1,16 \
+    --json "$OUT_DIR/gpu_bench_tp.json"
+else
+  echo "=== bench_tp: skipped (tensor parallel needs two GPUs; this machine has fewer)" \
+    | tee "$OUT_DIR/bench_tp.log"
+  SUMMARY+=("bench_tp: skipped (fewer than two GPUs)")
+fi
 
 echo "=== summary ($((SECONDS - START))s in all)" | tee "$OUT_DIR/summary.log"
 printf '  %s\n' "${SUMMARY[@]}" | tee -a "$OUT_DIR/summary.log"
