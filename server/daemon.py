@@ -6,7 +6,9 @@ Start-up order, so that every failure is clear and early:
   3. tokenizer, model and engine load; the engine thread starts;
   4. uvicorn serves each address; once all listen: ``Daemon start success!``.
 Stop (SIGTERM, SIGINT, POST /stopService): refuse new requests with 503, let in-flight
-ones finish, shut the engine down, close the servers, exit 0.
+ones finish (at most e2eTimeout), shut the engine down, close the servers, exit 0.  A
+second SIGTERM/SIGINT stops at once; a drain cut short (by it or by the deadline) exits
+EXIT_DRAIN_CUT (3), so a supervisor can tell that requests were lost.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import uvicorn
 
 from server.api.app import build_app
 from server.api.auth import ApiKeys
+from server.api.http_protocol import header_timeout_protocol
 from server.api.limits import Admission
 from server.api.settings import resolve_relative, settings_from_config
 from server.api.state import ServerState
@@ -33,6 +36,7 @@ from server.metrics import make_metrics
 log = logging.getLogger("server.daemon")
 READY_LINE = "Daemon start success!"
 EXIT_OK, EXIT_FAIL = 0, 1
+EXIT_DRAIN_CUT = 3          # stopped before every in-flight request finished
 FATAL_STOP_DELAY_S = 5.0       # /health shows 503 this long after the worker group failed
 
 
@@ -119,6 +123,7 @@ class Daemon:
         self.stop = asyncio.Event()
         self.servers: list[_Server] = []
         self.fatal: str | None = None      # the worker group failed: exit non-zero
+        self.force = asyncio.Event()       # a second SIGTERM/SIGINT: stop draining now
 
     def _on_fatal(self, error: str) -> None:
         """The engine's worker group is gone: in-flight requests have failed with ``error``
@@ -132,6 +137,18 @@ class Daemon:
         if not self.stop.is_set():
             log.info("stop requested: draining")
             self.stop.set()
+
+    def _on_signal(self) -> None:
+        """First SIGTERM/SIGINT: drain.  Second: stop now, exit EXIT_DRAIN_CUT (an operator
+        who signals twice means it, and a stuck request must not keep the process)."""
+        if self.stop.is_set():
+            if not self.force.is_set():
+                log.warning("second stop signal: not waiting for in-flight requests")
+                self.force.set()
+                for server in self.servers:
+                    server.force_exit = True
+            return
+        self.request_stop()
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -167,12 +184,16 @@ class Daemon:
             api_keys=ApiKeys(tuple(getattr(cfg, "api_keys", ()))))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self._on_signal)
         tasks = []
+        protocol = header_timeout_protocol(settings.header_timeout_s)
         for lst in listeners:
+            # limit_concurrency caps open connections per server (503 beyond it): far above
+            # maxLinkNum, so slow clients cannot take every file descriptor.
             config = uvicorn.Config(build_app(state, lst.planes), log_level="warning",
-                                    access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5, **ssl)
+                                    access_log=False, lifespan="off", http=protocol,
+                                    limit_concurrency=max(256, 4 * settings.max_link_num),
+                                    timeout_keep_alive=5, timeout_graceful_shutdown=5, **ssl)
             server = _Server(config)
             self.servers.append(server)
             tasks.append(asyncio.create_task(server.serve(sockets=[lst.sock])))
@@ -189,22 +210,34 @@ class Daemon:
         stop_wait = asyncio.create_task(self.stop.wait())
         await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
         state.admission.stop_accepting()
-        await self._drain(state, settings.e2e_timeout_s)
-        await self._close(tasks, engine, drain=True)
-        return EXIT_FAIL if self.fatal else EXIT_OK
+        drained = await self._drain(state, settings.e2e_timeout_s)
+        if not drained:
+            for server in self.servers:
+                server.force_exit = True
+        await self._close(tasks, engine, drain=drained)
+        if self.fatal:
+            return EXIT_FAIL
+        return EXIT_OK if drained else EXIT_DRAIN_CUT
 
-    async def _drain(self, state: ServerState, limit_s: float) -> None:
-        """Wait for in-flight requests; say how it ended, so an operator watching a stop
-        knows whether the daemon finished its work or gave up on some."""
+    async def _drain(self, state: ServerState, limit_s: float) -> bool:
+        """Wait for in-flight requests, at most ``limit_s`` (e2eTimeout: no request lives
+        longer) or until a second signal; True when all finished.  The log says how it
+        ended, so an operator watching a stop knows whether work was cut."""
         start, in_flight = time.monotonic(), state.admission.in_flight
-        try:
-            await asyncio.wait_for(state.admission.wait_idle(), timeout=limit_s)
-        except asyncio.TimeoutError:
-            log.warning("drain: %d request(s) still in flight after %gs; stopping anyway",
-                        state.admission.in_flight, limit_s)
-            return
+        idle = asyncio.create_task(state.admission.wait_idle())
+        forced = asyncio.create_task(self.force.wait())
+        done, _ = await asyncio.wait([idle, forced], timeout=limit_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in (idle, forced):
+            task.cancel()
+        if idle not in done:
+            why = "a second stop signal" if forced in done else f"{limit_s:g}s (e2eTimeout)"
+            log.warning("drain cut after %s: %d request(s) still in flight; exit code %d",
+                        why, state.admission.in_flight, EXIT_DRAIN_CUT)
+            return False
         log.info("drain finished: %d in-flight request(s) completed in %.2fs; shutting down",
                  in_flight, time.monotonic() - start)
+        return True
 
     async def _close(self, tasks: list, engine: Any, drain: bool) -> None:
         # Let the last responses flush before closing the sockets.

@@ -1,32 +1,49 @@
-"""Read and decode a JSON body ourselves: 413 over maxRequestLength, 400 for bad JSON.
+"""Read and decode a JSON body ourselves: 413 over maxRequestLength, 408 when it is slow,
+400 for bad JSON.
 
-FastAPI's own body parsing would answer malformed JSON with 422 and has no size cap.
+FastAPI's own body parsing would answer malformed JSON with 422 and has no size cap.  The
+whole body must arrive within ``clientBodyTimeout`` seconds of the headers: a client that
+declares ``Content-Length: 1000`` and sends 12 bytes otherwise holds its connection (and,
+before slots were taken after the body, a ``maxLinkNum`` slot) for ever.  A large body
+is decoded off the event loop (``offload``).
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from fastapi import Request
 
 from server.api.errors import APIError
+from server.api.offload import INLINE_BYTES, off_loop
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> Any:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds maxRequestLength "
                        f"({limit} bytes)")
+    try:
+        body = await asyncio.wait_for(_read(request, limit), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s "
+                       "(clientBodyTimeout)", retry=False) from None
+    if not body.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        if len(body) <= INLINE_BYTES:
+            return orjson.loads(body)
+        return await off_loop(orjson.loads, body)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"request body exceeds maxRequestLength ({limit} bytes)")
         chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body.strip():
-        raise APIError(400, "request body is empty; expected a JSON object")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    return b"".join(chunks)

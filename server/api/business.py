@@ -31,14 +31,12 @@ def add_business_routes(app: FastAPI, state: ServerState) -> None:
     auth = [Depends(authorized)]
 
     async def _run(request: Request, handler) -> Response:
-        # The ticket is the handler's ``release``: calling it frees every slot it holds
-        # (one now, n for a request with n choices), once.
+        # The body first (size cap, clientBodyTimeout), then a maxLinkNum slot: a client
+        # that sends half a body holds no slot.  The ticket is the handler's ``release``:
+        # calling it frees every slot it holds (one now, n for n choices), once.
+        s = state.settings
+        raw = await read_json(request, s.max_request_bytes, s.body_timeout_s)
         ticket = state.admission.ticket()
-        try:
-            raw = await read_json(request, state.settings.max_request_bytes)
-        except BaseException:
-            ticket()
-            raise
         try:
             return await handler(state, raw, request.is_disconnected, ticket)
         except BaseException:     # a failure before the handler's own cleanup took over

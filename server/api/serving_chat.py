@@ -19,8 +19,8 @@ from server.api.prompt_logprobs import vllm_prompt_logprobs
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
                                   usage)
-from server.api.serving_common import (build_sampling, fit_prompt, max_new_tokens, new_id,
-                                       plan_request)
+from server.api.serving_common import (build_sampling, check_text_size, fit_prompt,
+                                       max_new_tokens, new_id, plan_request)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
@@ -67,6 +67,7 @@ class ChatPlan:
                               "finished grammar allows only the end-of-sequence token)",
                               "ignore_eos")
         self.forced = THINK_END if self.grammar is not None and self.reasoning else ""
+        check_text_size(prompt, s, state.max_token_chars, "messages")
         ids = state.tokenizer.encode(prompt + self.forced, add_special_tokens=False)
         self.prompt_ids = fit_prompt(ids, s, "messages")
         requested = req.max_completion_tokens or req.max_tokens
@@ -220,7 +221,7 @@ async def create_chat_completion(state: ServerState, raw: Any,
                                  release: Callable[[], None]) -> Response:
     """Validate, plan and run one chat request (``n`` engine requests, one per choice);
     ``release`` frees its admission slots."""
-    plan = plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release)
+    plan = await plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release)
     if plan.grammar is not None:
         await prepare_grammar(state.engine, plan.grammar, release)
     req = plan.req

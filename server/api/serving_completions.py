@@ -116,7 +116,7 @@ class CompletionPlan:
 async def create_completion(state: ServerState, raw: Any,
                             is_disconnected: Callable[[], Awaitable[bool]],
                             release: Callable[[], None]) -> Response:
-    plan = plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release)
+    plan = await plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release)
     if plan.grammar is not None:
         await prepare_grammar(state.engine, plan.grammar, release)
     req = plan.req

@@ -25,6 +25,8 @@ class ApiSettings:
     tool_call_parser: str            # deepseek_v3 | deepseek_v31
     raw: dict                        # GET /v1/config
     max_n: int = 128                 # ScheduleConfig.maxN: choices per request (n)
+    header_timeout_s: float = 10.0   # clientHeaderTimeout: headers complete within it (408)
+    body_timeout_s: float = 60.0     # clientBodyTimeout: body complete within it (408)
 
     @property
     def mtp(self) -> bool:
@@ -51,6 +53,8 @@ def settings_from_config(cfg: Any, runtime: Any) -> ApiSettings:
         token_timeout_s=float(server.token_timeout),
         e2e_timeout_s=float(server.e2e_timeout),
         max_request_bytes=server.max_request_length * 1024 * 1024,
+        header_timeout_s=float(server.client_header_timeout),
+        body_timeout_s=float(server.client_body_timeout),
         full_text=server.full_text_enabled,
         num_speculative_tokens=runtime.num_speculative_tokens,
         enable_reasoning=cfg.reasoning_enabled,

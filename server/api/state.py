@@ -25,9 +25,15 @@ class ServerState:
     text_of: TokenText = None      # type: ignore[assignment]
     think_end_id: int | None = None
     api_keys: ApiKeys = field(default_factory=ApiKeys)   # none configured: open
+    max_token_chars: int | None = None    # longest vocabulary entry: bounds text per token
 
     def __post_init__(self) -> None:
         self.text_of = TokenText(self.tokenizer)
+        try:
+            vocab = self.tokenizer.backend_tokenizer.get_vocab()
+            self.max_token_chars = max(map(len, vocab)) if vocab else None
+        except Exception:             # a tokenizer without a vocabulary view: no early check
+            self.max_token_chars = None
         try:
             ids = self.tokenizer.encode("</think>", add_special_tokens=False)
             self.think_end_id = ids[0] if len(ids) == 1 else None

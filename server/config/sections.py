@@ -135,6 +135,9 @@ class ServerConfig(Section):
     token_timeout: StrictInt = F("tokenTimeout", 600, lo=1, hi=3600, doc="seconds")
     e2e_timeout: StrictInt = F("e2eTimeout", 600, lo=1, hi=65535, doc="seconds")
     max_request_length: StrictInt = F("maxRequestLength", 40, lo=1, hi=100, doc="MB")
+    # Not MindIE keys: how long a client may take to send a request's headers / its body.
+    client_header_timeout: StrictInt = F("clientHeaderTimeout", 10, lo=1, hi=600, doc="seconds")
+    client_body_timeout: StrictInt = F("clientBodyTimeout", 60, lo=1, hi=3600, doc="seconds")
     max_json_depth: StrictInt | None = F("maxJsonDepth", None, lo=1)
     dist_dp_server_enabled: StrictBool = F("distDPServerEnabled", False)
     layerwise_disaggregated: StrictBool = F("layerwiseDisaggregated", False)
