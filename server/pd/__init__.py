@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: roles, the KV transfer between instances, the coordinator."""

@@ -1,0 +1,83 @@
+"""The KV transfer's wire format (version 1), D pulling from P over one TCP connection.
+
+A block travels as one row of bytes: for every cache layer, the main layers' and the MTP
+layer's, every tensor its cache stores per block (float rows; or int8 latent, float32
+scale and RoPE rows) laid end to end: the row the host tier and the disk tier hold
+(engine/host_pool.py), so a block moves whole whatever its dtype.
+
+    D -> P   one line of JSON:  {"op": "pull", "version": 1, "request_id": "<P's id>"}\\n
+    P -> D   4-byte big-endian length L, L bytes of JSON header, then the payload:
+             {"status": "ok", "num_blocks": n, "bytes_per_block": b, "layout": "...",
+              "sha256": "<hex of the payload>"}      followed by n * b bytes, block 0 first
+             {"status": "error", "error": "..."}    and no payload
+
+``layout`` names what the rows hold (cache layers, block size, bytes per block, cache
+dtype): D refuses rows whose layout is not its own, and a payload whose digest does not
+match.  The payload is sent from the rows' own buffer (no copy on P's side).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+VERSION = 1
+MAX_HEADER = 1 << 16
+
+
+class TransferError(RuntimeError):
+    """The pull failed: the peer is gone, timed out, refused, or sent something broken."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVRows:
+    """The full prompt blocks of one request, in block order."""
+    num_blocks: int
+    bytes_per_block: int
+    layout: str
+    payload: bytes
+
+    def rows(self) -> tuple[bytes, ...]:
+        b = self.bytes_per_block
+        return tuple(self.payload[i * b:(i + 1) * b] for i in range(self.num_blocks))
+
+
+def layout_of(num_kv_layers: int, block_size: int, bytes_per_block: int, kv_dtype: str) -> str:
+    return f"v{VERSION};layers={num_kv_layers};block={block_size};bytes={bytes_per_block};kv={kv_dtype}"
+
+
+def pull_line(request_id: str) -> bytes:
+    return (json.dumps({"op": "pull", "version": VERSION, "request_id": request_id}) + "\n").encode()
+
+
+def header_bytes(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack(">I", len(raw)) + raw
+
+
+def ok_header(rows: KVRows) -> bytes:
+    return header_bytes({"status": "ok", "num_blocks": rows.num_blocks,
+                         "bytes_per_block": rows.bytes_per_block, "layout": rows.layout,
+                         "sha256": hashlib.sha256(rows.payload).hexdigest()})
+
+
+async def read_response(reader: asyncio.StreamReader) -> KVRows:
+    try:
+        (size,) = struct.unpack(">I", await reader.readexactly(4))
+        if size > MAX_HEADER:
+            raise TransferError(f"KV transfer header of {size} bytes")
+        header = json.loads(await reader.readexactly(size))
+        if header.get("status") != "ok":
+            raise TransferError(f"the prefill instance refused: {header.get('error', header)}")
+        n, b = int(header["num_blocks"]), int(header["bytes_per_block"])
+        payload = await reader.readexactly(n * b)
+    except asyncio.IncompleteReadError as exc:
+        raise TransferError(f"the connection closed after {len(exc.partial)} bytes of a KV "
+                            "transfer") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransferError(f"malformed KV transfer header: {exc}") from None
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise TransferError("KV transfer payload does not match its sha256")
+    return KVRows(n, b, str(header.get("layout")), payload)
