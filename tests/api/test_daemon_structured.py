@@ -184,7 +184,8 @@ def _engine_prompt_logprobs(ids: list[int], top: int):
     from server.model.loader import load_checkpoint
     model, _ = load_checkpoint(DEMO_MODEL)
     eng = LLMEngine(model.eval(), EngineConfig(num_speculative_tokens=0, num_blocks=64,
-                                               max_seq_len=512, max_queue_delay_us=0))
+                                               max_seq_len=512, max_queue_delay_us=0),
+                    eos_token_ids=set())
     outs = eng.generate([EngineRequest("p", ids, SamplingParams(max_tokens=1, temperature=0,
                                                                 prompt_logprobs=top))])["p"]
     return outs[0].prompt_logprobs

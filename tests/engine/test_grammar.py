@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -25,7 +26,8 @@ from server.engine.protocol import EngineRequest, SamplingParams
 from server.text.tokenizer import Tokenizer
 from tests.engine.helpers import run_staggered, tokens_of
 
-DEMO = "models/deepseek-v3-tiny-mtp"
+DEMO = str(Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp")
+pytestmark = pytest.mark.demo          # the demo model's tokenizer and weights
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 24},
     "temperature_c": {"type": "integer", "minimum": -60, "maximum": 60},
@@ -131,7 +133,6 @@ def greedy_run(k: int) -> tuple[dict[str, list[int]], object]:
     return run_staggered(eng, workload(sp), every=2), eng.stats()
 
 
-@pytest.mark.demo
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_constrained_greedy_identical_with_mtp(k):
@@ -145,7 +146,6 @@ def test_constrained_greedy_identical_with_mtp(k):
             check_follows(tok, rid, ids)
 
 
-@pytest.mark.demo
 @pytest.mark.slow
 def test_seeded_constrained_sampling_reproduces_alone_and_in_a_batch():
     sp = lambda i, g: SamplingParams(max_tokens=72, temperature=0.9, top_p=0.95,   # noqa: E731
