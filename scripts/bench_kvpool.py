@@ -14,7 +14,11 @@ tokens) and the same work, run one daemon after the other:
     repetition sends a fresh prompt once, then enough other long prompts to push its
     blocks out of the device pool, then the prompt again, timed (streamed, first token).
     Without the tier it is recomputed; with it, its blocks are loaded from host memory.
-  * the greedy outputs of every request, compared between the two daemons.
+  * the greedy outputs of every request, compared between the two daemons;
+  * preemption (engine level, no daemon): 8 seeded requests on a device pool too small
+    for them all, maxPreemptCount 100, swap to the host tier vs recompute, against an
+    unpressured run: preemptions, how many swapped / recomputed, prompt tokens computed
+    (a recomputed request computes its tokens again) and whether outputs are identical.
 """
 from __future__ import annotations
 
@@ -147,6 +151,40 @@ def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> 
             "host_kv_tier": st["host_kv_tier"]}
 
 
+def preemption(weights: Path, threads: int) -> dict:
+    import torch
+    from server.engine.config import EngineConfig
+    from server.engine.core import LLMEngine
+    from server.engine.protocol import EngineRequest, SamplingParams
+    from server.model.loader import load_checkpoint
+    torch.set_num_threads(threads)
+    model, _ = load_checkpoint(weights)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(40, 120))] for _ in range(8)]
+    sp = SamplingParams(max_tokens=96, temperature=0.7, seed=11, ignore_eos=True)
+
+    def run(**kw) -> tuple[dict, dict, float]:
+        cfg = EngineConfig(block_size=16, num_speculative_tokens=1, max_queue_delay_us=0,
+                           max_batch_size=8, max_seq_len=512, **kw)
+        engine = LLMEngine(model, cfg, eos_token_ids=set())
+        t0 = time.perf_counter()
+        outs = engine.generate([EngineRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)])
+        wall = time.perf_counter() - t0
+        st = engine.stats()
+        engine.shutdown()
+        return ({k: [t for o in v for t in o.token_ids] for k, v in outs.items()},
+                {"preemptions": st.num_preemptions, "swapped": st.num_swapped_out,
+                 "recomputed": st.num_preemptions_recomputed,
+                 "prompt_tokens_computed": st.num_prompt_tokens}, wall)
+
+    ref, _, _ = run(num_blocks=512)
+    out = {}
+    for name, kw in (("recompute", {}), ("swap", {"host_cache_blocks": 512, "swap_preemption": True})):
+        toks, figs, wall = run(num_blocks=40, max_preempt_count=100, **kw)
+        out[name] = {**figs, "wall_s": round(wall, 2), "identical_to_unpressured": toks == ref}
+    return out
+
+
 def main(args) -> int:
     num_prompts, rounds, reps, flush = (12, 2, 2, 6) if args.quick else (20, 3, 5, 6)
     results = {}
@@ -158,6 +196,11 @@ def main(args) -> int:
         finally:
             stop_daemon(t)
     off, on = results["no-tier"], results["host-tier"]
+    base = json.loads(args.config_file.read_text())
+    weights = Path(base["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"])
+    if not weights.is_absolute():
+        weights = (args.config_file.parent / weights).resolve()
+    pre = preemption(weights, args.threads)
     report = {
         "machine": _machine(), "threads": args.threads,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -165,6 +208,7 @@ def main(args) -> int:
         "outputs_identical": off["texts"] == on["texts"],
         "ttft_speedup": off["ttft_1000_s"] / on["ttft_1000_s"],
         "results": {k: {kk: vv for kk, vv in v.items() if kk != "texts"} for k, v in results.items()},
+        "preemption": pre,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     print(f"\nKV pool ({report['machine']}; {num_prompts} prompts x {rounds} rounds, "
           f"{off['prompt_tokens']} tokens each = {off['prefix_tokens_over_pool']}x the device pool "
@@ -174,6 +218,9 @@ def main(args) -> int:
         print(f"{name:10} {r['hit_rate']:9.3f} {r['device_hit_rate']:7.3f} {r['host_hit_rate']:7.3f} "
               f"{r['ttft_1000_s']:12.4f}")
     print(f"TTFT speed-up {report['ttft_speedup']:.1f}x; outputs identical: {report['outputs_identical']}")
+    print("preemption (engine, MTP k=1, 8 requests, 40-block pool):")
+    for name, r in pre.items():
+        print(f"  {name:9} {r}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
