@@ -71,6 +71,11 @@ class Transfers:
     disk_loads: list[tuple[bytes, int]] = field(default_factory=list)
 
 
+class RemoteRow(bytes):
+    """One full prompt block's KV rows pulled from a PD prefill instance (server/pd):
+    loaded like a verified disk-tier block, counted apart."""
+
+
 def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | None) -> int:
     return hash((-1 if parent is None else parent, -1 if next_token is None else next_token,
                  tokens))
@@ -98,6 +103,7 @@ class BlockManager:
         self.num_host_hits = 0                                      # found in the host tier
         self.disk = disk if self.host_prefix else None
         self.num_disk_hits = 0                                      # found on disk
+        self.num_remote_hits = 0                                    # pulled from a PD prefill instance
         self.num_blocks_saved = 0                                   # device -> host copies
         self.num_blocks_loaded = 0                                  # host -> device copies
         self._transfers = Transfers()
@@ -134,8 +140,12 @@ class BlockManager:
         return out
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Longest run of cached blocks for ``seq.token_ids``, leaving >= 1 token to compute."""
-        if not self.enable_prefix_cache:
+        """Longest run of cached blocks for ``seq.token_ids``, leaving >= 1 token to compute.
+
+        After the device run and the tiers, a PD decode request's rows pulled from the
+        prefill instance (``seq.remote_kv``, block by block) count as well: with or
+        without the prefix cache."""
+        if not self.enable_prefix_cache and not seq.remote_kv:
             return PrefixMatch([], [], 0)
         # Blocks b with (b+1)*bs <= n-1: the token after each exists and one token remains.
         num_full = (seq.num_tokens - 1) // self.block_size
@@ -154,6 +164,8 @@ class BlockManager:
                 src = self.host.lookup(h) if self.host_prefix else None
                 if src is None and self.disk is not None:
                     src = self.disk.read(h)            # verified, or None (a miss)
+                if src is None and b < len(seq.remote_kv):
+                    src = seq.remote_kv[b]
                 if src is None:
                     break
                 sources.append(src)
@@ -225,17 +237,20 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(match.block_ids)
         tier_hashes = match.hashes[match.num_device_blocks:]
-        for h in tier_hashes:              # most recently used before any slot is taken
-            self.host.touch(h)
+        for h in tier_hashes if self.host is not None else ():
+            self.host.touch(h)             # most recently used before any slot is taken
         num_disk = 0
+        num_remote = 0
         for h, src in zip(tier_hashes, match.tier_sources):
             bid = self._take_free()
             block = self.blocks[bid]
-            block.block_hash = h           # findable at once: the load runs before any read
-            self._cached[h] = bid
+            if self.enable_prefix_cache:
+                block.block_hash = h       # findable at once: the load runs before any read
+                self._cached[h] = bid
             if isinstance(src, bytes):
                 self._transfers.disk_loads.append((src, bid))
-                num_disk += 1
+                num_remote += isinstance(src, RemoteRow)
+                num_disk += not isinstance(src, RemoteRow)
             else:
                 self._load(src, bid)
             seq.block_table.append(bid)
@@ -245,8 +260,9 @@ class BlockManager:
         if self.enable_prefix_cache:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += match.num_device_blocks * self.block_size
-            self.num_host_hits += (len(tier_hashes) - num_disk) * self.block_size
+            self.num_host_hits += (len(tier_hashes) - num_disk - num_remote) * self.block_size
             self.num_disk_hits += num_disk * self.block_size
+        self.num_remote_hits += num_remote * self.block_size
         self.append_slots(seq, num_slots)
 
     # ---- swap (preemption through the host tier) ----------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import BlockManager, RemoteRow
 from server.engine.config import EngineConfig
 from server.engine.executor import InProcessExecutor
 from server.engine.disk_tier import DiskTier
@@ -124,6 +124,9 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, cf.Future[ModelRunnerOutput]]] = deque()
         self._max_in_flight = 2 if cfg.async_scheduling else 1
         self._rng = random.Random()
+        # PD prefill (server/pd): takes (request id, full prompt blocks, their rows) as the
+        # worker exports them, before the request's last output is emitted.
+        self.kv_export_sink: Any = None
         log.info(self.runtime.describe())
 
     @property
@@ -151,7 +154,9 @@ class LLMEngine:
                        max_output_tokens=min(p.max_tokens, self.cfg.max_iter_times,
                                              self.cfg.max_seq_len - n),
                        seed=int(seed) & ((1 << 63) - 1),
-                       arrival_time=req.arrival_time or self.clock(), stop_ids=stop_ids)
+                       arrival_time=req.arrival_time or self.clock(), stop_ids=stop_ids,
+                       export_kv=req.export_kv,
+                       remote_kv=tuple(RemoteRow(r) for r in req.remote_kv))
         seq.counters.prompt_tokens = n
         error = self._check(seq)
         if error:
@@ -247,6 +252,9 @@ class LLMEngine:
                                    for rid in out.skipped}}
         emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in failed.items()
                    if rid in self.scheduler.requests]
+        for rid, (num_blocks, rows) in out.kv_exports.items():   # before its last output
+            if self.kv_export_sink is not None:
+                self.kv_export_sink(rid, num_blocks, rows)
         results = self.scheduler.update(out)
         outputs, stops, failures = self.output_processor.process(results, out, self.clock())
         for seq, stop in stops:

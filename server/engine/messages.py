@@ -51,6 +51,7 @@ class NewRequestData:
     seed: int
     stop_ids: frozenset[int]
     max_output_tokens: int
+    export_kv: bool = False           # PD prefill: send back the full prompt blocks' rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +110,6 @@ class ModelRunnerOutput:
     num_held_requests: int = 0                                         # worker state size after it
     # request id -> logprobs of its prompt tokens (first entry None), from its first prefill
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    # PD prefill: request id -> (full prompt blocks, their rows end to end), in the step
+    # that computed the last prompt position
+    kv_exports: dict[str, tuple[int, bytes]] = field(default_factory=dict)

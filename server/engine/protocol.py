@@ -68,6 +68,11 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0            # time.monotonic() at arrival; 0 = set on submit
+    # PD disaggregation (server/pd): a prefill instance exports the prompt's full blocks'
+    # KV (every layer, the MTP layer's too) once computed; a decode instance is handed the
+    # rows a prefill instance exported, one bytes row per full prompt block, block 0 first.
+    export_kv: bool = False
+    remote_kv: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)

@@ -29,12 +29,13 @@ class RequestState(TokenView):
     max_output_tokens: int
     stopped: bool = False             # a token-level stop rule ended it (stop_rules.py)
     matcher: Any = None               # its grammar's llguidance matcher (grammar.py), if any
+    export_kv: bool = False           # PD prefill: export the prompt blocks once computed
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "RequestState":
         return cls(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                    new.num_computed_tokens, list(new.block_ids), new.sampling, new.seed,
-                   new.stop_ids, new.max_output_tokens)
+                   new.stop_ids, new.max_output_tokens, export_kv=new.export_kv)
 
     @property
     def num_new_tokens(self) -> int:

@@ -280,7 +280,7 @@ class Scheduler:
             new.append(NewRequestData(seq.request_id, tuple(seq.token_ids), seq.num_prompt_tokens,
                                       seq.num_computed_tokens, tuple(seq.block_table),
                                       seq.sampling, seq.seed, seq.stop_ids,
-                                      seq.max_output_tokens))
+                                      seq.max_output_tokens, seq.export_kv))
             seq.num_inflight_steps += 1
             num_tokens += n_new
 

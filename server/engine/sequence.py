@@ -50,6 +50,8 @@ class Sequence(TokenView):
     reserved_blocks: int = 0          # worst-case block budget when admitted in reserve mode
     swap_slots: list[int] = field(default_factory=list)   # host tier slots while swapped out
     swap_num_computed: int = 0        # computed positions its swapped-out blocks hold
+    export_kv: bool = False           # PD prefill: the worker exports the prompt blocks' KV
+    remote_kv: tuple = ()             # PD decode: prompt blocks' rows from P (RemoteRow each)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

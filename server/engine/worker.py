@@ -20,6 +20,7 @@ import torch
 from server.engine import grammar as G
 from server.engine.compile_step import compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
+from server.engine.block_rows import BlockRows
 from server.engine.host_pool import HostKVPool
 from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -60,6 +61,7 @@ class Worker:
             self.num_kv_blocks = group.agree_min(self.num_kv_blocks)
         self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
         self.host_pool = self._host_pool(cfg, spec)
+        self.block_rows = BlockRows(self.kv_caches, self.device)     # PD exports and imports
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
         self.compile_seconds: float | None = None
         if should_compile(cfg.compile, self.device, self.static_decode) and not model.static_decoder.compiled:
@@ -131,7 +133,10 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
         if so.has_kv_transfers:               # before the forward, which reads or reuses them
-            self.host_pool.apply(so.kv_saves, so.kv_loads, so.kv_disk_writes, so.kv_disk_loads)
+            if self.host_pool is not None:
+                self.host_pool.apply(so.kv_saves, so.kv_loads, so.kv_disk_writes, so.kv_disk_loads)
+            else:                             # rows pulled from a PD prefill instance only
+                self.block_rows.scatter(so.kv_disk_loads)
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
             self.proposer.drop(rid)
@@ -176,6 +181,7 @@ class Worker:
                     out.failed[st.request_id] = f"engine step failed: {exc!r}"
         for group, res in done:
             self._commit(group, res, out)
+        self._export_prompts(states, out)
         out.execute_time_s = time.perf_counter() - t0
         res = done[0][1] if len(done) == 1 and len(done[0][0]) == len(states) else None
         # A clean cost sample for the policy: decode only, every request verified the same k
@@ -186,6 +192,19 @@ class Worker:
                 seconds = self.group.agree_max(seconds)
             self.proposer.observe_step(len(states), res.k, seconds)
         return out
+
+    def _export_prompts(self, states: list[RequestState], out: ModelRunnerOutput) -> None:
+        """PD prefill: the full prompt blocks' rows of each request whose prompt this step
+        finished (what a decode instance's prefix match can take: block b while
+        (b + 1) * block_size <= prompt - 1, so the MTP layer's KV at its last slot, which
+        reads the next token, is final)."""
+        bs = self.runner.block_size
+        for st in states:
+            if st.export_kv and st.num_computed_tokens >= st.num_prompt_tokens \
+                    and st.request_id not in out.failed:
+                n = (st.num_prompt_tokens - 1) // bs
+                out.kv_exports[st.request_id] = (n, self.block_rows.gather(st.block_table[:n]))
+                st.export_kv = False
 
     def _commit(self, states: list[RequestState], res: StepResult, out: ModelRunnerOutput) -> None:
         self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
