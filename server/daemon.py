@@ -1,10 +1,12 @@
 """The daemon: engine plus three HTTP planes (business, management, metrics) in one loop.
 
-Start-up order, so that every failure is clear and early:
-  1. TLS files (httpsEnabled) must exist, relative paths resolved from the config folder;
-  2. every listening socket is bound (an occupied port fails before the model loads);
-  3. tokenizer, model and engine load; the engine thread starts;
-  4. uvicorn serves each address; once all listen: ``Daemon start success!``.
+Start-up order, so that every failure is clear and early, and comes before any port:
+  1. TLS (httpsEnabled): each plane's certificate, key, password, CA and CRL files are
+     loaded into its SSLContext (a wrong password names the file; never a prompt);
+  2. tokenizer, model and engine load (a checkpoint that cannot be served fails here);
+  3. every listening socket is bound, then all listen: all ports or none;
+  4. the engine thread starts, uvicorn serves each address; once all listen:
+     ``Daemon start success!``.
 Stop (SIGTERM, SIGINT, POST /stopService): refuse new requests with 503, let in-flight
 ones finish (at most e2eTimeout), shut the engine down, close the servers, exit 0.  A
 second SIGTERM/SIGINT stops at once; a drain cut short (by it or by the deadline) exits
@@ -17,6 +19,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import sys
 import time
 from dataclasses import dataclass
@@ -29,8 +32,9 @@ from server.api.app import build_app
 from server.api.auth import ApiKeys
 from server.api.http_protocol import header_timeout_protocol
 from server.api.limits import Admission
-from server.api.settings import resolve_relative, settings_from_config
+from server.api.settings import settings_from_config
 from server.api.state import ServerState
+from server.api.tls import TlsError, listener_contexts
 from server.metrics import make_metrics
 
 log = logging.getLogger("server.daemon")
@@ -64,7 +68,7 @@ def plan_listeners(cfg: Any) -> list[Listener]:
     return list(groups.values())
 
 
-def bind(listener: Listener) -> socket.socket:
+def bind(listener: Listener, listen: bool = True) -> socket.socket:
     family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,30 +79,36 @@ def bind(listener: Listener) -> socket.socket:
         raise DaemonError(f"{'+'.join(sorted(listener.planes))} http server cannot listen on "
                           f"{listener.host}:{listener.port}: {exc.strerror or exc} "
                           "(port occupied or address not local)") from None
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
-def tls_files(cfg: Any) -> dict[str, Any]:
-    """uvicorn ssl_* settings, or {} when httpsEnabled is false; missing files refuse start."""
-    s = cfg.server
-    if not s.https_enabled:
-        return {}
-    base = Path(cfg.source).parent if cfg.source else Path.cwd()
-    cert = resolve_relative(s.tls_cert, base)
-    key = resolve_relative(s.tls_pk, base)
-    missing = [f"{name} {path}" for name, path in (("tlsCert", cert), ("tlsPk", key))
-               if not path.is_file()]
-    if missing:
-        raise DaemonError("httpsEnabled is true but " + " and ".join(missing) + " not found "
-                          f"(relative paths are resolved from {base}); provide the files or "
-                          "set httpsEnabled to false")
-    out: dict[str, Any] = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
-    pwd = resolve_relative(s.tls_pk_pwd, base) if s.tls_pk_pwd else None
-    if pwd is not None and pwd.is_file():
-        out["ssl_keyfile_password"] = pwd.read_text().strip()
-    return out
+def tls_contexts(cfg: Any, listeners: list[Listener]) -> list[ssl.SSLContext | None]:
+    """Each listener's SSLContext (None without httpsEnabled): every file, password, CA and
+    CRL is loaded now, before the checkpoint and before any port, so a wrong password is
+    a clear start-up error naming the file (server/api/tls.py)."""
+    try:
+        return listener_contexts(cfg, listeners)
+    except TlsError as exc:
+        raise DaemonError(str(exc)) from None
+
+
+def bind_all(listeners: list[Listener]) -> None:
+    """Bind every listener's socket, then listen on all: all ports or none.  A port that
+    cannot be bound closes the ones already bound before any of them accepted a client."""
+    try:
+        for lst in listeners:
+            lst.sock = bind(lst, listen=False)
+        for lst in listeners:
+            lst.sock.listen(2048)
+    except BaseException:
+        for lst in listeners:
+            if lst.sock is not None:
+                lst.sock.close()
+                lst.sock = None
+        raise
 
 
 class _Server(uvicorn.Server):
@@ -152,18 +162,14 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.cfg
-        ssl = tls_files(cfg)
         listeners = plan_listeners(cfg)
+        contexts = tls_contexts(cfg, listeners)
         # The checkpoint first: a checkpoint that cannot be served (a quantized tensor
         # missing its scale, say) fails the start before any port is bound.
         tokenizer, engine = await asyncio.to_thread(load_engine, cfg)
         try:
-            for lst in listeners:
-                lst.sock = bind(lst)
+            bind_all(listeners)
         except BaseException:
-            for lst in listeners:
-                if lst.sock is not None:
-                    lst.sock.close()
             with contextlib.suppress(Exception):
                 await engine.shutdown(drain=False)
             raise
@@ -187,13 +193,15 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_signal)
         tasks = []
         protocol = header_timeout_protocol(settings.header_timeout_s)
-        for lst in listeners:
+        for lst, context in zip(listeners, contexts):
             # limit_concurrency caps open connections per server (503 beyond it): far above
             # maxLinkNum, so slow clients cannot take every file descriptor.
             config = uvicorn.Config(build_app(state, lst.planes), log_level="warning",
                                     access_log=False, lifespan="off", http=protocol,
                                     limit_concurrency=max(256, 4 * settings.max_link_num),
-                                    timeout_keep_alive=5, timeout_graceful_shutdown=5, **ssl)
+                                    timeout_keep_alive=5, timeout_graceful_shutdown=5)
+            config.load()
+            config.ssl = context           # built and checked above (server/api/tls.py)
             server = _Server(config)
             self.servers.append(server)
             tasks.append(asyncio.create_task(server.serve(sockets=[lst.sock])))
@@ -205,7 +213,7 @@ class Daemon:
             await asyncio.sleep(0.01)
         for lst in listeners:
             log.info("%s plane(s) on %s://%s:%d", "+".join(sorted(lst.planes)),
-                     "https" if ssl else "http", lst.host, lst.port)
+                     "https" if any(contexts) else "http", lst.host, lst.port)
         print(READY_LINE, flush=True)
         stop_wait = asyncio.create_task(self.stop.wait())
         await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -5,7 +5,7 @@ nothing must not pass silently: each field below that the file sets to something
 than its default gives one line, ``<JSON path>: <value> is ignored: <why>``, logged at
 start-up and by ``--check`` and kept in ``AppConfig.warnings``.  A field left at its
 default says nothing (the operator asked for nothing).  Fields whose being ignored would
-mislead (parallel sizes not built, unavailable KV pool backends, per-plane TLS) are refused instead, by
+mislead (parallel sizes not built, unavailable KV pool backends) are refused instead, by
 the validators in sections.py and the rules in rules.py; fields that take effect are in
 neither place.  When a field starts to take effect, its entry here goes.
 """
@@ -26,7 +26,6 @@ SC = "BackendConfig.ScheduleConfig"
 
 _NO_PD = "PD disaggregation is not implemented (no inter-instance links)"
 _NO_INTER_NODE_TLS = "inter-node TLS is not implemented (ranks talk torch.distributed over TCP)"
-_NO_MTLS = "client certificates are not checked (no mutual TLS)"
 _SCHEDULER = "the scheduler does not read it (docs/config.md lists the keys it does)"
 _NO_CHUNKED = "chunked prefill is not implemented (a prompt is prefilled in one step)"
 _LOGS = "logs go to stderr at the level of --log-level"
@@ -35,7 +34,6 @@ SERVER: dict[str, str] = {
     "openAiSupport": "the OpenAI endpoints always follow vLLM's dialect",
     "maxJsonDepth": "request bodies are not depth-limited beyond maxRequestLength",
     "distDPServerEnabled": "there is no data-parallel server",
-    "tlsCaPath": _NO_MTLS, "tlsCaFile": _NO_MTLS, "tlsCrlPath": _NO_MTLS, "tlsCrlFiles": _NO_MTLS,
     "kmcKsfMaster": "tlsPkPwd is read as plain text (no KMC)",
     "kmcKsfStandby": "tlsPkPwd is read as plain text (no KMC)",
     "interCommTLSEnabled": _NO_PD, "interCommPort": _NO_PD, "interCommTlsCaPath": _NO_PD,
@@ -106,9 +104,8 @@ def ignored_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) ->
     s, b = doc.server, doc.backend
     out = list(_set_fields(doc, "", TOP))
     out += _set_fields(s, SV, SERVER)
-    if not s.https_enabled:       # with httpsEnabled true, rules.py refuses them instead
-        out += _set_fields(s, SV, {k: "httpsEnabled is false (and with it true, every plane "
-                                      "is served with tlsCert/tlsPk)" for k in PLANE_TLS_KEYS})
+    if not s.https_enabled:       # with httpsEnabled true they take effect (api/tls.py)
+        out += _set_fields(s, SV, {k: "httpsEnabled is false" for k in PLANE_TLS_KEYS})
     out += _set_fields(s.health_check, f"{SV}.HealthCheckConfig", HEALTH_CHECK)
     out += _set_fields(b, BC, BACKEND)
     if b.npu_device_ids != ((0,),) and sum(map(len, b.npu_device_ids)) == 1:

@@ -6,6 +6,7 @@ those fields was itself invalid (and replaced by its default for this pass).
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 from typing import Iterator
 
@@ -70,13 +71,13 @@ def _kv_pool_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
 
 def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
     s = doc.server
+    if s.infer_mode == "dmi":
+        yield from _pd_rules(s)
     for key, port in (("managementPort", s.management_port), ("metricsPort", s.metrics_port)):
         if port == s.port:
             yield ConfigIssue(f"{SV}.{key}", port, f"a port other than port ({s.port})",
                               f"{key} must differ from the business port",
                               related=(f"{SV}.port",))
-    if s.https_enabled:
-        yield from _plane_tls_rules(s)
     if not s.allow_all_zero_ip_listening:
         for key, ip in (("ipAddress", s.ip_address), ("managementIpAddress", s.management_ip_address)):
             if ip is not None and is_all_interfaces(ip):
@@ -85,23 +86,31 @@ def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
                                   related=(f"{SV}.allowAllZeroIpListening",))
 
 
-# Per-plane TLS keys MindIE reads for the management and metrics planes.  Here every plane
-# is served with tlsCert/tlsPk (one certificate, no client-certificate check), so a
-# management/metrics certificate, key, CA or CRL other than the default would be a promise
-# we do not keep: refused while httpsEnabled is true (ignored.py warns about it otherwise).
-PLANE_TLS_KEYS: tuple[str, ...] = tuple(
+def _pd_rules(s: ServerConfig) -> Iterator[ConfigIssue]:
+    """inferMode dmi: the KV port must be free of the planes' ports; peers are addresses."""
+    for key, port in (("port", s.port), ("managementPort", s.management_port),
+                      ("metricsPort", s.metrics_port)):
+        if s.inter_comm_port == port:
+            yield ConfigIssue(f"{SV}.interCommPort", port, f"a port other than {key}",
+                              "the KV transfer port must differ from the HTTP planes' ports",
+                              related=(f"{SV}.{key}",))
+    for i, peer in enumerate(s.pd_peers):
+        try:
+            ipaddress.ip_address(peer)
+        except ValueError:
+            yield ConfigIssue(f"{SV}.pdPeers[{i}]", peer, "an IPv4 or IPv6 address",
+                              "not an IP address")
+    if s.pd_role == "decode" and not s.pd_peers:
+        yield ConfigIssue(f"{SV}.pdPeers", [], "the prefill instances' addresses",
+                          "a decode instance pulls KV only from its peers",
+                          related=(f"{SV}.pdRole",))
+
+
+# TLS keys that take effect only with httpsEnabled (server/api/tls.py serves each plane
+# with its own); ignored.py warns about them when httpsEnabled is false.
+PLANE_TLS_KEYS: tuple[str, ...] = ("tlsCaPath", "tlsCaFile", "tlsCrlPath", "tlsCrlFiles") + tuple(
     f"{plane}{key}" for plane in ("management", "metrics")
     for key in ("TlsCaFile", "TlsCert", "TlsPk", "TlsPkPwd", "TlsCrlPath", "TlsCrlFiles"))
-
-
-def _plane_tls_rules(s: ServerConfig) -> Iterator[ConfigIssue]:
-    for name, info in type(s).model_fields.items():
-        if info.alias in PLANE_TLS_KEYS and getattr(s, name) != info.default:
-            yield ConfigIssue(f"{SV}.{info.alias}", getattr(s, name),
-                              f"the default ({json.dumps(info.default)}) or httpsEnabled: false",
-                              "per-plane TLS is not implemented: the management and metrics "
-                              "planes are served with tlsCert/tlsPk",
-                              related=(f"{SV}.httpsEnabled",))
 
 
 def _deploy_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:

@@ -34,7 +34,8 @@ def tls_daemon(tiny_weights, tmp_path_factory):
                     "-subj", "/CN=127.0.0.1", "-keyout", str(folder / "security/keys/server.key.pem"),
                     "-out", str(folder / "security/certs/server.pem")],
                    check=True, capture_output=True, timeout=120)
-    cfg = make_config(folder, tiny_weights, server={"httpsEnabled": True},
+    # tlsCaFile []: no client certificates (test_daemon_mtls.py checks mutual TLS).
+    cfg = make_config(folder, tiny_weights, server={"httpsEnabled": True, "tlsCaFile": []},
                       same_mgmt_metrics=False)
     d = Daemon(cfg, env={"MIES_SERVICE_MONITOR_MODE": "0"}).start()
     yield d

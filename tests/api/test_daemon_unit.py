@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from server.daemon import DaemonError, bind, plan_listeners, tls_files
+from server.daemon import DaemonError, bind, bind_all, plan_listeners, tls_contexts
 from tests.api.daemon_proc import ROOT
 
 
@@ -37,18 +37,40 @@ def test_planes_share_servers_by_address(tmp_path, weights):
 
 
 def test_tls_files_resolved_from_config_folder(tmp_path, weights):
-    cfg = config(tmp_path, weights, httpsEnabled=True, tlsCert="c/server.pem", tlsPk="k/key.pem")
+    cfg = config(tmp_path, weights, httpsEnabled=True, tlsCert="c/server.pem", tlsPk="k/key.pem",
+                 tlsCaFile=[])
     with pytest.raises(DaemonError) as err:
-        tls_files(cfg)
-    assert "tlsCert" in str(err.value) and "tlsPk" in str(err.value)
-    assert str(tmp_path / "c" / "server.pem") in str(err.value)
+        tls_contexts(cfg, plan_listeners(cfg))
+    assert "tlsCert" in str(err.value) and str(tmp_path / "c" / "server.pem") in str(err.value)
     (tmp_path / "c").mkdir()
     (tmp_path / "k").mkdir()
     (tmp_path / "c" / "server.pem").write_text("x")
     (tmp_path / "k" / "key.pem").write_text("x")
-    got = tls_files(cfg)
-    assert got["ssl_certfile"] == str(tmp_path / "c" / "server.pem")
-    assert tls_files(config(tmp_path, weights, httpsEnabled=False)) == {}
+    with pytest.raises(DaemonError) as err:        # found now, but not a certificate
+        tls_contexts(cfg, plan_listeners(cfg))
+    assert "cannot be loaded" in str(err.value) and str(tmp_path / "k" / "key.pem") in str(err.value)
+    plain = config(tmp_path, weights, httpsEnabled=False)
+    assert set(tls_contexts(plain, plan_listeners(plain))) == {None}
+
+
+def test_ports_are_bound_all_or_none(tmp_path, weights):
+    """The metrics port is taken: no other port is left bound, none ever listened."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        taken = s.getsockname()[1]
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            b.bind(("127.0.0.1", 0))
+            port, mport = a.getsockname()[1], b.getsockname()[1]
+        cfg = config(tmp_path, weights, port=port, managementPort=mport, metricsPort=taken)
+        listeners = plan_listeners(cfg)
+        with pytest.raises(DaemonError, match=f"127.0.0.1:{taken}"):
+            bind_all(listeners)
+        assert all(lst.sock is None for lst in listeners)
+        for free in (port, mport):        # both can be bound again: nothing holds them
+            with socket.socket() as again:
+                again.bind(("127.0.0.1", free))
 
 
 def test_occupied_port_is_a_clear_error(tmp_path, weights):

@@ -35,8 +35,6 @@ IGNORED = [
     (f"{SV}.interCommPort", 2000, 1121),
     (f"{SV}.interCommTlsCert", "grpc.pem", "security/grpc/certs/server.pem"),
     (f"{SV}.interCommPkPwd", "pwd.txt", None),
-    (f"{SV}.tlsCaFile", ["my_ca.pem"], ["ca.pem"]),
-    (f"{SV}.tlsCrlFiles", ["my_crl.pem"], ["server_crl.pem"]),
     (f"{SV}.maxJsonDepth", 10, None),
     (f"{SV}.distDPServerEnabled", True, False),
     (f"{SV}.layerwiseDisaggregated", True, False),
@@ -96,12 +94,13 @@ def test_ignored_field_at_its_default_is_quiet(path, value, default, tmp_path):
 
 
 def test_plane_tls_keys_warn_without_https(tmp_path):
-    """With httpsEnabled true they are refused (test_invalid_configs.py); without TLS they
-    do nothing either, and say so."""
+    """With httpsEnabled true they take effect (server/api/tls.py); without TLS they do
+    nothing, and say so."""
     cfg = load({f"{SV}.httpsEnabled": False, f"{SV}.managementTlsCert": "m.pem",
-                f"{SV}.metricsTlsCaFile": ["ca2.pem"]}, tmp_path)
-    assert [w.split(":")[0] for w in cfg.warnings] == [f"{SV}.managementTlsCert",
-                                                      f"{SV}.metricsTlsCaFile"]
+                f"{SV}.metricsTlsCaFile": ["ca2.pem"], f"{SV}.tlsCaFile": ["my_ca.pem"]},
+               tmp_path)
+    assert sorted(w.split(":")[0] for w in cfg.warnings) == [
+        f"{SV}.managementTlsCert", f"{SV}.metricsTlsCaFile", f"{SV}.tlsCaFile"]
     assert all("httpsEnabled is false" in w for w in cfg.warnings)
 
 

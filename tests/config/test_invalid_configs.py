@@ -84,12 +84,6 @@ INVALID = [
      "BackendConfig.kvPoolConfig.backend", "KV cache pooling"),
     ("kv-pool-config-path", {"BackendConfig.kvPoolConfig.configPath": "/etc/pool.json"},
      "BackendConfig.kvPoolConfig.configPath", "without a KV pool backend"),
-    ("management-tls-cert-with-https", {f"{SV}.managementTlsCert": "mgmt.pem"},
-     f"{SV}.managementTlsCert", "tlsCert/tlsPk"),
-    ("management-tls-pk-pwd-with-https", {f"{SV}.managementTlsPkPwd": "pwd.txt"},
-     f"{SV}.managementTlsPkPwd", "httpsEnabled: false"),
-    ("metrics-tls-ca-with-https", {f"{SV}.metricsTlsCaFile": ["my_ca.pem"]},
-     f"{SV}.metricsTlsCaFile", "per-plane TLS"),
     ("cp-three", {f"{MC0}.cp": 3}, f"{MC0}.cp", "[1, 2]"),
     ("npu-mem-zero", {f"{MC0}.npuMemSize": 0}, f"{MC0}.npuMemSize", "-1 (auto)"),
     ("model-config-empty", {f"{MD}.ModelConfig": []}, f"{MD}.ModelConfig", "exactly one"),
@@ -176,12 +170,15 @@ def test_multi_device_files_load_with_their_layout(name, layout, tmp_path):
     assert (lay.world_size, lay.tp, lay.moe_tp, lay.moe_ep, lay.device_ids) == layout
 
 
-def test_plane_tls_keys_at_defaults_are_accepted_with_https(tmp_path):
-    """MindIE's shipped file writes the management/metrics TLS keys at their defaults."""
+def test_plane_tls_keys_are_accepted_with_https(tmp_path):
+    """MindIE's shipped file writes the management/metrics TLS keys; they are served
+    (server/api/tls.py; the files are checked when the daemon starts, before any port)."""
     write_weights(tmp_path / "tiny-model")
     doc = edited(minimal(), {f"{SV}.managementTlsCert": "security/certs/management/server.pem",
-                             f"{SV}.metricsTlsCaFile": ["metrics_ca.pem"]})
-    assert parse_config(doc, base_dir=tmp_path, check_files=True).server.https_enabled
+                             f"{SV}.metricsTlsCaFile": ["metrics_ca.pem"],
+                             f"{SV}.managementTlsPkPwd": "pwd.txt"})
+    cfg = parse_config(doc, base_dir=tmp_path, check_files=True)
+    assert cfg.server.https_enabled and cfg.warnings == ()
 
 
 def test_mtp_exclusion_names_both_features(tmp_path):
