@@ -24,7 +24,7 @@ BC = "BackendConfig"
 MD = "BackendConfig.ModelDeployConfig"
 SC = "BackendConfig.ScheduleConfig"
 
-_NO_PD = "PD disaggregation is not implemented (no inter-instance links)"
+_NO_PD = "it is used only with inferMode \"dmi\" (PD disaggregation)"
 _NO_INTER_NODE_TLS = "inter-node TLS is not implemented (ranks talk torch.distributed over TCP)"
 _SCHEDULER = "the scheduler does not read it (docs/config.md lists the keys it does)"
 _NO_CHUNKED = "chunked prefill is not implemented (a prompt is prefilled in one step)"
@@ -36,14 +36,15 @@ SERVER: dict[str, str] = {
     "distDPServerEnabled": "there is no data-parallel server",
     "kmcKsfMaster": "tlsPkPwd is read as plain text (no KMC)",
     "kmcKsfStandby": "tlsPkPwd is read as plain text (no KMC)",
-    "interCommTLSEnabled": _NO_PD, "interCommPort": _NO_PD, "interCommTlsCaPath": _NO_PD,
-    "interCommTlsCaFiles": _NO_PD, "interCommTlsCert": _NO_PD, "interCommPk": _NO_PD,
-    "interCommPkPwd": _NO_PD, "interCommTlsCrlPath": _NO_PD, "interCommTlsCrlFiles": _NO_PD,
     **{k: "layer-wise disaggregation is not implemented" for k in (
         "layerwiseDisaggregated", "layerwiseDisaggregatedRoleType",
         "layerwiseDisaggregatedMasterIpAddress", "layerwiseDisaggregatedSlaveIpAddress",
         "layerwiseDisaggregatedDataPort", "layerwiseDisaggregatedCrtlPort")},
 }
+INTER_COMM: dict[str, str] = {k: _NO_PD for k in (
+    "interCommTLSEnabled", "interCommPort", "interCommTlsCaPath", "interCommTlsCaFiles",
+    "interCommTlsCert", "interCommPk", "interCommPkPwd", "interCommTlsCrlPath",
+    "interCommTlsCrlFiles", "pdRole", "pdPeers")}
 HEALTH_CHECK: dict[str, str] = {
     "npuUsageThreshold": "/health reports the engine's state, not device usage",
 }
@@ -63,7 +64,6 @@ MODEL: dict[str, str] = {
     "backendType": "the model runs on PyTorch (backendType torch)",
     "trustRemoteCode": "no checkpoint code is run; the DeepSeek model is built in",
     "async_scheduler_wait_time": "the asynchronous scheduler has no wait timeout",
-    "kv_trans_timeout": _NO_PD, "kv_link_timeout": _NO_PD,
 }
 SCHEDULE: dict[str, str] = {
     "prefillPolicyType": "requests are scheduled first come, first served",
@@ -107,6 +107,8 @@ def ignored_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) ->
     if not s.https_enabled:       # with httpsEnabled true they take effect (api/tls.py)
         out += _set_fields(s, SV, {k: "httpsEnabled is false" for k in PLANE_TLS_KEYS})
     out += _set_fields(s.health_check, f"{SV}.HealthCheckConfig", HEALTH_CHECK)
+    if s.infer_mode != "dmi":
+        out += _set_fields(s, SV, INTER_COMM)
     out += _set_fields(b, BC, BACKEND)
     if b.npu_device_ids != ((0,),) and sum(map(len, b.npu_device_ids)) == 1:
         out.append(f"{BC}.npuDeviceIds: {_show(b.npu_device_ids)} is ignored: the daemon runs on "
@@ -115,6 +117,8 @@ def ignored_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) ->
     sched = b.schedule
     for i, mc in enumerate(b.model_deploy.model_configs):
         out += _set_fields(mc, mc_path(i), MODEL)
+        if s.infer_mode != "dmi":
+            out += _set_fields(mc, mc_path(i), {"kv_trans_timeout": _NO_PD, "kv_link_timeout": _NO_PD})
         for plugin in mc.plugin_params.plugin_type:
             if plugin in _PLUGINS:
                 out.append(f"{mc_path(i)}.plugin_params.plugin_type: {plugin!r} is ignored: "

@@ -275,9 +275,6 @@ def collect_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) ->
         if value is not None:
             out.append(f"BackendConfig.ScheduleConfig.{key}: deprecated and ignored; "
                        "use ModelConfig[].plugin_params")
-    if doc.server.infer_mode == "dmi":
-        out.append("ServerConfig.inferMode: 'dmi' (PD disaggregation) is not implemented; "
-                   "serving PD co-located")
     for i, mc in enumerate(doc.backend.model_deploy.model_configs):
         if mc.model_instance_type != "Standard":
             out.append(f"{mc_path(i)}.modelInstanceType: {mc.model_instance_type!r} treated as 'Standard'")

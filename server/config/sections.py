@@ -122,6 +122,10 @@ class ServerConfig(Section):
     kmc_ksf_master: StrictStr = F("kmcKsfMaster", "tools/pmt/master/ksfa")
     kmc_ksf_standby: StrictStr = F("kmcKsfStandby", "tools/pmt/standby/ksfb")
     infer_mode: Literal["standard", "dmi"] = F("inferMode", "standard")
+    # This daemon's keys (MindIE assigns roles only through POST /v1/role/...): a fixed PD
+    # role for a static set-up, and the peers' addresses a decode instance may pull from.
+    pd_role: Literal["prefill", "decode"] | None = F("pdRole", None, doc="dmi only; else POST /v1/role/...")
+    pd_peers: tuple[StrictStr, ...] = F("pdPeers", (), doc="peer instances' IP addresses")
     inter_comm_tls_enabled: StrictBool = F("interCommTLSEnabled", True)
     inter_comm_port: StrictInt = F("interCommPort", 1121, lo=1024, hi=65535)
     inter_comm_tls_ca_path: StrictStr = F("interCommTlsCaPath", "security/grpc/ca/")

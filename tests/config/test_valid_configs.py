@@ -186,10 +186,14 @@ def test_unknown_keys_are_kept_and_warned(tmp_path, caplog):
     assert cfg.reasoning_enabled is True
 
 
-def test_pd_mode_is_accepted_with_a_warning(tmp_path):
+def test_pd_mode_loads_and_inter_comm_keys_warn_only_outside_it(tmp_path):
     write_weights(tmp_path / "tiny-model")
-    cfg = parse_config(edited(minimal(), {f"{SV}.inferMode": "dmi"}), base_dir=tmp_path)
-    assert any("inferMode" in w for w in cfg.warnings)
+    pd = {f"{SV}.interCommPort": 1300, f"{SV}.pdRole": "decode", f"{SV}.pdPeers": ["127.0.0.1"]}
+    cfg = parse_config(edited(minimal(), {f"{SV}.inferMode": "dmi", **pd}), base_dir=tmp_path)
+    assert not cfg.warnings
+    cfg = parse_config(edited(minimal(), pd), base_dir=tmp_path)
+    assert {w.split(":")[0] for w in cfg.warnings} == {f"{SV}.interCommPort", f"{SV}.pdRole",
+                                                       f"{SV}.pdPeers"}
 
 
 def test_check_files_false_skips_only_filesystem(tmp_path):
