@@ -6,6 +6,7 @@ those fields was itself invalid (and replaced by its default for this pass).
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 from typing import Iterator
 
@@ -70,6 +71,8 @@ def _kv_pool_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
 
 def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
     s = doc.server
+    if s.infer_mode == "dmi":
+        yield from _pd_rules(s)
     for key, port in (("managementPort", s.management_port), ("metricsPort", s.metrics_port)):
         if port == s.port:
             yield ConfigIssue(f"{SV}.{key}", port, f"a port other than port ({s.port})",
@@ -81,6 +84,26 @@ def _server_rules(doc: MindIEConfig) -> Iterator[ConfigIssue]:
                 yield ConfigIssue(f"{SV}.{key}", ip, "a specific address, or allowAllZeroIpListening: true",
                                   "listening on all interfaces needs allowAllZeroIpListening: true",
                                   related=(f"{SV}.allowAllZeroIpListening",))
+
+
+def _pd_rules(s: ServerConfig) -> Iterator[ConfigIssue]:
+    """inferMode dmi: the KV port must be free of the planes' ports; peers are addresses."""
+    for key, port in (("port", s.port), ("managementPort", s.management_port),
+                      ("metricsPort", s.metrics_port)):
+        if s.inter_comm_port == port:
+            yield ConfigIssue(f"{SV}.interCommPort", port, f"a port other than {key}",
+                              "the KV transfer port must differ from the HTTP planes' ports",
+                              related=(f"{SV}.{key}",))
+    for i, peer in enumerate(s.pd_peers):
+        try:
+            ipaddress.ip_address(peer)
+        except ValueError:
+            yield ConfigIssue(f"{SV}.pdPeers[{i}]", peer, "an IPv4 or IPv6 address",
+                              "not an IP address")
+    if s.pd_role == "decode" and not s.pd_peers:
+        yield ConfigIssue(f"{SV}.pdPeers", [], "the prefill instances' addresses",
+                          "a decode instance pulls KV only from its peers",
+                          related=(f"{SV}.pdRole",))
 
 
 # TLS keys that take effect only with httpsEnabled (server/api/tls.py serves each plane
