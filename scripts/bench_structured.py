@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Throughput cost of constraints (``scripts/bench.py --compare structured``): one daemon on
-the demo model with MTP k=1, the same chat prompts with and without a ``json_schema``
-``response_format``, greedy, at each concurrency level (default 16).
+"""Throughput cost of constraints (``scripts/bench.py --compare structured``): daemons on the
+demo model with MTP k=1 (synchronous scheduling, and asynchronous with the worker
+process), the same chat prompts with and without a ``json_schema`` ``response_format``,
+greedy, at each concurrency level (default 16).
 
 Bursts alternate between the two kinds (plain, constrained, plain, ...) so that machine
 drift hits both, and the table reports medians over repetitions: output tokens/s, the
@@ -70,12 +71,13 @@ async def _burst(base: str, metrics: str, model: str, constrained: bool, concurr
             "valid": (sum(valid) / len(valid)) if valid else None}
 
 
-def mask_cost(weights: Path, batch: int = 16, k: int = 1) -> dict:
+def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> dict:
     """In-process cost of the grammar work of one verify step at ``batch`` constrained
     requests holding ``k`` drafts each: llguidance masks for every row (grammar.window_masks),
     the tensor op that applies them, and the commit of the emitted tokens; averaged over
     the tokens of a schema-valid answer."""
     import torch
+    torch.set_num_threads(threads)            # as the daemons run (OMP_NUM_THREADS=--threads)
     from server.api.grammars import response_format_grammar
     from server.engine import grammar as G
     from server.text.tokenizer import Tokenizer
@@ -106,40 +108,51 @@ def mask_cost(weights: Path, batch: int = 16, k: int = 1) -> dict:
 
 
 def main(args) -> int:
+    """Two daemons, MTP k=1: synchronous scheduling and asynchronous (worker process)."""
     levels = [int(x) for x in (args.concurrency or "16").split(",")]
     reps = args.reps or (1 if args.quick else 3)
-    t = start_daemon("structured", args.config_file, 1, args.threads)
-    raw: dict[str, dict[int, list[dict]]] = {"plain": {c: [] for c in levels},
-                                             "json_schema": {c: [] for c in levels}}
+    kinds = ("plain", "json_schema")
+    targets = []
+    raw: dict[str, dict[str, dict[int, list[dict]]]] = {}
     try:
-        model = asyncio.run(model_id(t))
-        asyncio.run(_burst(t.base_url, t.metrics_url, model, True, 4, 4, 8))   # warm-up; compiles the grammar
-        asyncio.run(_burst(t.base_url, t.metrics_url, model, False, 4, 4, 8))
+        for name, on in (("sync", False), ("async", True)):
+            print(f"starting daemon {name} ...", file=sys.stderr)
+            targets.append(start_daemon(name, args.config_file, 1, args.threads, on))
+            raw[name] = {kind: {c: [] for c in levels} for kind in kinds}
+        model = asyncio.run(model_id(targets[0]))
+        for t in targets:        # warm-up; compiles the grammar
+            for constrained in (True, False):
+                asyncio.run(_burst(t.base_url, t.metrics_url, model, constrained, 4, 4, 8))
         for _ in range(reps):
             for c in levels:
                 n = max(3 * c, 8)
-                for kind in ("plain", "json_schema"):
-                    raw[kind][c].append(asyncio.run(_burst(t.base_url, t.metrics_url, model,
-                                                           kind == "json_schema", c, n, args.max_tokens)))
-                    print(f"  {kind} c={c}: {raw[kind][c][-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
+                for t in targets:
+                    for kind in kinds:        # alternate so drift hits every row
+                        r = asyncio.run(_burst(t.base_url, t.metrics_url, model,
+                                               kind == "json_schema", c, n, args.max_tokens))
+                        raw[t.name][kind][c].append(r)
+                        print(f"  {t.name} {kind} c={c}: {r['output_tok_s']:.1f} tok/s", file=sys.stderr)
     finally:
-        stop_daemon(t)
-    med = {kind: {c: {key: (statistics.median(r[key] for r in runs) if runs[0][key] is not None else None)
-                      for key in runs[0]} for c, runs in per.items()} for kind, per in raw.items()}
+        for t in targets:
+            stop_daemon(t)
+    med = {name: {kind: {c: {key: (statistics.median(r[key] for r in runs) if runs[0][key] is not None
+                                   else None) for key in runs[0]} for c, runs in per.items()}
+                  for kind, per in by_kind.items()} for name, by_kind in raw.items()}
     print(f"\nconstraints, MTP k=1, demo model, {_machine()}, {reps} rep(s), max_tokens {args.max_tokens}")
-    print(f"{'c':>4} {'plain tok/s':>12} {'json_schema tok/s':>18} {'ratio':>6} {'accept plain':>13} "
-          f"{'accept json':>12} {'tokens/req plain':>17} {'json':>5} {'valid':>6}")
-    for c in levels:
-        p, j = med["plain"][c], med["json_schema"][c]
-        print(f"{c:>4} {p['output_tok_s']:>12.1f} {j['output_tok_s']:>18.1f} "
-              f"{j['output_tok_s'] / p['output_tok_s']:>6.2f} {p['acceptance_rate'] or 0:>13.2f} "
-              f"{j['acceptance_rate'] or 0:>12.2f} {p['tokens_per_request']:>17.1f} "
-              f"{j['tokens_per_request']:>5.1f} {j['valid']:>6.2f}")
+    print(f"{'sched':>6} {'c':>4} {'plain tok/s':>12} {'json_schema tok/s':>18} {'ratio':>6} "
+          f"{'accept plain':>13} {'accept json':>12} {'tokens/req plain':>17} {'json':>5} {'valid':>6}")
+    for name in med:
+        for c in levels:
+            p, j = med[name]["plain"][c], med[name]["json_schema"][c]
+            print(f"{name:>6} {c:>4} {p['output_tok_s']:>12.1f} {j['output_tok_s']:>18.1f} "
+                  f"{j['output_tok_s'] / p['output_tok_s']:>6.2f} {p['acceptance_rate'] or 0:>13.2f} "
+                  f"{j['acceptance_rate'] or 0:>12.2f} {p['tokens_per_request']:>17.1f} "
+                  f"{j['tokens_per_request']:>5.1f} {j['valid']:>6.2f}")
     base_cfg = json.loads(args.config_file.read_text())
     weights = Path(base_cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"])
     if not weights.is_absolute():
         weights = (args.config_file.parent / weights).resolve()
-    cost = mask_cost(weights, batch=max(levels))
+    cost = mask_cost(weights, batch=max(levels), threads=args.threads)
     print(f"grammar work per verify step, {cost['batch']} constrained requests x {cost['k'] + 1} rows: "
           f"masks {cost['masks_ms_per_step']:.2f} ms, applying them {cost['apply_ms_per_step']:.2f} ms")
     if args.json:

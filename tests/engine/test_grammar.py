@@ -160,3 +160,21 @@ def test_seeded_constrained_sampling_reproduces_alone_and_in_a_batch():
         if r.request_id[0] != "u":
             check_follows(tok, r.request_id, alone)
     assert eng.worker.grammars.num_compiled == 4         # two schemas, two tool grammars
+
+
+@pytest.mark.slow
+def test_constrained_outputs_identical_under_async_scheduling():
+    """The worker process (async scheduling on a CPU) compiles grammars itself on first
+    sight and computes step n+1's masks from its own state, so the step waits for them
+    and the outputs are those of synchronous scheduling."""
+    sp = lambda i, g: (SamplingParams(max_tokens=72, temperature=0.0, grammar=g) if i % 2   # noqa: E731
+                       else SamplingParams(max_tokens=72, temperature=0.9, seed=7 + i, grammar=g))
+    reqs = workload(sp)[:16]
+    ref = run_staggered(engine(1), reqs, every=2)
+    eng = engine(1, async_scheduling=True)
+    assert eng.worker is None and eng.grammars is None      # the worker is in another process
+    try:
+        out = run_staggered(eng, reqs, every=2)
+    finally:
+        eng.shutdown()
+    assert out == ref
