@@ -84,7 +84,10 @@ class HostKVPool:
         if disk_writes:                       # the rows just saved, now final on the host
             self.flush()
             for slot, block_hash, path in disk_writes:
-                write_block(path, block_hash, self.data[slot].numpy().data)
+                try:
+                    write_block(path, block_hash, self.data[slot].numpy().data)
+                except OSError as exc:        # e.g. a full disk: a missing file is a miss later
+                    log.warning("disk KV tier: writing %s failed: %s", path, exc)
         if loaded is not None:
             self._scatter(load_bids, loaded)
         if disk_loads:

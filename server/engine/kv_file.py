@@ -45,10 +45,14 @@ def _digest(payload: bytes | memoryview) -> bytes:
 def write_block(path: str | os.PathLike[str], block_hash: int, payload: bytes | memoryview) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(MAGIC, block_hash & _MASK, len(payload), _digest(payload)))
-        f.write(payload)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, block_hash & _MASK, len(payload), _digest(payload)))
+            f.write(payload)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_block(path: str | os.PathLike[str], block_hash: int, payload_bytes: int) -> bytes | None:

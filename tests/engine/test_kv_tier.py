@@ -253,3 +253,20 @@ def test_kv_file_round_trip_and_every_kind_of_damage(tmp_path):
     path.write_bytes(data[:40])
     assert read_block(path, -5, 64) is None                         # truncated
     assert read_block(tmp_path / "missing.kvb", -5, 64) is None
+
+
+def test_a_failing_disk_write_is_a_later_miss_not_an_engine_error(tmp_path, monkeypatch):
+    import server.engine.host_pool as host_pool
+
+    def full_disk(path, block_hash, payload):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(host_pool, "write_block", full_disk)
+    engine = _disk_engine(tmp_path)
+    ref = _one_round(engine)                            # no step fails
+    assert engine.stats().disk_blocks_used > 0          # planned, never written
+    monkeypatch.undo()
+    again = _disk_engine(tmp_path)                      # finds no file: every block a miss
+    assert _one_round(again) == ref
+    st = again.stats()
+    assert st.disk_cache_hits == 0 and st.disk_corrupt_files == 0
