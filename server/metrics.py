@@ -124,6 +124,7 @@ class ServingMetrics:
             "prefix_cache_hits": hits.labels(model_name, "device"),
             "host_cache_hits": hits.labels(model_name, "host"),
             "disk_cache_hits": hits.labels(model_name, "disk"),
+            "remote_cache_hits": hits.labels(model_name, "remote"),     # PD: pulled from P
             "kv_bytes_saved": moved.labels(model_name, "save"),
             "kv_bytes_loaded": moved.labels(model_name, "load"),
             "num_swapped_out": preempt.labels(model_name, "swap"),
@@ -132,7 +133,6 @@ class ServingMetrics:
         self._n_received = self._n_failed = 0
         self._spec = [0, 0, 0]                        # drafts, draft tokens, accepted
         self._recent: deque[tuple[float, int, int]] = deque()   # (time, prompt toks, gen toks)
-        self._cached = [0, 0]                         # prompt tokens queried, hit
 
     # -- events from the serving layer -------------------------------------------------
     def on_received(self) -> None:
@@ -141,14 +141,10 @@ class ServingMetrics:
         self._update_failed_perc()
 
     def on_first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        # cached_tokens (every tier) is not the NPU hit rate: refresh_kv_tiers sets that.
         self.ttft.observe(ttft_s)
         self.prompt_total.inc(prompt_tokens)
         self._recent.append((time.monotonic(), prompt_tokens, 0))
-        self._cached[0] += prompt_tokens
-        self._cached[1] += cached_tokens
-        self.radix_all.set(self._cached[0])
-        self.radix_hit.set(self._cached[1])
-        self.prefix_hit_rate.set(self._cached[1] / self._cached[0] if self._cached[0] else 0.0)
 
     def on_step(self, dt_s: float, num_tokens: int) -> None:
         """A decode step emitted ``num_tokens`` tokens ``dt_s`` after the previous one."""
@@ -216,7 +212,14 @@ class ServingMetrics:
                 self._steps_per_k_seen[k] = n
 
     def refresh_kv_tiers(self, stats: dict) -> None:
-        """The engine's cumulative tier figures (EngineStats fields) into the counters."""
+        """The engine's cumulative tier figures (EngineStats fields) into the counters.
+
+        MindIE's radix gauges and ``npu_prefix_cache_hit_rate`` are the device's own
+        (``cached_tokens`` in a response also counts host and disk hits)."""
+        queried, hits = int(stats["prefix_cache_queries"]), int(stats["prefix_cache_hits"])
+        self.radix_all.set(queried)
+        self.radix_hit.set(hits)
+        self.prefix_hit_rate.set(hits / queried if queried else 0.0)
         for key, ctr in self._tier_counters.items():
             now = int(stats[key])
             if now > self._tier_seen[key]:

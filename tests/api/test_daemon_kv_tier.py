@@ -72,6 +72,12 @@ def test_evicted_prefix_comes_back_from_host_memory(daemon):
     assert _metric(text, "cpu_cache_usage_perc") == pytest.approx(tier["usage"])
     assert 0 < tier["usage"] <= 1
     assert _metric(text, "num_requests_swapped") == 0
+    eng = st["engine"]                          # MindIE's NPU figures: the device's own hits
+    assert _metric(text, "npu_radix_match_hit_num") == eng["prefix_cache_hits"]
+    assert _metric(text, "all_radix_match_num") == eng["prefix_cache_queries"] > 0
+    assert _metric(text, "npu_prefix_cache_hit_rate") == pytest.approx(
+        eng["prefix_cache_hits"] / eng["prefix_cache_queries"])
+    assert _metric(text, "prefix_cache_hit_tokens_total", 'tier="device"') == eng["prefix_cache_hits"]
 
 
 def _disk_daemon(folder, weights) -> Daemon:
