@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import threading
 import time
 from typing import Any
 
@@ -124,7 +125,11 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
             "runtime": rt.to_dict(),
             "engine": stats,
             "kv_cache": stats["kv_cache"],
+            "pd": state.pd.status() if state.pd is not None else None,
             "host_kv_tier": {**rt.host_tier_dict(), **stats["host_kv_tier"]},
+            # Leak watch (scripts/soak.py): these return to their idle level after load.
+            "process": {"asyncio_tasks": len(asyncio.all_tasks()),
+                        "threads": threading.active_count()},
         })
 
     @app.post("/stopService")
