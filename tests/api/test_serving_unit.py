@@ -414,3 +414,17 @@ def test_a_call_to_a_function_that_was_not_offered_is_dropped(tokenizer):
     calls = [tc for e in events[:-1] for tc in e["choices"][0]["delta"].get("tool_calls", [])]
     assert {c["function"].get("name") for c in calls if "id" in c} == {"get_time"}
     assert {c["index"] for c in calls} == {0}
+
+
+def test_response_format_with_thinking_closes_the_thought_first(tokenizer):
+    async def go():
+        client, engine, _ = make_client(tokenizer, '{"a": 1}')
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+            "chat_template_kwargs": {"thinking": True}})
+        return r, engine
+    r, engine = run(go())
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == '{"a": 1}' and not msg["reasoning_content"]
+    prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith(THINK_END) and engine.requests[0].sampling.grammar is not None
