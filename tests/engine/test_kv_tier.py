@@ -270,3 +270,21 @@ def test_a_failing_disk_write_is_a_later_miss_not_an_engine_error(tmp_path, monk
     assert _one_round(again) == ref
     st = again.stats()
     assert st.disk_cache_hits == 0 and st.disk_corrupt_files == 0
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_swap_and_prefix_tier_together_on_shared_prefixes(async_on):
+    """One host tier for both uses: swapped requests own their slots, evicted prefix
+    blocks fill the rest; requests share a 24-token prefix (3 blocks) under pressure."""
+    model = tiny_model()
+    shared = prompts(1, seed=8, lo=24, hi=25)[0]
+    ps = [shared + tail for tail in prompts(6, seed=9, lo=4, hi=20)]
+    kw = dict(async_scheduling=async_on, async_executor="thread", enable_prefix_cache=True)
+    ref = run_tokens(make_engine(model, k=2, num_blocks=512, **kw), requests(ps, SEEDED))
+    engine = make_engine(model, k=2, num_blocks=24, max_batch_size=6, max_preempt_count=100,
+                         host_cache_blocks=40, swap_preemption=True, host_cache_prefix=True, **kw)
+    assert run_tokens(engine, requests(ps, SEEDED)) == ref
+    st = engine.stats()
+    assert st.num_swapped_out > 0 and st.num_swapped_in == st.num_swapped_out
+    assert st.prefix_cache_hits > 0
+    assert st.num_requests_swapped == 0 and st.host_blocks_used == st.host_blocks_cached
