@@ -11,7 +11,9 @@ them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, devi
 and ``apply`` runs them before the step's forward.  Order inside one step: gather the
 device blocks being saved, gather the host slots being loaded, then write both.  That
 makes a device block that is saved and then reused as a load's destination in the same
-step, or a host slot read by a load and reused by a save, come out right.
+step, or a host slot read by a load and reused by a save, come out right.  Disk writes
+(``kv_disk_writes``: a slot saved this step, to a file) follow the host writes; blocks
+read from disk (``kv_disk_loads``, already verified by the engine) are written last.
 
 On CUDA the host rows are pinned.  Saves go device -> pinned staging -> host rows; with
 ``async_write`` (kvPoolConfig.asyncWrite) the last step of that waits until the next
