@@ -36,6 +36,9 @@ from server.api.settings import settings_from_config
 from server.api.state import ServerState
 from server.api.tls import TlsError, listener_contexts
 from server.metrics import make_metrics
+from server.pd.instance import PDInstance, pd_settings
+from server.pd.kv_server import KVServer
+from server.pd.tls import kv_link_contexts
 
 log = logging.getLogger("server.daemon")
 READY_LINE = "Daemon start success!"
@@ -164,11 +167,14 @@ class Daemon:
         cfg = self.cfg
         listeners = plan_listeners(cfg)
         contexts = tls_contexts(cfg, listeners)
+        pd_cfg = pd_settings(cfg)            # inferMode dmi: a KV port, its TLS checked now
+        kv_tls = kv_link_contexts(cfg) if pd_cfg else (None, None)
+        kv_lst = Listener(pd_cfg.host, pd_cfg.port, {"kv-transfer"}) if pd_cfg else None
         # The checkpoint first: a checkpoint that cannot be served (a quantized tensor
         # missing its scale, say) fails the start before any port is bound.
         tokenizer, engine = await asyncio.to_thread(load_engine, cfg)
         try:
-            bind_all(listeners)
+            bind_all(listeners + ([kv_lst] if kv_lst else []))
         except BaseException:
             with contextlib.suppress(Exception):
                 await engine.shutdown(drain=False)
@@ -188,6 +194,15 @@ class Daemon:
             generation_defaults=dict(getattr(tokenizer, "generation_defaults", {}) or {}),
             chat_template=chat_template, request_stop=self.request_stop,
             api_keys=ApiKeys(tuple(getattr(cfg, "api_keys", ()))))
+        kv_server = None
+        if pd_cfg is not None:
+            registry = state.metrics.registry if state.metrics.enabled else None
+            state.pd = PDInstance(pd_cfg, engine.runtime, registry, client_ssl=kv_tls[1])
+            engine.engine.kv_export_sink = state.pd.on_export
+            kv_server = KVServer(state.pd.exports, state.pd.on_sent, state.pd.on_failed)
+            await kv_server.start(kv_lst.sock, kv_tls[0])
+            log.info("PD instance: KV transfer on %s:%d (%s), role %s", pd_cfg.host, pd_cfg.port,
+                     "TLS" if kv_tls[0] else "plain TCP", state.pd.roles.role or "unassigned")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
@@ -223,6 +238,8 @@ class Daemon:
             for server in self.servers:
                 server.force_exit = True
         await self._close(tasks, engine, drain=drained)
+        if kv_server is not None:
+            await kv_server.close()
         if self.fatal:
             return EXIT_FAIL
         return EXIT_OK if drained else EXIT_DRAIN_CUT

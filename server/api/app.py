@@ -12,6 +12,7 @@ from server.api.errors import install_error_handlers
 from server.api.management import add_management_routes, add_metrics_route
 from server.api.openapi import business_openapi
 from server.api.state import ServerState
+from server.pd.routes import add_pd_routes
 
 PLANES = ("business", "management", "metrics")
 
@@ -32,6 +33,7 @@ def build_app(state: ServerState, planes: set[str]) -> FastAPI:
         app.openapi = lambda: doc          # type: ignore[method-assign]
     if "management" in planes:
         add_management_routes(app, state, with_health="business" not in planes)
+        add_pd_routes(app, state)
     if "metrics" in planes:
         add_metrics_route(app, state)
     return app

@@ -85,6 +85,8 @@ class ChatMessage(_Base):
 class SamplingFields(_Base):
     """Fields shared by chat and completions."""
     model: str | None = None
+    # PD disaggregation (vLLM's proxy protocol, server/pd): set by the coordinator
+    kv_transfer_params: dict[str, Any] | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=2 ** 31 - 1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

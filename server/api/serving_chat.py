@@ -24,6 +24,7 @@ from server.api.serving_common import (build_sampling, check_text_size, fit_prom
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
+from server.pd.serving import pd_answer, pd_requests
 from server.text.reasoning import count_reasoning_tokens
 from server.text.special_tokens import THINK_END, THINK_START
 
@@ -227,9 +228,10 @@ async def create_chat_completion(state: ServerState, raw: Any,
     req = plan.req
     s = state.settings
     calls = []
+    ers = await pd_requests(state, req, [plan.engine_request(i) for i in range(req.n)], release)
     for i in range(req.n):
         state.metrics.on_received()
-        calls.append(EngineCall(state.engine, plan.engine_request(i), state.metrics,
+        calls.append(EngineCall(state.engine, ers[i], state.metrics,
                                 token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
                                 is_disconnected=None if req.stream else is_disconnected))
     if req.stream:
@@ -238,7 +240,7 @@ async def create_chat_completion(state: ServerState, raw: Any,
                                  background=BackgroundTask(close_stream, body, calls, release))
     merged = Interleave(calls)
     try:
-        return json_response(await _complete(plan, merged))
+        return json_response(pd_answer(state, ers, await _complete(plan, merged)))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:

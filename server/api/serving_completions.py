@@ -23,6 +23,7 @@ from server.api.serving_common import (build_sampling, fit_prompt, max_new_token
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
+from server.pd.serving import pd_answer, pd_requests
 
 MAX_PROMPTS = 64
 
@@ -122,10 +123,12 @@ async def create_completion(state: ServerState, raw: Any,
     req = plan.req
     s = state.settings
     calls = []
+    ers = await pd_requests(state, req, [plan.engine_request(k) for k in range(plan.num_choices)],
+                            release)
     for k in range(plan.num_choices):
         state.metrics.on_received()
         calls.append(None if plan.samplings[plan.prompt_of(k)].max_tokens == 0 else EngineCall(
-            state.engine, plan.engine_request(k), state.metrics,
+            state.engine, ers[k], state.metrics,
             token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
             is_disconnected=None if req.stream else is_disconnected))
     if req.stream:
@@ -141,8 +144,8 @@ async def create_completion(state: ServerState, raw: Any,
         merged.close()           # one choice failed: stop the others (aborts their requests)
         release()
     choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
-    return json_response(plan.body(choices, usage=plan.usage(
-        [st["n"] for st in states], [st["cached"] for st in states])))
+    return json_response(pd_answer(state, ers, plan.body(choices, usage=plan.usage(
+        [st["n"] for st in states], [st["cached"] for st in states]))))
 
 
 async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:

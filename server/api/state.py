@@ -26,6 +26,7 @@ class ServerState:
     think_end_id: int | None = None
     api_keys: ApiKeys = field(default_factory=ApiKeys)   # none configured: open
     max_token_chars: int | None = None    # longest vocabulary entry: bounds text per token
+    pd: Any = None                 # server.pd.instance.PDInstance in inferMode "dmi", else None
 
     def __post_init__(self) -> None:
         self.text_of = TokenText(self.tokenizer)

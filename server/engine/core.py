@@ -316,6 +316,7 @@ class LLMEngine:
         st.num_preemptions_recomputed = sched.num_recomputed
         disk = b.disk
         st.disk_cache_hits = b.num_disk_hits
+        st.remote_cache_hits = b.num_remote_hits
         st.disk_blocks_total = disk.capacity_blocks if disk else 0
         st.disk_blocks_used = disk.num_blocks if disk else 0
         st.disk_bytes_written = disk.num_written * self.runtime.kv_block_bytes if disk else 0

@@ -63,6 +63,7 @@ class EngineStats:
     disk_blocks_total: int = 0
     disk_blocks_used: int = 0
     disk_cache_hits: int = 0             # prompt tokens found there (verified files)
+    remote_cache_hits: int = 0           # PD decode: prompt tokens whose KV came from P
     disk_bytes_written: int = 0
     disk_bytes_read: int = 0
     disk_corrupt_files: int = 0          # damaged files found and removed (never served)

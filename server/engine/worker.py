@@ -98,7 +98,7 @@ class Worker:
         the host tier's size in blocks and the bytes one block moves."""
         hp = self.host_pool
         return (self.num_kv_blocks, self.num_int8_kv_layers, self.decode_path, self.compile_seconds,
-                hp.num_slots if hp else 0, hp.bytes_per_block if hp else 0)
+                hp.num_slots if hp else 0, self.block_rows.bytes_per_block)
 
     def _host_pool(self, cfg: EngineConfig, spec: KVCacheSpec) -> HostKVPool | None:
         """The host tier's memory (cpuMemSize / kvPoolConfig), or None when there is none."""

@@ -72,6 +72,7 @@ class CoordinatorConfig:
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
     start_timeout_s: float = 300.0
+    api_key: str | None = None      # the instances' key (management calls)
 
     @classmethod
     def load(cls, path: str | Path) -> "CoordinatorConfig":
@@ -105,7 +106,8 @@ class CoordinatorConfig:
         t = doc.get("timeouts", {})
         return cls(doc.get("ipAddress", "127.0.0.1"), port, prefill, decode,
                    bool(doc.get("assignRoles", True)), float(t.get("connect", 10)),
-                   float(t.get("request", 600)), float(t.get("start", 300)))
+                   float(t.get("request", 600)), float(t.get("start", 300)),
+                   doc.get("apiKey"))
 
 
 def _error(status: int, message: str, kind: str = "server_error") -> Response:
@@ -129,6 +131,7 @@ class Coordinator:
         self.cfg = cfg
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s,
                                                               connect=cfg.connect_timeout_s))
+        self.auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.registry = CollectorRegistry()
         self.requests = Counter("pd_requests", "requests by outcome", ["outcome"],
                                 registry=self.registry)
@@ -159,8 +162,7 @@ class Coordinator:
         for inst, peers in [(p, self.cfg.decode) for p in self.cfg.prefill] + \
                            [(d, self.cfg.prefill) for d in self.cfg.decode]:
             r = await self.client.post(f"{inst.management}/v1/role/{inst.role}",
-                                       json=role_body(inst, peers),
-                                       headers={"Origin": inst.management})
+                                       json=role_body(inst, peers), headers=self.auth)
             if r.status_code != 200:
                 raise RuntimeError(f"{inst.name}: role {inst.role} refused ({r.status_code}: "
                                    f"{r.text[:200]})")

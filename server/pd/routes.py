@@ -1,0 +1,43 @@
+"""MindIE's role API on the management plane: ``POST /v1/role/{role}``, ``/v2/role/{role}``.
+
+200 ``{"result": "ok"}``; 422 "Req body converts to json fail." for a body that is not
+JSON; 503 "Update pd info failed. Reset to previous node status." (with the reason) when
+the role cannot be taken, the previous role kept.  State-changing, so guarded like
+/stopService (POST only, no cross-origin browser request, the API key when one is set).
+"""
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from server.api.auth import guard_state_change
+from server.api.sse import json_response
+from server.pd.roles import RoleError
+
+
+def add_pd_routes(app: FastAPI, state) -> None:
+    async def assign(request: Request, role: str, version: int) -> Response:
+        guard_state_change(request, state.api_keys)
+        if state.pd is None:
+            return json_response({"error": "this instance is not a PD instance (inferMode "
+                                           "\"dmi\")"}, 503)
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return json_response({"error": "Req body converts to json fail."}, 422)
+        try:
+            state.pd.roles.assign(role, body, version)
+        except RoleError as exc:
+            return json_response({"error": "Update pd info failed. Reset to previous node "
+                                           f"status. ({exc})"}, 503)
+        return json_response({"result": "ok"})
+
+    @app.post("/v1/role/{role}")
+    async def role_v1(request: Request, role: str) -> Response:
+        return await assign(request, role, 1)
+
+    @app.post("/v2/role/{role}")
+    async def role_v2(request: Request, role: str) -> Response:
+        return await assign(request, role, 2)

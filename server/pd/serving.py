@@ -1,0 +1,40 @@
+"""The serving layer's two calls into PD (instance.py): before submitting, and the answer."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from server.api.errors import APIError
+from server.engine.protocol import EngineRequest
+
+
+async def pd_requests(state: Any, req: Any, ers: list[EngineRequest],
+                      release: Callable[[], None]) -> list[EngineRequest]:
+    """The engine requests as this instance's PD role wants them (unchanged when not in
+    ``dmi`` mode); a refusal frees the request's admission slots."""
+    pd = state.pd
+    if pd is None:
+        if req.kv_transfer_params:
+            release()
+            raise APIError(400, "kv_transfer_params needs a PD instance (inferMode \"dmi\")",
+                           "kv_transfer_params")
+        return ers
+    try:
+        pd.check_role()
+        params = req.kv_transfer_params
+        if params and len(ers) != 1:
+            raise APIError(400, "kv_transfer_params takes one choice of one prompt (n 1)",
+                           "kv_transfer_params")
+        if params and pd.roles.role == "prefill" and req.stream:
+            raise APIError(400, "a prefill instance answers kv_transfer_params without "
+                                "streaming (stream false)", "stream")
+        return [await pd.prepare(er, params) for er in ers]
+    except BaseException:
+        release()
+        raise
+
+
+def pd_answer(state: Any, ers: list[EngineRequest], body: dict) -> dict:
+    """A prefill instance's answer names where its KV waits (kv_transfer_params)."""
+    if state.pd is None or not ers:
+        return body
+    return {**body, **state.pd.response_params(ers[0])}
