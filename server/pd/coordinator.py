@@ -157,6 +157,7 @@ class Coordinator:
                     raise RuntimeError(f"{inst.name} ({inst.management}) did not come up within "
                                        f"{self.cfg.start_timeout_s:g} s")
                 await asyncio.sleep(0.2)
+        await self._check_mtp()
         if not self.cfg.assign_roles:
             return
         for inst, peers in [(p, self.cfg.decode) for p in self.cfg.prefill] + \
@@ -167,6 +168,17 @@ class Coordinator:
                 raise RuntimeError(f"{inst.name}: role {inst.role} refused ({r.status_code}: "
                                    f"{r.text[:200]})")
             log.info("%s at %s is now %s", inst.name, inst.business, inst.role)
+
+    async def _check_mtp(self) -> None:
+        """MindIE's rule for MTP under PD: configured on both P and D.  A P without it writes
+        no MTP-layer KV for D to draft from; the instances must agree on k > 0."""
+        ks = {}
+        for inst in self.cfg.prefill + self.cfg.decode:
+            r = await self.client.get(inst.management + "/v1/status", headers=self.auth, timeout=10)
+            ks[inst.name] = r.json()["mtp"]["num_speculative_tokens"]
+        if len({k > 0 for k in ks.values()}) > 1:
+            raise RuntimeError("MTP must be configured on both the prefill and the decode "
+                               f"instances (num_speculative_tokens: {ks})")
 
     # -- routing -------------------------------------------------------------------------
     def _candidates(self, pool: list[Instance]) -> list[Instance]:
