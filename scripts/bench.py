@@ -15,6 +15,7 @@ Usage:
   scripts/bench.py --compare kv                                # MTP k=1: float vs int8 KV cache
   scripts/bench.py --compare compile                           # MTP k=1: uncompiled vs compiled
   scripts/bench.py --compare tp                                # MTP k=1: one process vs tp=2 ranks
+  scripts/bench.py --compare pd                                # MTP k=1: co-located vs 1P + 1D + coordinator
                                                                # (first start and later start)
   scripts/bench.py --compare kvpool                            # prefix cache without / with the
                                                                # host KV tier (bench_kvpool.py)
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
-    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp",
+    ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp", "pd",
                                           "structured"),
                     default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
@@ -382,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare == "kvpool":
         from bench_kvpool import main as kvpool_main
         return kvpool_main(args)
+    if args.compare == "pd":
+        from bench_pd import main as pd_main
+        return pd_main(args)
     if args.compare == "structured":
         from bench_structured import main as structured_main
         return structured_main(args)
