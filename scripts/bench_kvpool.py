@@ -15,6 +15,10 @@ tokens) and the same work, run one daemon after the other:
     blocks out of the device pool, then the prompt again, timed (streamed, first token).
     Without the tier it is recomputed; with it, its blocks are loaded from host memory.
   * the greedy outputs of every request, compared between the two daemons;
+  * the disk tier: a third daemon (host tier + disk tier) gets each TTFT prompt once and
+    the long prompts that push it out of the device pool (so it is written to disk), is
+    stopped, and a fourth one on the same folder, with empty device and host tiers, gets
+    the prompts again, timed: its blocks come back from verified files;
   * preemption (engine level, no daemon): 8 seeded requests on a device pool too small
     for them all, maxPreemptCount 100, swap to the host tier vs recompute, against an
     unpressured run: preemptions, how many swapped / recomputed, prompt tokens computed
@@ -39,13 +43,17 @@ WORDS = ("the engine verifies each draft token against the main model and keeps 
          "memory when the pool runs short").split()
 
 
-def _config(base: Path, workdir: Path, tier: bool) -> tuple[Path, int, int]:
+def _config(base: Path, workdir: Path, tier: bool,
+            disk: Path | None = None) -> tuple[Path, int, int]:
     cfg = json.loads(base.read_text())
     port, mport = _free_port(), _free_port()
     cfg["ServerConfig"].update(ipAddress="127.0.0.1", managementIpAddress="127.0.0.1", port=port,
                                managementPort=mport, metricsPort=mport, httpsEnabled=False)
     be = cfg["BackendConfig"]
     be["kvPoolConfig"] = {"backend": "host" if tier else "", "configPath": "", "asyncWrite": False}
+    if disk is not None:
+        (workdir / "pool.json").write_text(json.dumps({"disk_path": str(disk), "disk_size_gb": 1}))
+        be["kvPoolConfig"]["configPath"] = "pool.json"
     dep = be["ModelDeployConfig"]
     dep.update(maxSeqLen=1152, maxInputTokenLen=1100)
     mc = dep["ModelConfig"][0]
@@ -61,12 +69,12 @@ def _config(base: Path, workdir: Path, tier: bool) -> tuple[Path, int, int]:
     return path, port, mport
 
 
-def _start(name: str, base: Path, tier: bool, threads: int) -> Target:
+def _start(name: str, base: Path, tier: bool, threads: int, disk: Path | None = None) -> Target:
     import os
     import subprocess
     import tempfile
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-kvpool-{name}-"))
-    cfg, port, mport = _config(base, workdir, tier)
+    cfg, port, mport = _config(base, workdir, tier, disk)
     log = open(workdir / "daemon.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MTP_SERVE_COMPILE="0",
                MINDIE_ASYNC_SCHEDULING_ENABLE="0")
@@ -151,6 +159,36 @@ def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> 
             "host_kv_tier": st["host_kv_tier"]}
 
 
+def disk_restart(base: Path, threads: int, reps: int, flush: int) -> dict:
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="bench-kvpool-disk-"))
+    seeds = [30_000 + r for r in range(reps)]
+    try:
+        t = _start("disk-write", base, True, threads, folder)
+        try:
+            with httpx.Client(timeout=600) as client:
+                for rep, seed in enumerate(seeds):
+                    _complete(client, t, _prompt(seed))
+                    for j in range(flush):
+                        _complete(client, t, _prompt(40_000 + rep * 100 + j))
+                written = _engine(client, t)["host_kv_tier"]["disk"]
+        finally:
+            stop_daemon(t)
+        t = _start("disk-read", base, True, threads, folder)
+        try:
+            with httpx.Client(timeout=600) as client:
+                ttfts = [_complete(client, t, _prompt(seed))[0] for seed in seeds]
+                read = _engine(client, t)["host_kv_tier"]["disk"]
+        finally:
+            stop_daemon(t)
+    finally:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"ttft_1000_s": statistics.median(ttfts), "ttft_all_s": [round(x, 4) for x in ttfts],
+            "blocks_written": written["used_blocks"], "hit_tokens_after_restart": read["hit_tokens"],
+            "corrupt_files": read["corrupt_files"]}
+
+
 def preemption(weights: Path, threads: int) -> dict:
     import torch
     from server.engine.config import EngineConfig
@@ -201,6 +239,8 @@ def main(args) -> int:
     if not weights.is_absolute():
         weights = (args.config_file.parent / weights).resolve()
     pre = preemption(weights, args.threads)
+    print("starting daemons disk-write, disk-read ...", file=sys.stderr)
+    disk = disk_restart(args.config_file, args.threads, reps, flush)
     report = {
         "machine": _machine(), "threads": args.threads,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -208,7 +248,8 @@ def main(args) -> int:
         "outputs_identical": off["texts"] == on["texts"],
         "ttft_speedup": off["ttft_1000_s"] / on["ttft_1000_s"],
         "results": {k: {kk: vv for kk, vv in v.items() if kk != "texts"} for k, v in results.items()},
-        "preemption": pre,
+        "preemption": pre, "disk_restart": disk,
+        "ttft_speedup_disk": off["ttft_1000_s"] / disk["ttft_1000_s"],
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     print(f"\nKV pool ({report['machine']}; {num_prompts} prompts x {rounds} rounds, "
           f"{off['prompt_tokens']} tokens each = {off['prefix_tokens_over_pool']}x the device pool "
@@ -218,6 +259,9 @@ def main(args) -> int:
         print(f"{name:10} {r['hit_rate']:9.3f} {r['device_hit_rate']:7.3f} {r['host_hit_rate']:7.3f} "
               f"{r['ttft_1000_s']:12.4f}")
     print(f"TTFT speed-up {report['ttft_speedup']:.1f}x; outputs identical: {report['outputs_identical']}")
+    print(f"disk tier after a restart: TTFT {disk['ttft_1000_s']:.4f} s "
+          f"({report['ttft_speedup_disk']:.1f}x lower than recompute), "
+          f"{disk['hit_tokens_after_restart']} prompt tokens from disk, {disk['corrupt_files']} corrupt")
     print("preemption (engine, MTP k=1, 8 requests, 40-block pool):")
     for name, r in pre.items():
         print(f"  {name:9} {r}")
