@@ -25,7 +25,6 @@ openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
               pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
-K1 = '{"plugin_type":"mtp","num_speculative_tokens":1,"adaptive_speculation":false}'
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -36,11 +35,16 @@ QUESTIONS = ["What is 12 plus 30?", "What is the capital of France?", LONG]
 ENV = {"MTP_SERVE_COMPILE": "0"}
 
 
-def _pd_config(folder, role: str | None = None, peers=("127.0.0.1",)):
+def _plugins(k: int) -> str:
+    return (f'{{"plugin_type":"mtp","num_speculative_tokens":{k},"adaptive_speculation":false}}'
+            if k else "")
+
+
+def _pd_config(folder, role: str | None = None, peers=("127.0.0.1",), k: int = 1):
     server = {"inferMode": "dmi", "interCommPort": free_port(), "interCommTLSEnabled": False}
     if role:
         server.update(pdRole=role, pdPeers=list(peers))
-    return make_config(folder, DEMO, model={"plugin_params": K1}, server=server,
+    return make_config(folder, DEMO, model={"plugin_params": _plugins(k)}, server=server,
                        schedule={"cacheBlockSize": 16})
 
 
@@ -112,7 +116,7 @@ class Coordinator:
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("colocated")
-    d = Daemon(make_config(folder, DEMO, model={"plugin_params": K1},
+    d = Daemon(make_config(folder, DEMO, model={"plugin_params": _plugins(1)},
                            schedule={"cacheBlockSize": 16}), env=ENV).start()
     try:
         answers = _answers(d.base)
@@ -224,3 +228,30 @@ def test_dead_decode_instance_ends_the_stream_with_an_error_then_dead_prefill_is
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 503 and "no prefill instance" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_pd_answers_like_colocated_mtp_off_and_k2(tmp_path, k):
+    """Fixed roles from the config (pdRole / pdPeers) this time."""
+    for sub in ("ref", "p", "d"):
+        (tmp_path / sub).mkdir()
+    ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
+                               schedule={"cacheBlockSize": 16}), env=ENV).start()
+    try:
+        ref = _answers(ref_d.base)
+        ref_acc = _metric(ref_d, "spec_decode_num_accepted_tokens_total")
+    finally:
+        assert ref_d.terminate() == 0
+    p = Daemon(_pd_config(tmp_path / "p", "prefill", k=k), env=ENV).start()
+    d = Daemon(_pd_config(tmp_path / "d", "decode", k=k), env=ENV).start()
+    c = None
+    try:
+        c = Coordinator(tmp_path, p, d)
+        assert _answers(c.base) == ref
+        assert _metric(d, "kv_transfer_bytes_total", 'direction="received"') > 0
+        assert _metric(d, "spec_decode_num_accepted_tokens_total") == ref_acc
+    finally:
+        if c is not None:
+            c.stop()
+        p.kill()
+        d.kill()
