@@ -4,6 +4,7 @@
 #
 # What it measures:
 #   1. pytest: the CUDA decode paths (tests/gpu: static vs varlen path, MTP k=1/k=2 vs off,
+#      the host KV tier: pinned rows, staged copies, asyncWrite, swap;
 #      float32, token for token) and tests/engine/test_static_decode.py.
 #   2. gpu_bench eager: engine-level decode step time, tokens/s and tokens/step, MTP off vs
 #      k=1 vs k=2 at batch 1 and 16, on a ~1.6B-parameter DeepSeek-V3-shaped random model
