@@ -100,10 +100,16 @@ def _write_config(base: Path, workdir: Path, spec_tokens: int,
 def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
                  async_scheduling: bool = False, weights: Path | None = None,
                  kv_int8: bool = False, timeout: float = 300.0,
-                 extra_env: dict[str, str] | None = None, world_size: int = 1) -> Target:
+                 extra_env: dict[str, str] | None = None, world_size: int = 1,
+                 edit_config=None) -> Target:
+    """``edit_config``: a function that changes the config dict before the daemon reads it."""
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights, kv_int8,
                                           world_size)
+    if edit_config is not None:
+        cfg = json.loads(cfg_path.read_text())
+        edit_config(cfg)
+        cfg_path.write_text(json.dumps(cfg, indent=2))
     log = open(workdir / "daemon.log", "w")
     env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
                MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0", **(extra_env or {}))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -23,33 +21,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (ROOT, Target, _free_port, _machine, _median_dict, _write_config, burst,  # noqa: E402
+from bench import (ROOT, Target, _free_port, _machine, _median_dict, burst,  # noqa: E402
                    model_id, scrape, start_daemon, stop_daemon)
 
 
 def _start_instance(name: str, base: Path, threads: int, role: str) -> Target:
-    workdir = Path(tempfile.mkdtemp(prefix=f"bench-pd-{name}-"))
-    path, port, mport = _write_config(base, workdir, 1)
-    cfg = json.loads(path.read_text())
-    cfg["ServerConfig"].update(inferMode="dmi", interCommPort=_free_port(),
-                               interCommTLSEnabled=False, pdRole=role, pdPeers=["127.0.0.1"])
-    path.write_text(json.dumps(cfg, indent=2))
-    log = open(workdir / "daemon.log", "w")
+    def as_pd(cfg: dict) -> None:
+        cfg["ServerConfig"].update(inferMode="dmi", interCommPort=_free_port(),
+                                   interCommTLSEnabled=False, pdRole=role, pdPeers=["127.0.0.1"])
     # Uncompiled like the co-located row, so the rows differ only in PD.
-    env = dict(os.environ, MIES_SERVICE_MONITOR_MODE="1", OMP_NUM_THREADS=str(threads),
-               MTP_SERVE_COMPILE="0")
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(path)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    while time.monotonic() - t0 < 300:
-        if "Daemon start success!" in (workdir / "daemon.log").read_text(errors="replace"):
-            return Target(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics",
-                          proc, workdir, time.monotonic() - t0)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{name} did not start:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
+    return start_daemon(name, base, 1, threads, extra_env={"MTP_SERVE_COMPILE": "0"},
+                        edit_config=as_pd)
 
 
 def _start_coordinator(p: Target, d: Target) -> Target:

@@ -21,7 +21,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import traceback
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch.multiprocessing as mp
 
 from server.engine.config import EngineConfig
 from server.engine.rank_group import PING, RankFailed, RankGroup, collective_error
-from server.engine.worker_process import ProcessExecutor
+from server.engine.worker_process import ProcessExecutor, read_into_queue
 
 log = logging.getLogger("server.engine")
 
@@ -90,18 +89,8 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
 
 def _drive(group: RankGroup, worker: Any, requests: Any, results: Any) -> int:
     """Rank 0: every engine message goes to the group, then to its own worker."""
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox = read_into_queue(requests, "rank0-reader")
     parent = os.getppid()
-
-    def read() -> None:
-        while True:
-            try:
-                inbox.put(requests.recv())
-            except (EOFError, OSError):
-                inbox.put(None)
-                return
-
-    threading.Thread(target=read, name="rank0-reader", daemon=True).start()
     beat = max(0.2, min(2.0, group.par.timeout_s / 4))
     with torch.inference_mode():
         while True:

@@ -32,6 +32,23 @@ log = logging.getLogger("server.engine")
 START_TIMEOUT_S = 300.0
 
 
+def read_into_queue(conn: Any, name: str) -> queue.SimpleQueue:
+    """A thread that moves every message of ``conn`` into the returned queue at once (so a
+    sender never waits for the step in progress); None when the pipe closes."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=read, name=name, daemon=True).start()
+    return inbox
+
+
 def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, threads: int,
            log_level: int, requests: Any, results: Any) -> None:
     """The child: build the worker, then execute every message until ``None``.
@@ -53,17 +70,7 @@ def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, thr
     except BaseException as exc:
         results.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
         return
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read() -> None:
-        while True:
-            try:
-                inbox.put(requests.recv())
-            except (EOFError, OSError):
-                inbox.put(None)
-                return
-
-    threading.Thread(target=read, name="worker-reader", daemon=True).start()
+    inbox = read_into_queue(requests, "worker-reader")
     results.send(("ready", worker.info()))
     while True:
         try:

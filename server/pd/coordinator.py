@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 import httpx

@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from answers import answers, metric
 from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
 
 openai = pytest.importorskip("openai")
@@ -25,52 +25,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.demo,
               pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
 K2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2,"adaptive_speculation":false}'}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
-QUESTIONS = ["What is 12 plus 30?", "What is the capital of France?", "Name three colors."]
-
-
 def _env() -> dict:
     return {"MTP_SERVE_COMPILE": "0"}
 
 
 def _answers(d: Daemon) -> list:
-    client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60)
-    out = []
-    for i, q in enumerate(QUESTIONS):
-        msgs = [{"role": "user", "content": q}]
-        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=40, temperature=0)
-        out.append(r.choices[0].message.content)
-        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=40,
-                                           temperature=0.9, seed=100 + i)
-        out.append(r.choices[0].message.content)
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL_NAME, messages=msgs, max_tokens=40, temperature=0, stream=True) if c.choices)
-        out.append(text)
-    r = client.chat.completions.create(
-        model=MODEL_NAME, max_tokens=48, temperature=0, tools=TOOLS,
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-    out.append([(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []])
-    r = client.chat.completions.create(
-        model=MODEL_NAME, max_tokens=64, temperature=0,
-        messages=[{"role": "user", "content": "What is 7 times 6?"}],
-        extra_body={"chat_template_kwargs": {"thinking": True}})
-    m = r.choices[0].message
-    out.append((getattr(m, "reasoning_content", None), m.content))
-    return out
+    return answers(d.base)
 
 
 def _acceptance(d: Daemon) -> tuple[int, int]:
-    text = httpx.get(d.metrics + "/metrics", timeout=10).text
-    vals = {}
-    for line in text.splitlines():
-        for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
-            if line.startswith(name):
-                vals[name] = vals.get(name, 0) + float(line.split()[-1])
-    return (int(vals.get("spec_decode_num_draft_tokens_total", -1)),
-            int(vals.get("spec_decode_num_accepted_tokens_total", -1)))
+    return (int(metric(d.metrics, "spec_decode_num_draft_tokens_total")),
+            int(metric(d.metrics, "spec_decode_num_accepted_tokens_total")))
 
 
 @pytest.fixture(scope="module")

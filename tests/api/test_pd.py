@@ -10,7 +10,6 @@ stream ends with an error event; P's pool is back to its start count).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,19 +18,13 @@ import time
 import httpx
 import pytest
 
+from answers import LONG, QUESTIONS, answers, metric
 from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
               pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
-LONG = ("Tell me a story about a dragon who lived in the mountains above a small village, "
-        "and who one day decided to visit the baker because the smell of bread was too good.")
-QUESTIONS = ["What is 12 plus 30?", "What is the capital of France?", LONG]
 ENV = {"MTP_SERVE_COMPILE": "0"}
 
 
@@ -48,38 +41,8 @@ def _pd_config(folder, role: str | None = None, peers=("127.0.0.1",), k: int = 1
                        schedule={"cacheBlockSize": 16})
 
 
-def _answers(base: str) -> list:
-    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
-    out = []
-    for i, q in enumerate(QUESTIONS):
-        msgs = [{"role": "user", "content": q}]
-        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=40, temperature=0)
-        out.append(r.choices[0].message.content)
-        r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=40,
-                                           temperature=0.9, seed=100 + i)
-        out.append(r.choices[0].message.content)
-        out.append("".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL_NAME, messages=msgs, max_tokens=40, temperature=0, stream=True) if c.choices))
-    r = client.completions.create(model=MODEL_NAME, prompt=LONG, max_tokens=24, temperature=0)
-    out.append(r.choices[0].text)
-    r = client.chat.completions.create(
-        model=MODEL_NAME, max_tokens=48, temperature=0, tools=TOOLS,
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-    out.append([(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []])
-    r = client.chat.completions.create(
-        model=MODEL_NAME, max_tokens=64, temperature=0,
-        messages=[{"role": "user", "content": "What is 7 times 6?"}],
-        extra_body={"chat_template_kwargs": {"thinking": True}})
-    out.append((getattr(r.choices[0].message, "reasoning_content", None), r.choices[0].message.content))
-    return out
-
-
 def _metric(d: Daemon, name: str, label: str = "") -> float:
-    total = 0.0
-    for line in httpx.get(d.metrics + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and label in line:
-            total += float(line.split()[-1])
-    return total
+    return metric(d.metrics, name, label)
 
 
 class Coordinator:
@@ -119,8 +82,8 @@ def colocated(tmp_path_factory):
     d = Daemon(make_config(folder, DEMO, model={"plugin_params": _plugins(1)},
                            schedule={"cacheBlockSize": 16}), env=ENV).start()
     try:
-        answers = _answers(d.base)
-        return answers, (_metric(d, "spec_decode_num_draft_tokens_total"),
+        ref = answers(d.base)
+        return ref, (_metric(d, "spec_decode_num_draft_tokens_total"),
                          _metric(d, "spec_decode_num_accepted_tokens_total"))
     finally:
         assert d.terminate() == 0
@@ -172,7 +135,7 @@ def test_pd_answers_like_colocated_and_moves_the_kv(pd_set, colocated):
     p, d, c = pd_set
     ref, ref_acceptance = colocated
     p_free = p.wait_kv_free()["kv_cache"]["free_blocks"]
-    assert _answers(c.base) == ref
+    assert answers(c.base) == ref
     sent, received = _metric(p, "kv_transfer_bytes_total", 'direction="sent"'), \
         _metric(d, "kv_transfer_bytes_total", 'direction="received"')
     assert sent == received > 0
@@ -200,7 +163,7 @@ def test_a_pull_from_a_gone_prefill_instance_falls_back_to_computing(pd_set, col
                                   extra_body={"kv_transfer_params": {
                                       "remote_host": "127.0.0.1", "remote_port": kv_port,
                                       "remote_request_id": "cmpl-never-prefilled"}})
-    assert r.choices[0].text == ref[9]
+    assert r.choices[0].text == ref[3 * len(QUESTIONS)]
     assert _metric(d, "kv_transfer_failures_total") == before + 1
     d.wait_kv_free()
 
@@ -238,7 +201,7 @@ def test_pd_answers_like_colocated_mtp_off_and_k2(tmp_path, k):
     ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
                                schedule={"cacheBlockSize": 16}), env=ENV).start()
     try:
-        ref = _answers(ref_d.base)
+        ref = answers(ref_d.base)
         ref_acc = _metric(ref_d, "spec_decode_num_accepted_tokens_total")
     finally:
         assert ref_d.terminate() == 0
@@ -247,7 +210,7 @@ def test_pd_answers_like_colocated_mtp_off_and_k2(tmp_path, k):
     c = None
     try:
         c = Coordinator(tmp_path, p, d)
-        assert _answers(c.base) == ref
+        assert answers(c.base) == ref
         assert _metric(d, "kv_transfer_bytes_total", 'direction="received"') > 0
         assert _metric(d, "spec_decode_num_accepted_tokens_total") == ref_acc
     finally:

@@ -19,7 +19,7 @@ from server.engine.config import EngineConfig, ParallelConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import SamplingParams
 from server.model.loader import CheckpointError, inspect_checkpoint, load_checkpoint
-from server.model.parallel import ParallelPlan, shard_model
+from server.model.parallel import ParallelPlan
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
