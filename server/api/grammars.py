@@ -6,6 +6,9 @@ grammar text (the engine applies it as a token mask: server/engine/grammar.py).
   non-lenient JSON compiler: a keyword it cannot enforce is a 400, so everything the
   schema says holds for the output.  Without ``strict`` unsupported keywords are ignored
   (the rest is still enforced).
+* ``tool_choice`` ``auto``: free text, or text with one tool-call section whose names and
+  arguments are constrained as below (a call can start any time; once it does, only
+  offered names and schema-valid arguments can follow).
 * ``tool_choice`` ``required`` / named: the tool-call section in the model's own syntax
   (DeepSeek V3 or V3.1, server/text/tool_calls.py) whose name part is one of the offered
   names (only the named one) and whose arguments follow that tool's ``parameters``
@@ -108,20 +111,16 @@ def response_format_grammar(rf: dict | None) -> GrammarRequest | None:
     return GrammarRequest(llguidance.LLMatcher.grammar_from_json_schema(schema), "response_format")
 
 
-def tool_call_grammar(fmt: str, tools: list[Any], named: str | None, parallel: bool,
-                      token_id) -> GrammarRequest:
-    """The tool-call section for ``tool_choice`` required (``named`` None) or named.
-
-    ``tools``: the request's Tool models; ``token_id(text)``: the id of a special token
-    (markers are referenced by id: text cannot spell them).
-    """
+def _call_rules(fmt: str, tools: list[Any], named: str | None, token_id) -> tuple[dict, list[str]]:
+    """Marker references by token id (text cannot spell them) and the rules ``call``,
+    ``callN`` and ``argsN``: one alternative per offered tool (only ``named``'s)."""
     _need_llguidance("tool_choice")
     ids = {}
     for name, text in (("calls_begin", TOOL_CALLS_BEGIN), ("call_begin", TOOL_CALL_BEGIN),
                        ("sep", TOOL_SEP), ("call_end", TOOL_CALL_END), ("calls_end", TOOL_CALLS_END)):
         tid = token_id(text)
         if tid is None:
-            raise bad_request(f"tool_choice needs the tokenizer's {text} token, which this "
+            raise bad_request(f"tool calls need the tokenizer's {text} token, which this "
                               "model's vocabulary lacks", "tool_choice")
         ids[name] = f"<[{tid}]>"
     rules = []
@@ -139,11 +138,36 @@ def tool_call_grammar(fmt: str, tools: list[Any], named: str | None, parallel: b
         rules.append(f"call{i}: {ids['call_begin']} {body}")
         rules.append(f"args{i}: %json {json.dumps(schema)}")
         alts.append(f"call{i}")
-    many = named is None and parallel
-    more = '("\\n" call)* ' if many else ""
+    return ids, ["call: " + " | ".join(alts), *rules]
+
+
+def tool_call_grammar(fmt: str, tools: list[Any], named: str | None, parallel: bool,
+                      token_id) -> GrammarRequest:
+    """The tool-call section for ``tool_choice`` required (``named`` None) or named.
+
+    ``tools``: the request's Tool models; ``token_id(text)``: a special token's id.
+    """
+    ids, rules = _call_rules(fmt, tools, named, token_id)
+    more = '("\\n" call)* ' if named is None and parallel else ""
     start = f'start: {ids["calls_begin"]} call {more}{ids["calls_end"]}'
-    lark = "\n".join([start, "call: " + " | ".join(alts), *rules]) + "\n"
+    lark = "\n".join([start, *rules]) + "\n"
     return GrammarRequest(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")
+
+
+def auto_tool_grammar(fmt: str, tools: list[Any], parallel: bool, token_id,
+                      text_markers: list[str]) -> GrammarRequest:
+    """``tool_choice`` auto: any text (``text_markers``, e.g. ``<think>``, may appear in it
+    as the tokens they are), and at most one tool-call section, whose names and arguments
+    are constrained as for ``required``; text may follow the section."""
+    ids, rules = _call_rules(fmt, tools, None, token_id)
+    marks = [f"<[{t}]>" for t in (token_id(m) for m in text_markers) if t is not None]
+    more = '("\\n" call)* ' if parallel else ""
+    lark = "\n".join([
+        "start: free? section?",
+        "free: (" + " | ".join(["TEXT", *marks]) + ")+",
+        "TEXT: /(?s:.+)/",
+        f'section: {ids["calls_begin"]} call {more}{ids["calls_end"]} free?', *rules]) + "\n"
+    return GrammarRequest(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
 
 def _need_llguidance(param: str) -> None:

@@ -13,8 +13,8 @@ from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream
                                      engine_failure)
 from server.api.errors import APIError, bad_request, openai_body
 from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
-from server.api.grammars import (GrammarRequest, prepare_grammar, response_format_grammar,
-                                 tool_call_grammar)
+from server.api.grammars import (GrammarRequest, auto_tool_grammar, prepare_grammar,
+                                 response_format_grammar, tool_call_grammar)
 from server.api.prompt_logprobs import vllm_prompt_logprobs
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
@@ -57,17 +57,27 @@ class ChatPlan:
         # Structured output: a grammar for a forced tool call or for response_format
         # (grammars.py).  With thinking on, the server closes the thought first (the
         # grammar describes the answer), so the reasoning is empty.
+        # In auto mode the grammar leaves text free (thinking included) and constrains a
+        # tool-call section once the model opens one.
         self.grammar: GrammarRequest | None = None
+        answer_grammar = True
         if self.tool_format and self.tool_choice in ("required", "named"):
             self.grammar = tool_call_grammar(self.tool_format, req.tools, self.named,
                                              req.parallel_tool_calls, state.tokenizer.token_to_id)
-        elif req.response_format is not None:
+        else:
             self.grammar = response_format_grammar(req.response_format)
+            if self.grammar is None and self.tool_format and self.tool_choice == "auto" \
+                    and not req.ignore_eos:
+                self.grammar = auto_tool_grammar(self.tool_format, req.tools,
+                                                 req.parallel_tool_calls,
+                                                 state.tokenizer.token_to_id,
+                                                 [THINK_START, THINK_END])
+                answer_grammar = False
         if self.grammar is not None and req.ignore_eos:
             raise bad_request("a forced tool call cannot be combined with ignore_eos (a "
                               "finished grammar allows only the end-of-sequence token)",
                               "ignore_eos")
-        self.forced = THINK_END if self.grammar is not None and self.reasoning else ""
+        self.forced = THINK_END if self.grammar is not None and answer_grammar and self.reasoning else ""
         check_text_size(prompt, s, state.max_token_chars, "messages")
         ids = state.tokenizer.encode(prompt + self.forced, add_special_tokens=False)
         self.prompt_ids = fit_prompt(ids, s, "messages")

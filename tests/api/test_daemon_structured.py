@@ -136,6 +136,26 @@ def test_named_camelcase_function_10_of_10(client):
         assert not msg.content                      # no raw markup leaks into content
 
 
+def test_auto_mode_calls_only_offered_names(client):
+    """Offered only get_weather, the demo model would call its favourite ``search`` for
+    these (it did before grammars: issue 17); in auto mode a call, once opened, can only
+    name an offered function, with schema-valid arguments."""
+    only = [TOOLS[0]]
+    asks = ["Find information about Oslo.", "Look up the population of Rome.",
+            "Search for news about Berlin.", "Find a fact about Perth.", "What is the weather in Paris?"]
+    called = 0
+    for q in asks:
+        r = client.chat.completions.create(model=NAME, messages=ask(q), tools=only, max_tokens=96,
+                                           temperature=0.0)
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            called += 1
+            _check_calls(msg, {"get_weather": only[0]["function"]["parameters"]})
+            assert r.choices[0].finish_reason == "tool_calls"
+        assert "tool▁call" not in (msg.content or "")          # no raw markup as content
+    assert called >= 3
+
+
 def test_streamed_required_call_arrives_as_deltas(client):
     stream = client.chat.completions.create(model=NAME, messages=ask(QUESTIONS[0]), tools=TOOLS,
                                             tool_choice="required", max_tokens=96, stream=True)

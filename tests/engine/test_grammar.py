@@ -17,12 +17,13 @@ import jsonschema
 import pytest
 import torch
 
-from server.api.grammars import response_format_grammar, tool_call_grammar
+from server.api.grammars import auto_tool_grammar, response_format_grammar, tool_call_grammar
 from server.api.protocol import Tool
 from server.engine import grammar as G
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
+from server.text.special_tokens import THINK_END, THINK_START
 from server.text.tokenizer import Tokenizer
 from tests.engine.helpers import run_staggered, tokens_of
 
@@ -78,12 +79,14 @@ def workload(sp_of) -> list[EngineRequest]:
     _, tok = demo()
     tool_g = tool_call_grammar("deepseek_v3", TOOLS, None, True, tok.token_to_id).grammar
     named_g = tool_call_grammar("deepseek_v3", TOOLS, "GetLocalTime", True, tok.token_to_id).grammar
+    auto_g = auto_tool_grammar("deepseek_v3", TOOLS, True, tok.token_to_id, [THINK_START, THINK_END]).grammar
     reqs = []
     for i, q in enumerate(QUESTIONS):
         reqs.append(EngineRequest(f"w{i}", chat_prompt(tok, q + " Answer in JSON."), sp_of(i, schema_grammar(WEATHER))))
         reqs.append(EngineRequest(f"f{i}", chat_prompt(tok, q), sp_of(i, schema_grammar(FACT))))
         reqs.append(EngineRequest(f"t{i}", chat_prompt(tok, q, TOOLS), sp_of(i, tool_g if i % 2 else named_g)))
         reqs.append(EngineRequest(f"u{i}", chat_prompt(tok, q), sp_of(i, None)))
+        reqs.append(EngineRequest(f"a{i}", chat_prompt(tok, q, TOOLS), sp_of(i, auto_g)))
     return reqs
 
 
@@ -91,14 +94,14 @@ def check_follows(tok: Tokenizer, rid: str, ids: list[int]) -> None:
     text = tok.decode(ids, skip_special_tokens=False).replace(tok.decode([1], skip_special_tokens=False), "")
     if rid[0] in "wf":
         jsonschema.validate(json.loads(text), WEATHER if rid[0] == "w" else FACT)
-    elif rid[0] == "t":
+    elif rid[0] in "ta":
         from server.text.tool_calls import DeepSeekV3ToolParser
         calls = DeepSeekV3ToolParser().extract(text).tool_calls
-        assert calls, text
+        assert calls or rid[0] == "a", text          # auto: a call is optional
         for c in calls:
             tool = {t.function.name: t for t in TOOLS}[c.name]
             jsonschema.validate(json.loads(c.arguments), tool.function.parameters)
-        if rid[1] in "024":
+        if rid[0] == "t" and rid[1] in "024":
             assert [c.name for c in calls] == ["GetLocalTime"]
 
 
@@ -144,6 +147,8 @@ def test_constrained_greedy_identical_with_mtp(k):
     for rid, ids in out.items():
         if rid[0] != "u":
             check_follows(tok, rid, ids)
+    auto = [tok.decode(ids, skip_special_tokens=False) for rid, ids in out.items() if rid[0] == "a"]
+    assert 0 < sum("tool▁calls▁begin" in t for t in auto) < len(auto)   # auto: calls and answers
 
 
 @pytest.mark.slow
@@ -154,12 +159,12 @@ def test_seeded_constrained_sampling_reproduces_alone_and_in_a_batch():
     eng = engine(1)
     batched = run_staggered(eng, reqs, every=1)
     _, tok = demo()
-    for r in reqs[:8]:
+    for r in reqs[:10]:
         alone = tokens_of(engine(1).generate([r])[r.request_id])
         assert alone == batched[r.request_id]
         if r.request_id[0] != "u":
             check_follows(tok, r.request_id, alone)
-    assert eng.worker.grammars.num_compiled == 4         # two schemas, two tool grammars
+    assert eng.worker.grammars.num_compiled == 5         # two schemas, three tool grammars
 
 
 @pytest.mark.slow
