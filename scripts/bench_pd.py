@@ -4,7 +4,7 @@ decode instance behind the coordinator, all on this machine, MTP k=1, the demo m
 
 Rows per concurrency (the bench prompt set, streamed, greedy): tokens/s, TTFT and TPOT
 medians, and the KV moved from P to D during the burst (MB/s over the burst's wall time,
-from the instances' kv_transfer_bytes_total).  A last row sends ~1,000-token prompts one
+from the instances' kv_transfer_bytes_total).  A last row sends ~860-token prompts one
 at a time, where PD's KV transfer (instead of D prefilling) is the point.  On one machine
 P and D share its cores, so PD cannot win here what it wins on separate nodes (prefill
 and decode no longer slow each other down); the figures show its overhead honestly.
