@@ -288,3 +288,19 @@ def test_swap_and_prefix_tier_together_on_shared_prefixes(async_on):
     assert st.num_swapped_out > 0 and st.num_swapped_in == st.num_swapped_out
     assert st.prefix_cache_hits > 0
     assert st.num_requests_swapped == 0 and st.host_blocks_used == st.host_blocks_cached
+
+
+def test_swapped_requests_and_tier_usage_show_while_they_wait():
+    model, ps = tiny_model(), prompts(6, seed=2, lo=10, hi=30)
+    engine = make_engine(model, k=1, num_blocks=22, max_batch_size=6, max_preempt_count=100,
+                         host_cache_blocks=200, swap_preemption=True)
+    for r in requests(ps, SEEDED):
+        engine.add_request(r)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        st = engine.stats()
+        seen.append((st.num_requests_swapped, st.host_blocks_used, st.num_waiting))
+    assert max(s for s, _, _ in seen) > 0
+    assert all(used > 0 and waiting >= swapped for swapped, used, waiting in seen if swapped)
+    assert seen[-1][:2] == (0, 0)
