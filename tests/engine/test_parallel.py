@@ -42,9 +42,9 @@ def _single(path: str, k: int) -> dict[str, list[int]]:
     return run_tokens(LLMEngine(model.eval(), cfg, eos_token_ids=set()), _requests(model.config.vocab_size))
 
 
-def _parallel(path: str, k: int, layout: str) -> dict[str, list[int]]:
+def _parallel(path: str, k: int, layout: str, **kw) -> dict[str, list[int]]:
     world, moe_tp, moe_ep = LAYOUTS[layout]
-    cfg = dataclasses.replace(BASE, num_speculative_tokens=k, parallel=ParallelConfig(
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=k, **kw, parallel=ParallelConfig(
         world_size=world, moe_tp=moe_tp, moe_ep=moe_ep, master_port=free_port()))
     summary = inspect_checkpoint(path)
     engine = LLMEngine(summary, cfg, eos_token_ids=set())
@@ -86,6 +86,12 @@ def hf_path(tmp_path_factory) -> str:
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_demo_model_identical(layout, k):
     assert _parallel(str(DEMO), k, layout) == _single(str(DEMO), k)
+
+
+@pytest.mark.demo
+def test_async_scheduling_over_ranks_identical():
+    """Two steps in flight: rank 0 queues the second message while the group runs the first."""
+    assert _parallel(str(DEMO), 2, "tp2", async_scheduling=True) == _single(str(DEMO), 2)
 
 
 def test_random_checkpoint_identical_k2(tiny_path):
