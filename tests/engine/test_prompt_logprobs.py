@@ -70,3 +70,21 @@ def test_no_prompt_logprobs_unless_asked(checkpoint):
     eng = make_engine(model, 1)
     outs = eng.generate([EngineRequest("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0))])
     assert all(o.prompt_logprobs is None for o in outs["a"])
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_cross_the_worker_process(checkpoint):
+    """Asynchronous scheduling on a CPU runs the worker in its own process: the prompt
+    logprobs come back through the pickled step output, unchanged."""
+    model, _ = checkpoint
+    p = list(range(5, 30))
+    sp = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    got = []
+    for on in (False, True):
+        eng = make_engine(model, 1, async_scheduling=on)
+        try:
+            outs = eng.generate([EngineRequest("a", p, sp)])["a"]
+        finally:
+            eng.shutdown()
+        got.append([(it.token_id, it.logprob, it.top) if it else None for it in outs[0].prompt_logprobs])
+    assert got[0] == got[1] and len(got[0]) == len(p)
