@@ -72,6 +72,8 @@ def test_half_sent_bodies_hold_no_slot_and_get_408(daemon):
     t0 = time.monotonic()
     try:
         during = _latencies(daemon, 5)    # before: 503 for as long as the sockets stayed open
+        print(f"half-sent x8: usual {usual * 1000:.0f} ms, during "
+              f"{statistics.median(during) * 1000:.0f} ms (median of 5)")
         assert statistics.median(during) <= 2 * usual + 0.25, (usual, during)
         for s in socks:
             data = _recv_all(s, BODY_S + 5)
@@ -111,6 +113,8 @@ def test_trickling_headers_are_cut_and_lock_nobody_out(daemon):
         assert statistics.median(during) <= 2 * usual + 0.25, (usual, during)
         cut = [_recv_all(s, HEADER_S + 4) for s in socks]
         elapsed = time.monotonic() - t0
+        print(f"trickle x100: usual {usual * 1000:.0f} ms, during "
+              f"{statistics.median(during) * 1000:.0f} ms; all 100 got 408 after {elapsed:.1f} s")
         assert all(c.startswith(b"HTTP/1.1 408") for c in cut), {c[:40] for c in cut}
         assert elapsed < HEADER_S + 4 and sent[0] < len(line)   # cut before they finished
     finally:
