@@ -145,3 +145,30 @@ def test_a_rank_that_cannot_start_is_named(tiny_path):
                                                             master_port=free_port()))
     with pytest.raises(RuntimeError, match=r"rank \d: .*cannot be split over 3 ranks"):
         LLMEngine(inspect_checkpoint(tiny_path), cfg, eos_token_ids=set())
+
+
+@pytest.mark.demo
+def test_a_hung_rank_fails_the_group_within_the_collective_timeout():
+    """SIGSTOP one rank: rank 0's next collective times out (here after 3 s), the step
+    fails with the group's error, every later step fails at once, and shutdown leaves no
+    process (the stopped one is killed)."""
+    import os
+    import signal
+    import time
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=1, parallel=ParallelConfig(
+        world_size=2, moe_tp=2, moe_ep=1, master_port=free_port(), timeout_s=3.0))
+    engine = LLMEngine(inspect_checkpoint(str(DEMO)), cfg, eos_token_ids=set())
+    try:
+        engine.add_request(_requests(2048)[0])
+        engine.step()
+        os.kill(engine.executor.worker_pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - t0 < 15
+        assert engine.fatal_error is not None
+    finally:
+        os.kill(engine.executor.worker_pids[1], signal.SIGKILL)
+        engine.shutdown()
+    assert not any(p.is_alive() for p in engine.executor._procs)
