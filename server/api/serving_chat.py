@@ -67,16 +67,16 @@ class ChatPlan:
         else:
             self.grammar = response_format_grammar(req.response_format)
             if self.grammar is None and self.tool_format and self.tool_choice == "auto" \
-                    and not req.ignore_eos:
+                    and not req.ignore_eos and not req.min_tokens:
                 self.grammar = auto_tool_grammar(self.tool_format, req.tools,
                                                  req.parallel_tool_calls,
                                                  state.tokenizer.token_to_id,
                                                  [THINK_START, THINK_END])
                 answer_grammar = False
-        if self.grammar is not None and req.ignore_eos:
-            raise bad_request("a forced tool call cannot be combined with ignore_eos (a "
-                              "finished grammar allows only the end-of-sequence token)",
-                              "ignore_eos")
+        if self.grammar is not None and (req.ignore_eos or req.min_tokens):
+            param = "ignore_eos" if req.ignore_eos else "min_tokens"
+            raise bad_request(f"a forced tool call cannot be combined with {param} (a "
+                              "finished grammar allows only the end-of-sequence token)", param)
         self.forced = THINK_END if self.grammar is not None and answer_grammar and self.reasoning else ""
         check_text_size(prompt, s, state.max_token_chars, "messages")
         ids = state.tokenizer.encode(prompt + self.forced, add_special_tokens=False)

@@ -53,9 +53,11 @@ def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
         what = f"plugin {plugin}" if plugin else "this server"
         raise bad_request(f"beam search cannot be used with {what}; "
                           "set use_beam_search to false", "use_beam_search")
-    if req.response_format is not None and req.ignore_eos:
-        raise bad_request("response_format cannot be combined with ignore_eos (a finished "
-                          "grammar allows only the end-of-sequence token)", "ignore_eos")
+    if req.response_format is not None and req.response_format.get("type") not in (None, "text") \
+            and (req.ignore_eos or req.min_tokens):
+        param = "ignore_eos" if req.ignore_eos else "min_tokens"
+        raise bad_request(f"response_format cannot be combined with {param} (a finished "
+                          "grammar allows only the end-of-sequence token)", param)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:

@@ -51,6 +51,8 @@ CASES = [
      400, "response_format"),
     ("json_schema without a schema", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format"),
+    ("json_object with min_tokens", CHAT, chat(response_format={"type": "json_object"},
+                                                min_tokens=2, max_tokens=8), 400, "min_tokens"),
     ("strict schema with a keyword not enforced", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
             "type": "array", "uniqueItems": True}}}), 400, "response_format"),
