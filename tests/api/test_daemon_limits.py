@@ -16,7 +16,9 @@ from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 
-LONG = {"model": MODEL_NAME, "prompt": "count to a thousand", "max_tokens": 1000,
+# Long enough to outlive e2eTimeout on any machine: the tiny model with MTP reached
+# ~700 tokens/s here, which finished a 1,000-token request inside the 3 s.
+LONG = {"model": MODEL_NAME, "prompt": "count to a thousand", "max_tokens": 8000,
         "ignore_eos": True, "temperature": 0}
 
 
@@ -24,9 +26,9 @@ LONG = {"model": MODEL_NAME, "prompt": "count to a thousand", "max_tokens": 1000
 def daemon(tiny_weights, tmp_path_factory):
     cfg = make_config(tmp_path_factory.mktemp("cfg"), tiny_weights,
                       server={"tokenTimeout": 1, "e2eTimeout": 3, "maxLinkNum": 2},
-                      deploy={"maxSeqLen": 1100, "maxInputTokenLen": 64},
+                      deploy={"maxSeqLen": 8100, "maxInputTokenLen": 64},
                       schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1,
-                                "maxIterTimes": 1050})
+                                "maxIterTimes": 8050})
     d = Daemon(cfg).start()
     yield d
     d.terminate()
