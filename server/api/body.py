@@ -16,7 +16,7 @@ import orjson
 from fastapi import Request
 
 from server.api.errors import APIError
-from server.api.offload import INLINE_BYTES, off_loop
+from server.api.offload import INLINE_BYTES, TRIM_BYTES, off_loop, trim_soon
 
 
 async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> Any:
@@ -29,6 +29,8 @@ async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> An
     except asyncio.TimeoutError:
         raise APIError(408, f"request body not received within {timeout_s:g} s "
                        "(clientBodyTimeout)", retry=False) from None
+    if len(body) > TRIM_BYTES:
+        trim_soon()
     if not body.strip():
         raise APIError(400, "request body is empty; expected a JSON object")
     try:

@@ -9,13 +9,48 @@ free.  Small bodies skip the pool for JSON decoding: the hand-off would cost mor
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import functools
+import gc
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="request-plan")
 INLINE_BYTES = 64 * 1024        # JSON bodies up to this size are decoded on the loop
+
+
+TRIM_BYTES = 4 * 1024 * 1024   # after a body this large, give freed heap back to the OS
+_TRIM_DELAY_S = 1.0            # by then the request's objects (and its error) are gone
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim") if name else None
+    except (OSError, AttributeError):     # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _release() -> None:
+    gc.collect()              # a refusal's traceback cycle still holds the prompt's frames
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def trim_soon() -> None:
+    """Give a large body's memory back to the OS, a moment after it was handled.
+
+    The copies of a 39 MB body (bytes, str, the rendered prompt) are freed only when the
+    cyclic collector breaks the cycle between a refusal's exception and the frames that
+    hold them, which may be long after; and freed heap pages stay with malloc.  So: a
+    collection, then ``malloc_trim(0)`` (glibc), on the planning pool, never the loop."""
+    loop = asyncio.get_running_loop()
+    loop.call_later(_TRIM_DELAY_S, lambda: loop.run_in_executor(_POOL, _release))
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
