@@ -224,10 +224,26 @@ class ModelRunner:
         seeds = torch.tensor([s.seed for s in states], dtype=torch.int64, device=dev)
         first = torch.tensor([s0 + n for s0, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
         idx = first[:, None] + torch.arange(K + 1, device=dev)[None]    # token index of each row
-        u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
         u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
+        coupled = None
+        if smeta.coupled is not None:
+            # Seeded requests: coupled verification (sampler.py): the target token of every
+            # row is the sample MTP-off decoding would draw there; a draft must equal it.
+            target = argmax_pad.flatten().clone()
+            target[pad_index] = S.sample_inverse_cdf(probs, u_smp[w.row_seq, w.row_off])
+            coupled = verify(None, target.view(S_, K + 1), w.drafts, None, nd_t, None, None)
+            seq_coupled = torch.tensor([s.sampling.seed is not None and not s.sampling.greedy
+                                        for s in states], device=dev)
+            if bool(seq_coupled.all()):
+                return coupled
+        u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
         q = self.proposer.draft_probs(states, nd, K, w.drafts) if K else None
-        return verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t, u_acc, u_smp)
+        tokens, num_acc = verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t,
+                                 u_acc, u_smp)
+        if coupled is None:
+            return tokens, num_acc
+        return (torch.where(seq_coupled[:, None], coupled[0], tokens),
+                torch.where(seq_coupled, coupled[1], num_acc))
 
     @staticmethod
     def _logprobs(sampled, rows, want, lp, n_tops) -> list[list[TokenLogprob] | None]:

@@ -11,6 +11,15 @@ request samples the same tokens alone, inside any batch, and after being preempt
 recomputed, and the hot path needs no per-request Python.  Streams: acceptance test,
 final-token sample (recovered or bonus), draft sample.
 
+Seeded requests (a ``seed`` given, temperature > 0) are verified by coupling instead of
+by probability ratio: every window row draws the target token t_j = F_p^-1(u_j) with the
+uniform u_j that sampling without MTP would use at that index, and a draft is accepted
+iff it equals t_j.  The emitted tokens are then exactly those of MTP off (same seed, any
+k), not only the same distribution.  Their drafts are drawn with the same u_j from q, so
+draft and target agree whenever the two inverse CDFs put u_j on the same token; this
+accepts less often than the ratio test (P(d = t) <= sum min(p, q)).  Unseeded requests
+keep ratio verification.
+
 Processing order: repetition / frequency / presence penalties, logit_bias, min_tokens
 (stop ids masked), then temperature, top_k, top_p, min_p.  Greedy rows take the argmax of
 the penalised logits; as a distribution that is a one-hot, which makes greedy
@@ -96,6 +105,7 @@ class SamplingMetadata:
     bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, tokens)
     bias_value: torch.Tensor | None
     mask_index: tuple[torch.Tensor, torch.Tensor] | None  # min_tokens: (rows, stop ids)
+    coupled: torch.Tensor | None = None  # [R] bool: rows of seeded sampled requests (module doc)
 
     @classmethod
     def build(cls, seqs: list[SeqSamplingInput], vocab_size: int,
@@ -160,9 +170,11 @@ class SamplingMetadata:
             bias_value = torch.tensor(b_vals, dtype=torch.float32, device=device)
         if m_rows:
             mask_index = (torch.tensor(m_rows, device=device), torch.tensor(m_toks, device=device))
+        coupled_l = [p.seed is not None and not p.greedy for p in ps]
+        coupled = per_row(coupled_l, torch.bool) if any(coupled_l) else None
         return cls(num_rows, row_seq.to(device), row_offset.to(device), token_index.to(device),
                    seeds, temperature, greedy, all_greedy, any(greedy_l), top_k, top_p, min_p, rep, freq, pres,
-                   output_counts, prompt_mask, bias_index, bias_value, mask_index)
+                   output_counts, prompt_mask, bias_index, bias_value, mask_index, coupled)
 
     @property
     def has_penalties(self) -> bool:
@@ -242,6 +254,10 @@ def sample_rows(logits: torch.Tensor, meta: SamplingMetadata, stream: int = STRE
         return processed.argmax(-1), None
     probs = to_probs(processed, meta)
     u = counter_uniform(meta.seeds, meta.token_index, stream)
+    if meta.coupled is not None and stream != STREAM_SAMPLE:
+        # Drafts of seeded requests use the uniform the target sample of the same index
+        # will use, so that draft and target sample coincide as often as q and p allow.
+        u = torch.where(meta.coupled, counter_uniform(meta.seeds, meta.token_index, STREAM_SAMPLE), u)
     return sample_inverse_cdf(probs, u), probs
 
 
