@@ -5,7 +5,8 @@ The openai SDK and LangChain drive a daemon on the bundled demo model
 ``tool_choice`` required with two tools and a named CamelCase function, LangChain's
 ``with_structured_output`` in its three methods, and prompt logprobs (echo + logprobs,
 ``max_tokens`` 0) as lm-evaluation-harness reads them.  The daemon's constrained greedy
-outputs (MTP k=1) equal the engine's with MTP off, in process, on the same prompt ids.
+and seeded outputs (MTP k=1) equal the engine's with MTP off, in process, on the same
+prompt ids.
 """
 from __future__ import annotations
 
@@ -242,7 +243,7 @@ def test_echo_logprobs_max_tokens_0_as_lm_eval_reads_them(client):
     assert r3.model_dump()["prompt_logprobs"][0] is None
 
 
-def test_constrained_greedy_through_the_daemon_equals_the_engine_with_mtp_off(client):
+def test_constrained_output_through_the_daemon_equals_the_engine_with_mtp_off(client):
     from server.api.grammars import response_format_grammar
     from server.engine.config import EngineConfig
     from server.engine.core import LLMEngine
@@ -256,12 +257,14 @@ def test_constrained_greedy_through_the_daemon_equals_the_engine_with_mtp_off(cl
     eng = LLMEngine(model.eval(), EngineConfig(num_speculative_tokens=0, num_blocks=128,
                                                max_seq_len=1024, max_queue_delay_us=0,
                                                tokenizer_dir=str(DEMO_MODEL)), tok)
-    for i, q in enumerate(QUESTIONS[:4]):
+    for i, q in enumerate(QUESTIONS[:6]):
         ids = tok.encode(tok.apply_chat_template(ask(q), add_generation_prompt=True),
                          add_special_tokens=False)
-        got = client.completions.create(model=NAME, prompt=[ids], max_tokens=96, temperature=0,
+        temperature, seed = (0.0, None) if i % 2 else (0.9, 40 + i)     # greedy and seeded
+        got = client.completions.create(model=NAME, prompt=[ids], max_tokens=96, top_p=0.9,
+                                        temperature=temperature, seed=seed,
                                         extra_body={"response_format": fmt}).choices[0].text
         outs = eng.generate([EngineRequest(f"r{i}", ids, SamplingParams(
-            max_tokens=96, temperature=0.0, grammar=grammar))])[f"r{i}"]
-        assert got == "".join(o.text for o in outs)
+            max_tokens=96, temperature=temperature, top_p=0.9, seed=seed, grammar=grammar))])[f"r{i}"]
+        assert got == "".join(o.text for o in outs), (i, got)
         jsonschema.validate(json.loads(got), WEATHER)
