@@ -230,7 +230,8 @@ class ModelRunner:
             # Seeded requests: coupled verification (sampler.py): the target token of every
             # row is the sample MTP-off decoding would draw there; a draft must equal it.
             target = argmax_pad.flatten().clone()
-            target[pad_index] = S.sample_inverse_cdf(probs, u_smp[w.row_seq, w.row_off])
+            c = smeta.coupled
+            target[pad_index[c]] = S.gumbel_sample(probs[c], smeta.seeds[c], smeta.token_index[c])
             coupled = verify(None, target.view(S_, K + 1), w.drafts, None, nd_t, None, None)
             seq_coupled = torch.tensor([s.sampling.seed is not None and not s.sampling.greedy
                                         for s in states], device=dev)

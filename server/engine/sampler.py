@@ -11,14 +11,15 @@ request samples the same tokens alone, inside any batch, and after being preempt
 recomputed, and the hot path needs no per-request Python.  Streams: acceptance test,
 final-token sample (recovered or bonus), draft sample.
 
-Seeded requests (a ``seed`` given, temperature > 0) are verified by coupling instead of
-by probability ratio: every window row draws the target token t_j = F_p^-1(u_j) with the
-uniform u_j that sampling without MTP would use at that index, and a draft is accepted
-iff it equals t_j.  The emitted tokens are then exactly those of MTP off (same seed, any
-k), not only the same distribution.  Their drafts are drawn with the same u_j from q, so
-draft and target agree whenever the two inverse CDFs put u_j on the same token; this
-accepts less often than the ratio test (P(d = t) <= sum min(p, q)).  Unseeded requests
-keep ratio verification.
+Seeded requests (a ``seed`` given, temperature > 0) are sampled by the Gumbel-max trick
+with per-token noise that depends only on (seed, token index, token), and verified by
+coupling instead of by probability ratio: every window row draws its target token t_j
+with that noise, and a draft is accepted iff it equals t_j.  The emitted tokens are then
+exactly those of MTP off (same seed, any k), not only the same distribution.  Their
+drafts are drawn from q with the same noise, so draft and target agree as often as a
+shared noise makes argmax(log q + G) and argmax(log p + G) agree; this accepts somewhat
+less often than the ratio test (P(d = t) <= sum min(p, q)).  Unseeded requests keep
+inverse-CDF sampling and ratio verification.
 
 Processing order: repetition / frequency / presence penalties, logit_bias, min_tokens
 (stop ids masked), then temperature, top_k, top_p, min_p.  Greedy rows take the argmax of
@@ -37,6 +38,7 @@ from server.engine.protocol import SamplingParams
 STREAM_ACCEPT = 1
 STREAM_SAMPLE = 2
 STREAM_DRAFT = 3
+STREAM_GUMBEL = 4                        # per-token noise of coupled (seeded) sampling
 _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MIX1 = -4658895280553007687            # 0xBF58476D1CE4E5B9
 _MIX2 = -7723592293110705685            # 0x94D049BB133111EB
@@ -67,6 +69,18 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # right=True: the first index whose cdf exceeds x, so zero-probability tokens never win.
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def gumbel_sample(probs: torch.Tensor, seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] by the Gumbel-max trick: argmax(log p_t + G_t)
+    with G_t = -log(-log U_t), U_t a counter uniform of (seed, index, token t).  Exact for
+    any p, and two distributions sampled with the same (seed, index) pick the same token
+    as often as a shared noise allows, which is what coupled verification needs."""
+    v = probs.shape[-1]
+    tok = torch.arange(v, device=probs.device)
+    u = counter_uniform(seeds[:, None], index[:, None] * v + tok[None], STREAM_GUMBEL)   # [R, V]
+    g = -torch.log(-torch.log(u.clamp_(min=2.0 ** -60)))
+    return (probs.double().log() + g).argmax(-1)
 
 
 @dataclass(slots=True)
@@ -105,7 +119,7 @@ class SamplingMetadata:
     bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, tokens)
     bias_value: torch.Tensor | None
     mask_index: tuple[torch.Tensor, torch.Tensor] | None  # min_tokens: (rows, stop ids)
-    coupled: torch.Tensor | None = None  # [R] bool: rows of seeded sampled requests (module doc)
+    coupled: torch.Tensor | None = None  # [Rc] int64: rows of seeded sampled requests (module doc)
 
     @classmethod
     def build(cls, seqs: list[SeqSamplingInput], vocab_size: int,
@@ -171,7 +185,9 @@ class SamplingMetadata:
         if m_rows:
             mask_index = (torch.tensor(m_rows, device=device), torch.tensor(m_toks, device=device))
         coupled_l = [p.seed is not None and not p.greedy for p in ps]
-        coupled = per_row(coupled_l, torch.bool) if any(coupled_l) else None
+        coupled = None
+        if any(coupled_l):                # row indices built on the host: no sync to find them
+            coupled = torch.nonzero(torch.tensor(coupled_l)[row_seq]).squeeze(1).to(device)
         return cls(num_rows, row_seq.to(device), row_offset.to(device), token_index.to(device),
                    seeds, temperature, greedy, all_greedy, any(greedy_l), top_k, top_p, min_p, rep, freq, pres,
                    output_counts, prompt_mask, bias_index, bias_value, mask_index, coupled)
@@ -254,11 +270,13 @@ def sample_rows(logits: torch.Tensor, meta: SamplingMetadata, stream: int = STRE
         return processed.argmax(-1), None
     probs = to_probs(processed, meta)
     u = counter_uniform(meta.seeds, meta.token_index, stream)
-    if meta.coupled is not None and stream != STREAM_SAMPLE:
-        # Drafts of seeded requests use the uniform the target sample of the same index
-        # will use, so that draft and target sample coincide as often as q and p allow.
-        u = torch.where(meta.coupled, counter_uniform(meta.seeds, meta.token_index, STREAM_SAMPLE), u)
-    return sample_inverse_cdf(probs, u), probs
+    tokens = sample_inverse_cdf(probs, u)
+    if meta.coupled is not None:
+        # Seeded rows: Gumbel-max with the noise of their (seed, index), as their target
+        # sample will use (coupled verification, module doc).
+        c = meta.coupled
+        tokens[c] = gumbel_sample(probs[c], meta.seeds[c], meta.token_index[c])
+    return tokens, probs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

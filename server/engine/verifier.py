@@ -6,7 +6,7 @@ recovered token from norm(max(0, p - q)) or, when every draft passed, a bonus to
 The uniforms come from the counter-based generator in sampler.py, so a seeded request's
 result does not depend on its batch.  Seeded sampled requests are verified by coupling
 instead (runner.py, sampler.py's module doc): the greedy form of this function with each
-row's target sample in place of the argmax.
+row's Gumbel-max target sample in place of the argmax.
 """
 from __future__ import annotations
 
