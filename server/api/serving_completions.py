@@ -18,8 +18,8 @@ from server.api.grammars import prepare_grammar, response_format_grammar
 from server.api.prompt_logprobs import echo_block, join_blocks, vllm_prompt_logprobs
 from server.api.protocol import CompletionRequest
 from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
-from server.api.serving_common import (build_sampling, fit_prompt, max_new_tokens, new_id,
-                                       plan_request)
+from server.api.serving_common import (build_sampling, check_text_size, fit_prompt,
+                                       max_new_tokens, new_id, plan_request)
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
@@ -64,6 +64,9 @@ class CompletionPlan:
         self.n = req.n
         self.request_id = new_id("cmpl")
         self.created = int(time.time())
+        for text in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
+            if isinstance(text, str):         # before tokenizing (serving_common)
+                check_text_size(text, s, state.max_token_chars, "prompt")
         self.prompts = [fit_prompt(ids, s, "prompt")
                         for ids in _prompts(req, state.tokenizer, s.vocab_size)]
         if len(self.prompts) * self.n > MAX_PROMPTS:

@@ -172,6 +172,16 @@ def test_a_39_mb_body_does_not_stall_the_planes(daemon):
           f"(quiet {quiet:.3f}s)")
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(daemon):
+    """maxInputTokenLen 64 here: 4 MB of text cannot fit, whatever its tokens."""
+    t0 = time.monotonic()
+    r = httpx.post(daemon.base + "/v1/completions", timeout=60,
+                   json={"prompt": ["short", "y" * (4 * 1024 * 1024)], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
+    assert "characters" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 5
+
+
 def test_unknown_fields_are_logged_by_name_and_bounded(daemon):
     extra = {f"field_{i}_" + "y" * 200_000: "z" * 100_000 for i in range(20)}
     r = httpx.post(daemon.base + "/v1/chat/completions", json={**CHAT, **extra}, timeout=30)
