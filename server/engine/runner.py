@@ -219,12 +219,6 @@ class ModelRunner:
         if smeta.all_greedy:
             return verify(None, argmax_pad, w.drafts, None, nd_t, None, None)
         probs = S.to_probs(processed, smeta)
-        probs_pad = probs.new_zeros(S_ * (K + 1), probs.shape[-1])
-        probs_pad[pad_index] = probs
-        seeds = torch.tensor([s.seed for s in states], dtype=torch.int64, device=dev)
-        first = torch.tensor([s0 + n for s0, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
-        idx = first[:, None] + torch.arange(K + 1, device=dev)[None]    # token index of each row
-        u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
         coupled = None
         if smeta.coupled is not None:
             # Seeded requests: coupled verification (sampler.py): the target token of every
@@ -233,10 +227,16 @@ class ModelRunner:
             c = smeta.coupled
             target[pad_index[c]] = S.gumbel_sample(probs[c], smeta.seeds[c], smeta.token_index[c])
             coupled = verify(None, target.view(S_, K + 1), w.drafts, None, nd_t, None, None)
-            seq_coupled = torch.tensor([s.sampling.seed is not None and not s.sampling.greedy
-                                        for s in states], device=dev)
-            if bool(seq_coupled.all()):
+            is_coupled = [s.sampling.seed is not None and not s.sampling.greedy for s in states]
+            if all(is_coupled):
                 return coupled
+            seq_coupled = torch.tensor(is_coupled, device=dev)
+        probs_pad = probs.new_zeros(S_ * (K + 1), probs.shape[-1])
+        probs_pad[pad_index] = probs
+        seeds = torch.tensor([s.seed for s in states], dtype=torch.int64, device=dev)
+        first = torch.tensor([s0 + n for s0, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
+        idx = first[:, None] + torch.arange(K + 1, device=dev)[None]    # token index of each row
+        u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
         u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
         q = self.proposer.draft_probs(states, nd, K, w.drafts) if K else None
         tokens, num_acc = verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t,
