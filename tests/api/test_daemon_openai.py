@@ -234,9 +234,11 @@ def test_client_disconnect_frees_kv(daemon):
 
 
 def test_non_streaming_client_gone_frees_kv(daemon):
-    body = {"model": MODEL_NAME, "prompt": "count " * 40, "max_tokens": 400,
+    # 460 tokens take ~0.7 s on a fast run of this machine: a 0.2 s read timeout leaves
+    # the client gone well before the answer.
+    body = {"model": MODEL_NAME, "prompt": "count " * 40, "max_tokens": 460,
             "ignore_eos": True, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(daemon.base + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.6))
+        httpx.post(daemon.base + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.2))
     st = daemon.wait_kv_free(timeout_s=3)
     assert st["in_flight"] == 0

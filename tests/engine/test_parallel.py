@@ -122,6 +122,7 @@ def _weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
+@pytest.mark.demo
 def test_shard_weights_are_at_most_060_of_the_whole(capsys):
     """Resident weight bytes per rank with tp=2 (the issue's bound: <= 0.6x); the shard is
     loaded for real (slices read from the file), no group is needed to load."""

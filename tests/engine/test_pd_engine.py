@@ -5,6 +5,7 @@ asynchronous scheduling in a worker process); both pools end where they started.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.loader import load_checkpoint
 
 pytestmark = pytest.mark.demo
-DEMO = "models/deepseek-v3-tiny-mtp"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"
 
 
 @pytest.fixture(scope="module")
