@@ -275,9 +275,16 @@ async def serve(cfg: CoordinatorConfig) -> int:
         return 1
     server = uvicorn.Server(uvicorn.Config(build_app(coord), host=cfg.ip_address, port=cfg.port,
                                            log_level="warning", access_log=False))
-    print(f"Coordinator start success! http://{cfg.ip_address}:{cfg.port}", flush=True)
+    task = asyncio.create_task(server.serve())
     try:
-        await server.serve()
+        while not server.started:            # say "success" only once the port accepts
+            if task.done():
+                print(f"error: the coordinator cannot listen on {cfg.ip_address}:{cfg.port}",
+                      flush=True)
+                return 1
+            await asyncio.sleep(0.01)
+        print(f"Coordinator start success! http://{cfg.ip_address}:{cfg.port}", flush=True)
+        await task
     finally:
         await coord.close()
     return 0
