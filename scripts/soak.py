@@ -224,12 +224,13 @@ def verdict(rep: dict, max_rss_growth: float) -> dict:
         "kv_free_at_end": f"{end['kv_free_blocks']}/{end['kv_total_blocks']}",
         "kv_ok": end["kv_free_blocks"] == end["kv_total_blocks"],
         # Idle before and after: descriptors and tasks back to their level.  Thread pools
-        # start lazily and their size follows the load, so threads at the end are compared
-        # with the most seen in the first half of the run: a leak outgrows that.
+        # start lazily and their size follows the load (16-23 in a 64-client run), so
+        # threads at the end are compared with the most seen in the first half of the run,
+        # with a margin of 4 for that jitter: a leak outgrows it.
         "fds_idle_start_end": (idle["fds"], settled["fds"]),
         "fds_ok": settled["fds"] <= idle["fds"] + 2,
         "threads_start_early_max_end": (idle["threads"], early_max, settled["threads"]),
-        "threads_ok": settled["threads"] <= early_max,
+        "threads_ok": settled["threads"] <= early_max + 4,
         "tasks_idle_start_end": (idle["asyncio_tasks"], settled["asyncio_tasks"]),
         "tasks_ok": settled["asyncio_tasks"] <= idle["asyncio_tasks"] + 2,
     }

@@ -144,7 +144,7 @@ class ServingMetrics:
         # cached_tokens (every tier) is not the NPU hit rate: refresh_kv_tiers sets that.
         self.ttft.observe(ttft_s)
         self.prompt_total.inc(prompt_tokens)
-        self._recent.append((time.monotonic(), prompt_tokens, 0))
+        self._note(prompt_tokens, 0)
 
     def on_step(self, dt_s: float, num_tokens: int) -> None:
         """A decode step emitted ``num_tokens`` tokens ``dt_s`` after the previous one."""
@@ -157,7 +157,19 @@ class ServingMetrics:
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self.gen_total.inc(num_tokens)
-            self._recent.append((time.monotonic(), 0, num_tokens))
+            self._note(0, num_tokens)
+
+    def _note(self, prompt_tokens: int, gen_tokens: int) -> None:
+        """Record tokens for the throughput window, dropping what fell out of it: trimmed
+        only at a scrape, the window grew by an entry per token chunk for as long as
+        nobody scraped /metrics (3 MB a minute in a 64-client scripts/soak.py run)."""
+        now = time.monotonic()
+        self._drop_before(now)
+        self._recent.append((now, prompt_tokens, gen_tokens))
+
+    def _drop_before(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
 
     def on_spec(self, drafts: int, draft_tokens: int, accepted: int) -> None:
         """Deltas of one request's counters over one engine step."""
@@ -197,9 +209,7 @@ class ServingMetrics:
         self.swapped.set(swapped)
         self.npu_cache.set(kv_usage)
         self.cpu_cache.set(cpu_usage)
-        now = time.monotonic()
-        while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
+        self._drop_before(time.monotonic())
         self.prompt_tput.set(sum(p for _, p, _ in self._recent) / _THROUGHPUT_WINDOW_S)
         self.gen_tput.set(sum(g for _, _, g in self._recent) / _THROUGHPUT_WINDOW_S)
 
