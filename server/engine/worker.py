@@ -181,7 +181,8 @@ class Worker:
                     out.failed[st.request_id] = f"engine step failed: {exc!r}"
         for group, res in done:
             self._commit(group, res, out)
-        self._export_prompts(states, out)
+        if any(new.export_kv for new in so.new_requests):   # a prompt is prefilled in one step
+            self._export_prompts(states, out)
         out.execute_time_s = time.perf_counter() - t0
         res = done[0][1] if len(done) == 1 and len(done[0][0]) == len(states) else None
         # A clean cost sample for the policy: decode only, every request verified the same k
