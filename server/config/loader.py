@@ -76,6 +76,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     overridden = _apply_env_overrides(raw, env)
     async_on, metrics_on, issues = _env_switches(env)
     compile_mode = _compile_mode(env, issues)
+    compile_wait = _compile_wait(env, issues)
     env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
@@ -118,7 +119,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      checkpoint_model_type=model_type, model_options_key=key,
                      model_options=options, chat_template_path=template,
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
-                     compile_mode=compile_mode, kv_pool=kv_pool,
+                     compile_mode=compile_mode, compile_wait=compile_wait, kv_pool=kv_pool,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
                      parallel=parallel_layout(doc, env))
 
@@ -184,6 +185,16 @@ def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
     issues.append(ConfigIssue("$MTP_SERVE_COMPILE", raw, "auto, 1 (on) or 0 (off)",
                               "unrecognised value"))
     return "auto"
+
+
+def _compile_wait(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
+    """$MTP_SERVE_COMPILE_WAIT: 1 = start-up waits for the compiled graphs; 0 (default) = the
+    daemon serves at once and adopts them when ready (server/engine/compile_step.py)."""
+    raw = env.get("MTP_SERVE_COMPILE_WAIT", "").strip().lower()
+    if raw and raw not in _ON | _OFF:
+        issues.append(ConfigIssue("$MTP_SERVE_COMPILE_WAIT", raw, "1 (wait) or 0 (compile in the "
+                                  "background)", "unrecognised value"))
+    return raw in _ON
 
 
 def _env_api_keys(env: Mapping[str, str], issues: list[ConfigIssue]) -> tuple[str, ...]:

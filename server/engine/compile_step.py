@@ -15,16 +15,35 @@ about a second.  Files live under ``$MTP_SERVE_COMPILE_CACHE`` (default
 model shape and the source of the model code, and are written atomically; one that fails
 to load is compiled again and replaced.
 
+Why a graph set for a lone sequence: a graph made for two or more sequences would
+specialise a batch of one, so a lone sequence used to run twice (padded), which cost a
+quarter of a decode step at concurrency 1.  Four more graphs (batch 1) take that away.
+
+Why in the background: eight graphs take one to two minutes to compile on two cores, and
+loading them still costs seconds.  A daemon (``BackgroundGraphs``) therefore opens its
+ports at once and serves the static step uncompiled; a child process compiles what the
+cache lacks (it builds the model from its config on uninitialised memory: the graphs take
+weights as inputs, so their values never matter), a thread loads the files, and the
+worker switches to the graphs between two steps.  Outputs are the same either way (the
+compiled graphs are exact), only faster.  ``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up
+wait for them instead (``compile_static_decoder``), as engines built in-process do.
+
 Switch: ``$MTP_SERVE_COMPILE`` = ``auto`` (default: compile when the static path applies
 and the device is a CPU), ``1``/``on`` (wherever the static path applies), ``0``/``off``.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +55,7 @@ from server.model.batch import DecodeMetadata
 log = logging.getLogger("server.engine")
 
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
+_ROOT = Path(__file__).resolve().parents[2]        # where ``server`` imports from
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py")
 
 
@@ -67,13 +87,25 @@ def cache_dir(model, device: torch.device) -> Path:
     return root / h.hexdigest()[:24]
 
 
-def _example(model, index: int, q: int, block_size: int, device: torch.device) -> tuple:
-    """Call arguments of the layer function for layer ``index``: 2 sequences x q tokens
-    on a scratch cache (nothing the engine owns)."""
+def graph_plan(model) -> list[tuple[str, int, bool, bool]]:
+    """(kind, a layer index of that kind, several tokens per sequence?, lone sequence?) of
+    every graph the model's static decoder uses."""
+    return [(kind, index, many, lone) for kind, index in model.static_decoder.layer_kinds().items()
+            for many in (False, True) for lone in (False, True)]
+
+
+def _file(kind: str, many: bool, lone: bool) -> str:
+    return f"{kind}-{'many' if many else 'one'}{'-lone' if lone else ''}.bin"
+
+
+def _example(model, index: int, q: int, lone: bool, block_size: int, device: torch.device) -> tuple:
+    """Call arguments of the layer function for layer ``index``: 1 (``lone``) or 2
+    sequences x q tokens on a scratch cache (nothing the engine owns)."""
     dtype = next(model.parameters()).dtype
-    meta = DecodeMetadata.build([1, 2], q, [[1, 2], [3, 0]], block_size, device)
+    starts, tables = ([1], [[1, 2]]) if lone else ([1, 2], [[1, 2], [3, 0]])
+    meta = DecodeMetadata.build(starts, q, tables, block_size, device)
     cos, sin = model.rope.cos_sin(meta.positions)
-    x = torch.zeros(2 * q, model.config.hidden_size, dtype=dtype, device=device)
+    x = torch.zeros(len(starts) * q, model.config.hidden_size, dtype=dtype, device=device)
     scratch = torch.zeros(4, block_size, model.kv_cache_dim, dtype=dtype, device=device)
     return model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch)
 
@@ -95,28 +127,125 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device) -> tuple
     return compiled, False
 
 
-def compile_static_decoder(model, block_size: int, device: torch.device) -> float:
-    """Load (or compile and save) every graph ``model.static_decoder`` needs and switch it
-    to them; returns the seconds it took."""
+def _prepare(model, block_size: int, device: torch.device, folder: Path,
+             only: list[str] | None = None) -> tuple[dict, int]:
+    """The graphs of ``graph_plan`` (those named in ``only``, if given), loaded from
+    ``folder`` or compiled into it: ({(kind, many, lone): graph}, number loaded from disk)."""
     _configure()
-    t0 = time.perf_counter()
-    decoder = model.static_decoder
-    folder = cache_dir(model, device)
     graphs, loaded = {}, 0
     with torch.inference_mode():
-        for kind, index in decoder.layer_kinds().items():
-            for many in (False, True):
-                args = _example(model, index, 2 if many else 1, block_size, device)
-                fn, hit = _load_or_compile(decoder.function(kind), args,
-                                           folder / f"{kind}-{'many' if many else 'one'}.bin", device)
-                # Guards were checked when the graph was made; the calls the decoder makes
-                # differ only in sizes the graph keeps symbolic (lone sequences and
-                # one-block tables are padded), so skip re-checking ~30 weights per call.
-                fn.disable_guard_check()
-                graphs[(kind, many)] = fn
-                loaded += hit
-    decoder.use_graphs(graphs)
+        for kind, index, many, lone in graph_plan(model):
+            path = folder / _file(kind, many, lone)
+            if only is not None and path.name not in only:
+                continue
+            args = _example(model, index, 2 if many else 1, lone, block_size, device)
+            fn, hit = _load_or_compile(model.static_decoder.function(kind), args, path, device)
+            # Guards were checked when the graph was made; the calls the decoder makes
+            # differ only in sizes the graph keeps symbolic (one-block tables are padded),
+            # so skip re-checking ~30 weights per call.
+            fn.disable_guard_check()
+            graphs[(kind, many, lone)] = fn
+            loaded += hit
+    return graphs, loaded
+
+
+def compile_static_decoder(model, block_size: int, device: torch.device) -> float:
+    """Load (or compile and save) every graph ``model.static_decoder`` needs and switch it
+    to them, before returning; returns the seconds it took."""
+    t0 = time.perf_counter()
+    folder = cache_dir(model, device)
+    graphs, loaded = _prepare(model, block_size, device, folder)
+    model.static_decoder.use_graphs(graphs)
     seconds = time.perf_counter() - t0
     log.info("static decode step: %d compiled graphs (%d loaded from %s) in %.1f s",
              len(graphs), loaded, folder, seconds)
     return seconds
+
+
+class BackgroundGraphs:
+    """The graphs of ``compile_static_decoder``, made without holding up start-up (module
+    docstring): ``poll()`` between steps returns them once ready (None before; raises if
+    compiling failed)."""
+
+    def __init__(self, model, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.folder = cache_dir(model, device)
+        self.seconds: float | None = None
+        self._t0 = time.perf_counter()
+        self._future: cf.Future = cf.Future()
+        # A daemon thread, not an executor's: exiting must not wait for a compile.
+        threading.Thread(target=self._work, name="compile", daemon=True).start()
+
+    def _work(self) -> None:
+        try:
+            self._future.set_result(self._run())
+        except BaseException as exc:              # noqa: BLE001 - handed to poll()
+            self._future.set_exception(exc)
+
+    def _missing(self) -> list[str]:
+        return [_file(kind, many, lone) for kind, _i, many, lone in graph_plan(self.model)
+                if not (self.folder / _file(kind, many, lone)).is_file()]
+
+    def _run(self) -> dict:
+        missing = self._missing()
+        if missing:
+            log.info("static decode step: compiling %d graphs in a child process (serving the "
+                     "step uncompiled meanwhile)", len(missing))
+            self._compile_in_child(missing)
+        graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder)
+        if loaded != len(graphs):                 # the child left a file that does not load
+            log.warning("static decode step: %d graphs compiled in-process after the child's",
+                        len(graphs) - loaded)
+        return graphs
+
+    def _compile_in_child(self, files: list[str]) -> None:
+        spec = {"config": self.model.config, "dtype": next(self.model.parameters()).dtype, "files": files,
+                "block_size": self.block_size, "device": str(self.device), "folder": str(self.folder)}
+        with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
+            spec_file = Path(tmp) / "spec.pkl"
+            spec_file.write_bytes(pickle.dumps(spec))
+            log_file = Path(tmp) / "compile.log"
+            with open(log_file, "w") as out:
+                rc = subprocess.call([sys.executable, "-m", "server.engine.compile_step", str(spec_file)],
+                                     stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if rc != 0:
+                tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"the compile process exited {rc}: {' | '.join(tail)}")
+
+    def poll(self) -> dict | None:
+        if not self._future.done():
+            return None
+        graphs = self._future.result()            # raises what _run raised
+        self.seconds = time.perf_counter() - self._t0
+        return graphs
+
+
+def _child(spec_file: Path) -> int:
+    """Compile the missing graphs of a model described by ``spec_file`` into its folder."""
+    from server.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+    spec = pickle.loads(spec_file.read_bytes())
+    parent = os.getppid()
+
+    def watch() -> None:                          # the serving process went: stop too
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+    torch.set_num_threads(1)
+    device = torch.device(spec["device"])
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(spec["config"])
+    model = model.to(spec["dtype"]).to_empty(device=device)   # never read: shapes are what count
+    folder = Path(spec["folder"])
+    t0 = time.perf_counter()
+    _prepare(model, spec["block_size"], device, folder, only=spec["files"])
+    print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(Path(sys.argv[1])))

@@ -71,6 +71,7 @@ class EngineConfig:
                                             # (auto: a process on CPU, a thread on CUDA)
     static_decode: bool = True              # uniform decode/verify steps on the static path (static_decode.py)
     compile: str = "off"                    # $MTP_SERVE_COMPILE for the daemon: auto | on | off (compile_step.py)
+    compile_wait: bool = True               # False: compile in the background ($MTP_SERVE_COMPILE_WAIT=0)
     tokenizer_dir: str | None = None        # tokenizer.json for grammar masks (grammar.py)
     device: str = "cpu"
     dtype: str | None = None                # None = checkpoint dtype
@@ -104,7 +105,7 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         kv_pool_async_write=app.kv_pool.async_write,
         disk_cache_dir=str(app.kv_pool.disk_dir) if app.kv_pool.disk_dir else None,
         disk_cache_gb=app.kv_pool.disk_size_gb,
-        compile=app.compile_mode,
+        compile=app.compile_mode, compile_wait=app.compile_wait,
         parallel=_parallel_config(app),
         tokenizer_dir=str(app.model_weight_path),
     )

@@ -12,6 +12,7 @@ the step it just launched.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import hashlib
 import logging
 import random
@@ -92,7 +93,8 @@ class LLMEngine:
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
         self.executor = _make_executor(model, cfg, k, policy)
         self.worker: Worker | None = self.executor.worker   # None when it lives in another process
-        num_kv_blocks, num_int8, decode_path, compile_s, host_blocks, block_bytes = self.executor.info
+        (num_kv_blocks, num_int8, decode_path, compile_s, host_blocks, block_bytes,
+         compile_state) = self.executor.info
         self.runtime = RuntimeInfo(
             num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
@@ -100,6 +102,7 @@ class LLMEngine:
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
             vocab_size=model.config.vocab_size, num_kv_layers=model.num_kv_layers,
             num_int8_kv_layers=num_int8, decode_path=decode_path, compile_seconds=compile_s,
+            compile_state=compile_state,
             host_kv_blocks=host_blocks, kv_block_bytes=block_bytes,
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
             swap_preemption=bool(host_blocks) and cfg.swap_preemption,
@@ -248,6 +251,10 @@ class LLMEngine:
 
     def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput, t0: float) -> list[EngineOutput]:
         """Update the scheduler with one executed step and turn it into EngineOutputs."""
+        if out.runtime_update is not None:
+            path, seconds, state = out.runtime_update
+            self.runtime = dataclasses.replace(self.runtime, decode_path=path,
+                                               compile_seconds=seconds, compile_state=state)
         failed = {**out.failed, **{rid: "the worker and the scheduler disagree on its stop"
                                    for rid in out.skipped}}
         emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in failed.items()

@@ -113,3 +113,6 @@ class ModelRunnerOutput:
     # PD prefill: request id -> (full prompt blocks, their rows end to end), in the step
     # that computed the last prompt position
     kv_exports: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    # (decode path, compile seconds, compile state) when the worker's step path changed
+    # (graphs compiled in the background were adopted, or compiling them failed)
+    runtime_update: tuple[str, float | None, str] | None = None

@@ -39,7 +39,8 @@ class RuntimeInfo:
     num_kv_layers: int = 0
     num_int8_kv_layers: int = 0         # cache layers with an int8 latent (kv_cache_dtype / FA3)
     decode_path: str = "eager"          # uniform decode steps: compiled | static | eager (worker.py)
-    compile_seconds: float | None = None  # start-up time spent compiling (None: not compiled)
+    compile_seconds: float | None = None  # start to compiled graphs in use (None: not compiled)
+    compile_state: str = "off"          # off | compiling (serving uncompiled meanwhile) | compiled | failed
     host_kv_blocks: int = 0             # host KV tier size (0: no tier; host_tier.py)
     kv_block_bytes: int = 0             # bytes one block moves between the tiers (every layer)
     host_cache_prefix: bool = False     # evicted prefix blocks go to the tier
@@ -99,6 +100,7 @@ class RuntimeInfo:
                 + (f" on {self.world_size} ranks (tp {self.world_size}, moe_tp {self.moe_tp}, "
                    f"moe_ep {self.moe_ep})" if self.world_size > 1 else "")
                 + (f" (compiled in {self.compile_seconds:.1f} s)" if self.compile_seconds is not None else "")
+                + (" (compiling in the background)" if self.compile_state == "compiling" else "")
                 + "; "
                 f"EOS ids {sorted(self.eos_token_ids)}")
 
@@ -112,6 +114,7 @@ class RuntimeInfo:
                 "lookahead_slots": self.lookahead_slots,
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,
                 "vocab_size": self.vocab_size, "decode_path": self.decode_path,
+                "compile_state": self.compile_state,
                 "compile_seconds": (round(self.compile_seconds, 2)
                                     if self.compile_seconds is not None else None),
                 "host_kv_tier": self.host_tier_dict(),

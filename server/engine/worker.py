@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from server.engine import grammar as G
-from server.engine.compile_step import compile_static_decoder, should_compile
+from server.engine.compile_step import BackgroundGraphs, compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
 from server.engine.block_rows import BlockRows
 from server.engine.host_pool import HostKVPool
@@ -64,13 +64,18 @@ class Worker:
         self.block_rows = BlockRows(self.kv_caches, self.device)     # PD exports and imports
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
         self.compile_seconds: float | None = None
+        self.compile_state = "compiled" if model.static_decoder.compiled else "off"
+        self._background: BackgroundGraphs | None = None
         if should_compile(cfg.compile, self.device, self.static_decode) and not model.static_decoder.compiled:
-            try:
-                self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device)
-            except Exception as exc:            # noqa: BLE001 - e.g. no C++ compiler on the host
-                log.warning("compiling the static decode step failed (%s: %s); serving it "
-                            "uncompiled ($MTP_SERVE_COMPILE=0 skips the attempt)",
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            if cfg.compile_wait or self.device.type != "cpu":
+                try:
+                    self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device)
+                    self.compile_state = "compiled"
+                except Exception as exc:        # noqa: BLE001 - e.g. no C++ compiler on the host
+                    self._compile_failed(exc)
+            else:                               # serve uncompiled until the graphs are ready
+                self._background = BackgroundGraphs(model, cfg.block_size, self.device)
+                self.compile_state = "compiling"
         if k:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
@@ -93,12 +98,36 @@ class Worker:
             return "eager"
         return "compiled" if self.model.static_decoder.compiled else "static"
 
-    def info(self) -> tuple[int, int, str, float | None, int, int]:
+    def info(self) -> tuple[int, int, str, float | None, int, int, str]:
         """What the engine's RuntimeInfo needs from the worker (sent across processes): also
-        the host tier's size in blocks and the bytes one block moves."""
+        the host tier's size in blocks, the bytes one block moves and the compile state."""
         hp = self.host_pool
         return (self.num_kv_blocks, self.num_int8_kv_layers, self.decode_path, self.compile_seconds,
-                hp.num_slots if hp else 0, self.block_rows.bytes_per_block)
+                hp.num_slots if hp else 0, self.block_rows.bytes_per_block, self.compile_state)
+
+    def _compile_failed(self, exc: BaseException) -> None:
+        self.compile_state = "failed"
+        log.warning("compiling the static decode step failed (%s: %s); serving it "
+                    "uncompiled ($MTP_SERVE_COMPILE=0 skips the attempt)",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+    def _adopt_graphs(self, out: ModelRunnerOutput) -> None:
+        """Between steps: switch to the background graphs once they are ready."""
+        try:
+            graphs = self._background.poll()
+        except Exception as exc:                # noqa: BLE001 - the step path stays uncompiled
+            graphs = None
+            self._background = None
+            self._compile_failed(exc)
+        if graphs is not None:
+            self.model.static_decoder.use_graphs(graphs)
+            self.compile_seconds = self._background.seconds
+            self.compile_state = "compiled"
+            self._background = None
+            log.info("static decode step: switched to %d compiled graphs, ready %.1f s after start",
+                     len(graphs), self.compile_seconds)
+        if self._background is None:
+            out.runtime_update = (self.decode_path, self.compile_seconds, self.compile_state)
 
     def _host_pool(self, cfg: EngineConfig, spec: KVCacheSpec) -> HostKVPool | None:
         """The host tier's memory (cpuMemSize / kvPoolConfig), or None when there is none."""
@@ -132,6 +161,8 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
+        if self._background is not None:
+            self._adopt_graphs(out)
         if so.has_kv_transfers:               # before the forward, which reads or reuses them
             if self.host_pool is not None:
                 self.host_pool.apply(so.kv_saves, so.kv_loads, so.kv_disk_writes, so.kv_disk_loads)

@@ -101,8 +101,9 @@ class StaticDecoder:
         # Decided once: run_layer asks for every layer of every step.
         self._kinds = ["dense" if not hasattr(layer.mlp, "gate") else "moe" if self.dense_moe else "half"
                        for layer in self._layers]
-        # (kind, several tokens per sequence) -> compiled graph
-        self._graphs: dict[tuple[str, bool], object] = {}
+        # (kind, several tokens per sequence, lone sequence) -> compiled graph
+        self._graphs: dict[tuple[str, bool, bool], object] = {}
+        self._lone_graphs = False
         # The last window's padded metadata and rotary tables: the MTP pass of a static
         # step reuses the main forward's window (same positions, slots and tables).
         self._last: tuple[DecodeMetadata, DecodeMetadata, torch.Tensor, torch.Tensor] | None = None
@@ -111,8 +112,11 @@ class StaticDecoder:
     def compiled(self) -> bool:
         return bool(self._graphs)
 
-    def use_graphs(self, graphs: dict[tuple[str, bool], object]) -> None:
+    def use_graphs(self, graphs: dict[tuple[str, bool, bool], object]) -> None:
+        """Switch to compiled graphs (between steps: the next window is prepared afresh)."""
         self._graphs = dict(graphs)
+        self._lone_graphs = any(lone for _kind, _many, lone in graphs)
+        self._last = None
 
     def kind(self, index: int) -> str:
         """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
@@ -146,7 +150,7 @@ class StaticDecoder:
     def run_layer(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
                   cache: torch.Tensor) -> torch.Tensor:
         kind = self._kinds[index]
-        fn = self._graphs.get((kind, meta.query_len > 1)) or self.function(kind)
+        fn = self._graphs.get((kind, meta.query_len > 1, meta.num_seqs == 1)) or self.function(kind)
         out = fn(*self.layer_args(index, x, cos, sin, meta, cache))
         if kind == "half":                     # routed dispatch, eager (reads counts on the host)
             x, h = out
@@ -172,10 +176,10 @@ class StaticDecoder:
     def _prepare(self, x: torch.Tensor, meta: DecodeMetadata):
         """Pad and build rotary tables, or take them from the last call on the same window.
 
-        Compiled graphs are made with two or more sequences (a size-1 batch dim would be
-        specialised): a lone sequence runs twice, its copy writing the same rows to the
-        same slots."""
-        pad = bool(self._graphs) and meta.num_seqs == 1
+        Graphs made for two or more sequences would specialise a batch of one: without
+        graphs for a lone sequence (compile_step.py makes them), it runs twice, its copy
+        writing the same rows to the same slots."""
+        pad = bool(self._graphs) and not self._lone_graphs and meta.num_seqs == 1
         if self._last is not None and self._last[0] is meta:
             _, padded, cos, sin = self._last
         else:

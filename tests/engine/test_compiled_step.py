@@ -61,12 +61,85 @@ def test_compile_is_refused_where_the_static_path_does_not_apply():
     assert eng.runtime.compile_seconds is None
 
 
+def _fresh_demo_model():
+    model, _ = load_checkpoint(DEMO_MODEL)
+    return model.eval()
+
+
+def _run_one(eng, prompt: list[int], sp: SamplingParams, rid: str) -> list[int]:
+    from server.engine.protocol import EngineRequest
+    eng.add_request(EngineRequest(rid, prompt, sp))
+    out: list[int] = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.extend(o.token_ids)
+    return out
+
+
+def test_background_graphs_are_adopted_between_steps_and_change_no_token(tmp_path, monkeypatch):
+    """$MTP_SERVE_COMPILE_WAIT=0, the daemon's default: the engine serves the static step
+    uncompiled while a child process compiles the graphs its cache lacks, then switches
+    between two steps.  Tokens equal the uncompiled engine's before, across and after the
+    switch, for a lone sequence and a batch."""
+    import shutil
+    import time
+
+    from server.engine import compile_step
+    eager, _ = _models()
+    model = _fresh_demo_model()
+    warm = compile_step.cache_dir(model, torch.device("cpu"))
+    monkeypatch.setenv(compile_step.CACHE_ENV, str(tmp_path / "cache"))
+    folder = compile_step.cache_dir(model, torch.device("cpu"))
+    if warm.is_dir():              # the graphs the tests above made: the child compiles one
+        shutil.copytree(warm, folder)
+        (folder / "dense-one-lone.bin").unlink(missing_ok=True)
+    eng = make_engine(model, 1, compile="on", compile_wait=False, max_batch_size=16,
+                      adaptive_speculation=False)
+    assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("compiling", "static")
+    ref_eng = make_engine(eager, 1, max_batch_size=16, adaptive_speculation=False)
+    ps = prompts(3, seed=7, vocab=1000)
+    refs = [_run_one(ref_eng, p, sp, f"ref{i}{j}") for i, p in enumerate(ps) for j, sp in enumerate((GREEDY, SEEDED))]
+    served_before, deadline = 0, time.monotonic() + 600
+    while eng.runtime.compile_state == "compiling":
+        assert time.monotonic() < deadline, "the background graphs were never adopted"
+        i = served_before % len(refs)
+        assert _run_one(eng, ps[i // 2], (GREEDY, SEEDED)[i % 2], f"b{served_before}") == refs[i]
+        served_before += 1
+    assert served_before > 0
+    assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("compiled", "compiled")
+    assert eng.runtime.compile_seconds > 0
+    assert (folder / "dense-one-lone.bin").is_file()
+    for i, ref in enumerate(refs):
+        assert _run_one(eng, ps[i // 2], (GREEDY, SEEDED)[i % 2], f"a{i}") == ref
+    batch = run_staggered(eng, requests(ps, GREEDY, prefix="c"), every=2)
+    assert [batch[f"c{i}"] for i in range(len(ps))] == refs[0::2]
+
+
+def test_a_failed_background_compile_leaves_the_static_step_serving(monkeypatch):
+    from server.engine import compile_step
+
+    def broken(self):
+        raise RuntimeError("no C++ compiler here")
+    monkeypatch.setattr(compile_step.BackgroundGraphs, "_run", broken)
+    eager, _ = _models()
+    eng = make_engine(_fresh_demo_model(), 1, compile="on", compile_wait=False,
+                      adaptive_speculation=False)
+    ref = _run_one(make_engine(eager, 1, adaptive_speculation=False), [5, 6, 7, 8], GREEDY, "r")
+    assert _run_one(eng, [5, 6, 7, 8], GREEDY, "x") == ref
+    assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("failed", "static")
+    assert _run_one(eng, [5, 6, 7, 8], GREEDY, "y") == ref
+
+
 def test_daemon_serves_the_compiled_step_and_answers_as_the_uncompiled_one(tmp_path):
-    """The default daemon path: $MTP_SERVE_COMPILE on, graphs loaded or compiled before the
-    ports open; /v1/status says so; greedy chat answers equal the uncompiled daemon's."""
+    """The default daemon path: $MTP_SERVE_COMPILE on, the ports open at once while the
+    graphs load (or compile) in the background; /v1/status shows the switch; greedy chat
+    answers equal the uncompiled daemon's before and after it."""
+    import time
+
     import openai
 
     from tests.api.daemon_proc import Daemon, make_config
+    questions = ("What's the weather like in Paris?", "Tell me about the sea.")
     answers = []
     for compile_env in ("0", "1"):
         (tmp_path / compile_env).mkdir()
@@ -74,14 +147,27 @@ def test_daemon_serves_the_compiled_step_and_answers_as_the_uncompiled_one(tmp_p
                           model={"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":1}'})
         d = Daemon(cfg, env={"MTP_SERVE_COMPILE": compile_env}).start(timeout_s=300)
         try:
-            runtime = d.status()["runtime"]
-            assert runtime["decode_path"] == ("compiled" if compile_env == "1" else "static")
-            assert (runtime["compile_seconds"] is not None) == (compile_env == "1")
             client = openai.OpenAI(base_url=d.base + "/v1", api_key="x", max_retries=0)
-            answers.append([client.chat.completions.create(
-                model=client.models.list().data[0].id, temperature=0, max_tokens=48,
-                messages=[{"role": "user", "content": q}]).choices[0].message.content
-                for q in ("What's the weather like in Paris?", "Tell me about the sea.")])
+            model = client.models.list().data[0].id
+
+            def ask() -> list[str | None]:
+                return [client.chat.completions.create(
+                    model=model, temperature=0, max_tokens=48,
+                    messages=[{"role": "user", "content": q}]).choices[0].message.content
+                    for q in questions]
+            answers.append(ask())
+            runtime = d.status()["runtime"]
+            if compile_env == "0":
+                assert (runtime["decode_path"], runtime["compile_state"]) == ("static", "off")
+                assert runtime["compile_seconds"] is None
+                continue
+            deadline = time.monotonic() + 600
+            while runtime["compile_state"] == "compiling" and time.monotonic() < deadline:
+                answers.append(ask())
+                runtime = d.status()["runtime"]
+            assert (runtime["decode_path"], runtime["compile_state"]) == ("compiled", "compiled")
+            assert runtime["compile_seconds"] is not None
+            answers.append(ask())
         finally:
             assert d.terminate() == 0
-    assert answers[0] == answers[1]
+    assert all(a == answers[0] for a in answers[1:]), answers
