@@ -1,11 +1,12 @@
-"""Compiling the static decode step on CPU (torch.compile with Inductor), at start-up.
+"""Compiling the static decode step on CPU (torch.compile with Inductor).
 
 Why per layer kind, not the whole step: one Inductor graph of the whole 8-layer demo
 forward ran at 2.5-3x eager, but took 70-110 s to compile per shape family on two cores
 (27-42 s again with a warm cache).  The layer functions of static_decode.py take the
 layer's modules as arguments, so one graph serves every layer of a kind (main and MTP
-layers alike); a deployment needs {dense, MoE} layer x {one token per sequence, several}:
-four graphs, with every size (batch, window, context, pool) dynamic.
+layers alike); a deployment needs {dense, MoE} layer x {one token per sequence, several}
+x {one sequence, several}: eight graphs, with every other size (batch, window, context,
+pool) dynamic.
 
 Why ahead-of-time artifacts: with only Inductor's code cache warm, a second start still
 re-traces each graph (about 4 s each here).  ``aot_compile`` captures a graph once and
@@ -17,7 +18,7 @@ to load is compiled again and replaced.
 
 Why a graph set for a lone sequence: a graph made for two or more sequences would
 specialise a batch of one, so a lone sequence used to run twice (padded), which cost a
-quarter of a decode step at concurrency 1.  Four more graphs (batch 1) take that away.
+third of a plain decode step at concurrency 1.  Four more graphs (batch 1) take that away.
 
 Why in the background: eight graphs take one to two minutes to compile on two cores, and
 loading them still costs seconds.  A daemon (``BackgroundGraphs``) therefore opens its
