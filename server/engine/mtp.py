@@ -51,7 +51,8 @@ class NoProposer:
     def choose_k(self, states) -> int:
         return 0
 
-    def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None, draft_mask=None):
+    def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None, draft_mask=None,
+                static_prefill=False):
         return None
 
     def commit(self, states, drafts, k, num_drafts, sampled) -> None:
@@ -133,7 +134,7 @@ class MTPProposer:
     def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
                 sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
                 k: int, window: DecodeMetadata | None = None,
-                draft_mask=None) -> "DraftResult | None":
+                draft_mask=None, static_prefill: bool = False) -> "DraftResult | None":
         """Draft k tokens per sequence from the verified positions (module docstring).
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
@@ -146,6 +147,9 @@ class MTPProposer:
         0: they write MTP KV at positions after the last verified one, which no query
         reads before a later pass (this step's chained passes, or the next step's first
         pass) rewrites it.
+
+        ``static_prefill``: the main step was one request's prompt (chunk) on the static
+        path (runner._static_prefill); the first pass takes it too, on the same positions.
 
         ``draft_mask``: (MaskApplier, rows, bitmask), grammar masks for the first draft of
         constrained requests (grammar.next_masks); chained drafts are not masked (their
@@ -172,8 +176,12 @@ class MTPProposer:
                 rows.extend(range(c0, c0 + mm))
             input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
             prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
-            first = build_metadata(starts, m, tables, self.block_size, dev)
-            last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
+            if static_prefill:
+                first = DecodeMetadata.build(starts, m[0], tables, self.block_size, dev)
+                last_rows = torch.tensor([m[0] - 1], dtype=torch.int64, device=dev)
+            else:
+                first = build_metadata(starts, m, tables, self.block_size, dev)
+                last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
         base = [s0 + mm for s0, mm in zip(starts, m)]     # position of the emitted final token
 
         def chain_meta(c: int) -> BatchMetadata | DecodeMetadata:

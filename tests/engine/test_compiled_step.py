@@ -53,6 +53,38 @@ def test_compiled_step_emits_what_the_plain_step_emits(k):
         assert eng.stats().num_accepted_tokens > 0
 
 
+def test_lone_prefills_take_the_compiled_graphs_and_emit_what_the_varlen_path_emits(monkeypatch):
+    """A step prefilling one request (alone, or beside running decodes) runs its prompt
+    through the lone-sequence graphs: same tokens as the uncompiled engine (varlen
+    prefills), also after a cached prefix, with prompt logprobs equal to float precision."""
+    from server.engine import runner as R
+    used = []
+    real = R.ModelRunner._static_prefill
+    monkeypatch.setattr(R.ModelRunner, "_static_prefill",
+                        lambda self, st, s0, n: used.append((s0, n)) or real(self, st, s0, n))
+    eager, compiled = _models()
+    shared = prompts(1, seed=11, lo=40, hi=41, vocab=1000)[0]
+    ps = [shared + p for p in prompts(5, seed=12, lo=3, hi=60, vocab=1000)]
+    lp = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=2)
+    for k in (0, 1):
+        outs = []
+        for model, mode in ((eager, "off"), (compiled, "on")):
+            eng = make_engine(model, k, compile=mode, max_batch_size=16, adaptive_speculation=False,
+                              enable_prefix_cache=True)
+            run = run_staggered(eng, requests(ps, [GREEDY, SEEDED, GREEDY, SEEDED, GREEDY]), every=4)
+            from server.engine.protocol import EngineRequest
+            eng.add_request(EngineRequest("lp", ps[0], lp))
+            got = []
+            while eng.has_unfinished():
+                got += [o for o in eng.step() if o.prompt_logprobs]
+            outs.append((run, got[0].prompt_logprobs))
+        (ref, ref_lp), (out, out_lp) = outs
+        assert out == ref, k
+        assert [e.token_id if e else None for e in out_lp] == [e.token_id if e else None for e in ref_lp]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(out_lp[1:], ref_lp[1:])) < 1e-4
+    assert used and any(s0 > 0 for s0, _ in used), used     # fresh prompts and cached prefixes
+
+
 def test_compile_is_refused_where_the_static_path_does_not_apply():
     """An int8 KV cache keeps the varlen path: nothing is compiled, the engine says so."""
     eager, _ = _models()
