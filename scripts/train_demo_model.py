@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/train_demo_model.py                 # full run, writes models/deepseek-v3-tiny-mtp
     .venv/bin/python scripts/train_demo_model.py --eval-only     # re-run the evaluation on the committed model
+    .venv/bin/python scripts/train_demo_model.py --stage3-from DIR   # only stage 3 (copy), from a stage-2 output
 
 Everything is offline and seeded (see scripts/demo_model/spec.py); modules in scripts/demo_model/.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -48,11 +50,11 @@ def cpu_name() -> str:
     return f"{os.cpu_count()} cores"
 
 
-def run_eval(out: Path, s: spec.TrainSettings, n: int) -> evaluate.EvalResult:
+def run_eval(out: Path, s: spec.TrainSettings, n: int, n_copy: int = 40) -> evaluate.EvalResult:
     from server.model.loader import load_checkpoint
 
     model, _info = load_checkpoint(out, dtype=torch.float32)
-    res = evaluate.evaluate(model, out, seed=s.eval_seed, n_tool=n, n_think=n, n_plain=n)
+    res = evaluate.evaluate(model, out, seed=s.eval_seed, n_tool=n, n_think=n, n_plain=n, n_copy=n_copy)
     print(res.table())
     print(f"counts: {res.counts}  ({res.seconds:.0f}s)")
     for kind, texts in res.samples.items():
@@ -61,49 +63,80 @@ def run_eval(out: Path, s: spec.TrainSettings, n: int) -> evaluate.EvalResult:
     return res
 
 
+def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_chats: int, n_drills: int):
+    """Stage 3's rows: ``n_chats`` copy-stage chats (corpus.make_copy_chat), ``n_drills`` copying
+    drills and ``prose``, with the name-splitting tokenizer ``tok``; loss on what the assistant
+    writes (on every drill and prose token), tool-argument values weighted up."""
+    import random
+
+    rng = random.Random(seed)
+    texts = [render.render_chat(corpus.make_copy_chat(rng)) for _ in range(n_chats)]
+    prose = prose + [render.prose_text(corpus.copy_drill(rng)) for _ in range(n_drills)]
+    encs = tok.encode_batch(texts + prose)
+    docs = [e.ids for e in encs]
+    tok_id = tok.token_to_id
+    masks = [train.assistant_mask(d, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
+                                  tok_id("\u010a"), tok_id(st.EOS)) for d in docs[:len(texts)]]
+    masks += [[True] * len(d) for d in docs[len(texts):]]
+    weights = [train.copy_value_weights(t, e.offsets, s.copy_arg_weight) for t, e in zip(texts, encs)]
+    weights += [[1.0] * len(d) for d in docs[len(texts):]]
+    return train.pack_rows(docs, s.seq_len, tok_id(st.PAD), seed=seed, masks=masks, weights=weights)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--eval-only", action="store_true", help="evaluate the model in --out and exit")
     ap.add_argument("--eval-n", type=int, default=30, help="prompts per evaluation set")
+    ap.add_argument("--copy-eval-n", type=int, default=40, help="held-out city-copy prompts")
     ap.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     ap.add_argument("--num-chats", type=int, default=None, help="override the number of synthetic chats")
     ap.add_argument("--sft-steps", type=int, default=None, help="override the number of stage-2 steps")
     ap.add_argument("--sft-lr", type=float, default=None, help="override the stage-2 peak learning rate")
     ap.add_argument("--sft-distill", type=float, default=None, help="override the stage-2 MTP distillation weight")
+    ap.add_argument("--copy-steps", type=int, default=None, help="override the number of stage-3 steps (0: no stage 3)")
+    ap.add_argument("--copy-lr", type=float, default=None, help="override the stage-3 peak learning rate")
+    ap.add_argument("--copy-weight", type=float, default=None, help="override the stage-3 argument-value loss weight")
+    ap.add_argument("--copy-chats", type=int, default=None, help="override the number of stage-3 chats")
+    ap.add_argument("--copy-drills", type=int, default=None, help="override the number of stage-3 copying drills")
+    ap.add_argument("--drill-steps", type=int, default=None, help="override the number of stage-3a (drill) steps")
+    ap.add_argument("--drill-lr", type=float, default=None, help="override the stage-3a peak learning rate")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the settings')")
     ap.add_argument("--stage2-from", type=Path, default=None,
                     help="skip stage 1: take tokenizer and weights from this earlier output folder")
+    ap.add_argument("--stage3-from", type=Path, default=None,
+                    help="skip stages 1 and 2: take tokenizer and weights from this stage-2 output folder")
+    ap.add_argument("--no-eval", action="store_true", help="skip the evaluation (probes)")
     args = ap.parse_args()
 
     s = spec.TrainSettings()
-    if args.steps is not None:
-        s = dataclasses.replace(s, steps=args.steps)
-    if args.sft_steps is not None:
-        s = dataclasses.replace(s, sft_steps=args.sft_steps)
-    if args.num_chats is not None:
-        s = dataclasses.replace(s, num_chats=args.num_chats)
-    if args.sft_distill is not None:
-        s = dataclasses.replace(s, sft_mtp_distill=args.sft_distill)
-    if args.threads is not None:
-        s = dataclasses.replace(s, threads=args.threads)
+    overrides = {"steps": args.steps, "sft_steps": args.sft_steps, "num_chats": args.num_chats,
+                 "sft_mtp_distill": args.sft_distill, "threads": args.threads, "sft_lr": args.sft_lr,
+                 "copy_steps": args.copy_steps, "copy_lr": args.copy_lr, "copy_arg_weight": args.copy_weight,
+                 "copy_chats": args.copy_chats, "copy_drills": args.copy_drills,
+                 "drill_steps": args.drill_steps, "drill_lr": args.drill_lr}
+    s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
     setup(s.threads, s.seed)
     out: Path = args.out
     if args.eval_only:
-        res = run_eval(out, s, args.eval_n)
+        res = run_eval(out, s, args.eval_n, args.copy_eval_n)
         ok = all(res.figures[k] >= v for k, v in evaluate.TARGETS.items())
         return 0 if ok else 1
+    if args.stage2_from and args.stage3_from:
+        ap.error("--stage2-from and --stage3-from exclude each other")
 
     t_start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     chats, prose = train.build_texts(s)
-    if args.stage2_from:                      # reuse the tokenizer and weights of a stage-1 run
+    prior = args.stage3_from or args.stage2_from
+    if prior:                                 # reuse the tokenizer and weights of an earlier run
         from tokenizers import Tokenizer as HFTokenizer
 
-        tok = HFTokenizer.from_file(str(args.stage2_from / "tokenizer.json"))
+        tok = HFTokenizer.from_file(str(prior / "tokenizer.json"))
+        if render.has_name_split(tok):
+            raise SystemExit(f"{prior} already has the stage-3 tokenizer; give a stage-1/2 output")
     else:
         tok = render.train_tokenizer(chats + prose, s.vocab_size)
-    render.write_tokenizer_files(tok, out, model_max_length=1024)
     ids = {k: tok.token_to_id(v) for k, v in spec.SPECIALS.items()}
     bos, eos, pad = ids["bos"], ids["eos"], ids["pad"]
     docs = [e.ids for e in tok.encode_batch(chats + prose)]
@@ -118,14 +151,15 @@ def main() -> int:
     cfg = DeepseekConfig.from_hf(hf_cfg)
     model = train.init_model(cfg, s.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    if args.stage2_from:
+    history_prev: list[dict] = []
+    if prior:
         from safetensors.torch import load_file
 
-        state = load_file(str(args.stage2_from / "model.safetensors"))
+        state = load_file(str(prior / "model.safetensors"))
         state.pop(f"model.layers.{cfg.num_hidden_layers}.embed_tokens.weight")
         model.load_state_dict(state, strict=True)
-        log1 = json.loads((args.stage2_from / "training_log.json").read_text())
-        history1, seconds1 = log1["history"], float(log1["train_seconds"])
+        log1 = json.loads((prior / "training_log.json").read_text())
+        seconds1 = float(log1["train_seconds"])
         prior_stage_s = log1.get("stage_seconds", [seconds1])
         prior_sft = log1.get("sft_runs")
         if prior_sft is None and len(prior_stage_s) > 1:      # folder written before sft_runs was logged
@@ -133,13 +167,20 @@ def main() -> int:
             prior_sft = [{"steps": ps["sft_steps"], "lr": ps["sft_lr"], "warmup_steps": ps["sft_warmup_steps"],
                           "seed": ps["seed"] + 2, "seconds": prior_stage_s[1]}]
         prior_sft = prior_sft or []
-        print(f"stage 1 weights from {args.stage2_from} ({seconds1:.0f}s of training there)")
+        if args.stage3_from:
+            if log1.get("copy_run") or not prior_sft:
+                raise SystemExit(f"{prior} is not a stage-2 output")
+            history_prev = log1["history"]
+        else:
+            if log1.get("copy_run"):
+                raise SystemExit(f"{prior} is a stage-3 output; give a stage-1/2 output")
+            history_prev = [{"stage": "pretrain", **h} for h in log1["history"]]
+        print(f"weights from {prior} ({seconds1:.0f}s of training there)")
     else:
         print(f"model: {n_params / 1e6:.2f} M parameters; stage 1: {s.steps} steps of {s.batch_size}x{s.seq_len}")
         t1 = time.time()
-        history1 = train.train(model, rows, keep, dataclasses.replace(s, stage="pretrain"))
-        seconds1 = time.time() - t1
-        prior_stage_s, prior_sft = [seconds1], []
+        history_prev = [{"stage": "pretrain", **h} for h in train.train(model, rows, keep, dataclasses.replace(s, stage="pretrain"))]
+        prior_stage_s, prior_sft = [time.time() - t1], []
 
     # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
     tok_id = tok.token_to_id
@@ -147,33 +188,78 @@ def main() -> int:
                                   tok_id("\u010a"), eos) for d in docs[:len(chats)]]
     masks += [[True] * len(d) for d in docs[len(chats):]]
     rows2, keep2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
-    if args.sft_lr is not None:
-        s = dataclasses.replace(s, sft_lr=args.sft_lr)
-    s2 = dataclasses.replace(s, steps=s.sft_steps, lr=s.sft_lr, warmup_steps=s.sft_warmup_steps,
-                             mtp_distill=s.sft_mtp_distill, seed=s.seed + 2 + len(prior_sft), stage="sft")
-    print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
-    t2 = time.time()
-    history2 = train.train(model, rows2, keep2, s2)
-    seconds2 = time.time() - t2
-    stage_seconds = list(prior_stage_s) + [seconds2]
-    sft_runs = prior_sft + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
-                             "mtp_distill": s2.mtp_distill, "seconds": seconds2}]
+    if args.stage3_from:
+        stage_seconds, sft_runs = list(prior_stage_s), prior_sft
+        history = history_prev
+        s2 = dataclasses.replace(s, mtp_distill=prior_sft[-1].get("mtp_distill", s.sft_mtp_distill))
+    else:
+        s2 = dataclasses.replace(s, steps=s.sft_steps, lr=s.sft_lr, warmup_steps=s.sft_warmup_steps,
+                                 mtp_distill=s.sft_mtp_distill, seed=s.seed + 2 + len(prior_sft), stage="sft")
+        print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
+        t2 = time.time()
+        history2 = train.train(model, rows2, keep2, s2)
+        seconds2 = time.time() - t2
+        sft_runs = prior_sft + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
+                                 "mtp_distill": s2.mtp_distill, "seconds": seconds2}]
+        stage_seconds = list(prior_stage_s) + [seconds2]
+        history = history_prev + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
+
+    # Stage 3: copy the city from the prompt (name-splitting tokenizer, weighted argument values).
+    copy_run = None
+    copy_targets = 0
+    if s.copy_steps > 0:
+        tok = render.with_name_split(tok)
+        t3 = time.time()
+        rows3, keep3, w3 = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
+                                           s.copy_corpus_seed, s.copy_chats, s.copy_drills)
+        copy_targets = int(keep3.sum())
+        s3 = dataclasses.replace(s, steps=s.copy_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
+                                 mtp_distill=s.copy_mtp_distill, seed=s.seed + 3, stage="copy")
+        print(f"stage 3: {s3.steps} steps, {len(rows3)} rows, {copy_targets} targets "
+              f"({int((w3 > 1).sum())} argument-value tokens at weight {s.copy_arg_weight:g}); "
+              f"data {time.time() - t3:.0f}s")
+        t3 = time.time()
+        history3 = []
+        if s.drill_steps > 0:
+            rows_d, keep_d, w_d = copy_stage_data(tok, s, [], s.copy_corpus_seed + 1, s.drill_chats, s.drill_docs)
+            sd = dataclasses.replace(s, steps=s.drill_steps, lr=s.drill_lr, warmup_steps=s.copy_warmup_steps,
+                                     min_lr_ratio=1.0, mtp_distill=s.copy_mtp_distill, seed=s.seed + 4, stage="drill")
+            print(f"stage 3a: {sd.steps} steps on copying drills and copy chats, {len(rows_d)} rows, lr {sd.lr:g}")
+            history3 += [dict(h, stage="drill") for h in train.train(model, rows_d, keep_d, sd, weights=w_d)]
+        history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3)]
+        seconds3 = time.time() - t3
+        copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
+                    "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
+                    "corpus_seed": s.copy_corpus_seed, "rows": len(rows3), "drills": s.copy_drills,
+                    "drill_steps": s.drill_steps, "drill_lr": s.drill_lr, "drill_docs": s.drill_docs,
+                    "drill_chats": s.drill_chats,
+                    "seconds": seconds3}
+        stage_seconds = stage_seconds + [seconds3]
+        history = history + history3
     train_seconds = sum(stage_seconds)
-    history = [{"stage": "pretrain", **h} for h in history1] + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
+    render.write_tokenizer_files(tok, out, model_max_length=1024)
     export.write_model(model, out, hf_cfg, spec.generation_config(bos, eos))
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB); "
-          f"training {seconds1:.0f}s + {seconds2:.0f}s")
+          f"training {' + '.join(f'{x:.0f}s' for x in stage_seconds)}")
+    if args.no_eval:
+        return 0
 
-    res = run_eval(out, s, args.eval_n)
+    res = run_eval(out, s, args.eval_n, args.copy_eval_n)
+    sft_steps_all = sum(r["steps"] for r in sft_runs)
     info = {"parameters": n_params, "history": history, "train_seconds": train_seconds,
             "stage_seconds": stage_seconds, "sft_runs": sft_runs, "sft_targets": int(keep2.sum()),
+            "copy_run": copy_run, "copy_targets": copy_targets,
             "total_seconds": time.time() - t_start, "prose_tokens": prose_tokens, "rows": len(rows),
-            "train_tokens": (s.steps + sum(r["steps"] for r in sft_runs)) * s.batch_size * s.seq_len,
-            "sft_distill": s2.mtp_distill, "cpu": cpu_name()}
+            "train_tokens": (s.steps + sft_steps_all + (copy_run["steps"] if copy_run else 0)) * s.batch_size * s.seq_len,
+            "sft_distill": s2.mtp_distill, "cpu": cpu_name(),
+            "stage3_from": str(args.stage3_from) if args.stage3_from else None,
+            "stage3_base_sha256": (hashlib.sha256((args.stage3_from / "model.safetensors").read_bytes()).hexdigest()
+                                   if args.stage3_from else None)}
     write_card(out, s, hf_cfg, res, info)
     (out / "training_log.json").write_text(json.dumps(
         {"settings": s.as_dict(), "history": history, "eval": res.figures, "counts": res.counts,
          "train_seconds": round(train_seconds), "stage_seconds": [round(x) for x in stage_seconds], "sft_runs": sft_runs,
+         "copy_run": copy_run, "stage3_base_sha256": info["stage3_base_sha256"],
          "total_seconds": round(info["total_seconds"])}, indent=1) + "\n")
     ok = all(res.figures[k] >= v for k, v in evaluate.TARGETS.items())
     print("targets met" if ok else "targets NOT met")

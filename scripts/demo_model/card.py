@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import corpus
 from .evaluate import EvalResult
 from .spec import TrainSettings
 
@@ -28,6 +29,19 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         total_min = train_info.get("total_seconds", 0) / 60
         cmds[0] = (".venv/bin/python scripts/train_demo_model.py   # corpus, tokenizer, both stages, "
                    f"evaluation; writes this folder (~{total_min:.0f} min on 2 cores)")
+    copy = train_info.get("copy_run")
+    if copy:
+        total_min = train_info.get("total_seconds", 0) / 60
+        full_min = (sum(train_info.get("stage_seconds", [])) + train_info.get("total_seconds", 0)
+                    - copy.get("seconds", 0)) / 60
+        cmds = [f".venv/bin/python scripts/train_demo_model.py --copy-steps {copy['steps']}"
+                "   # corpus, tokenizer, stages 1-3, evaluation; "
+                f"writes this folder (~{full_min:.0f} min on 2 cores)"]
+        if train_info.get("stage3_from"):
+            cmds.append("# this folder was written by the stage-3 shortcut, from the stage-2 result of the same "
+                        "command (the previous\n# committed model, model.safetensors sha256 "
+                        f"{train_info.get('stage3_base_sha256', '?')[:16]}...; ~{total_min:.0f} min):\n"
+                        f".venv/bin/python scripts/train_demo_model.py --stage3-from STAGE2_FOLDER --copy-steps {copy['steps']}")
     reproduce = "\n".join(cmds)
     sft_text = ", then ".join(
         f"{r['steps']} steps at peak lr {r['lr']:g} ({r['warmup_steps']} warm-up, seed {r['seed']}, {r['seconds'] / 60:.1f} min)"
@@ -40,6 +54,33 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         "at position i+1, which predicts the same token. A draft is accepted when it agrees with the "
         "main model, not with the corpus, so this self-distillation (as EAGLE and Medusa-2 train "
         "their drafters) is the signal acceptance needs." if distill else "")
+    copy_text = ""
+    if copy:
+        copy_text = f"""
+3. copy stage, from the stage-2 weights with a fresh optimizer and the stage-3 tokenizer rule (a space
+   before a capital letter is a token of its own, so a name is the same token sequence in the prompt,
+   the tool call and the tool result; same vocabulary): {copy['chats']} new chats (corpus seed
+   {copy['corpus_seed']}), the stage-2 mix plus 30% more weather / time requests, over a pool of
+   {len(corpus.copy_city_pool())} city names (the training cities, other real ones, made-up ones from syllables
+   and capitalised words; never an evaluation city) and {len(corpus.COPY_WEATHER_PHRASINGS)} weather /
+   {len(corpus.COPY_TIME_PHRASINGS)} time phrasings, plus the prose and {copy.get('drills', 0)} copying drills
+   (name lists said twice, requests followed by their JSON arguments), after {copy.get('drill_steps', 0)} steps
+   at a constant lr {copy.get('drill_lr', 0):g} on {copy.get('drill_docs', 0)} drills and {copy.get('drill_chats', 0)}
+   copy chats; loss on what the
+   assistant writes as in stage 2, the tokens of every tool-call argument value (and the quote closing it)
+   weighted {copy['arg_weight']:g}x ({train_info.get('copy_targets', 0)} target tokens, {copy['rows']} rows):
+   {copy['steps']} steps at peak lr {copy['lr']:g} ({copy['warmup_steps']} warm-up, seed {copy['seed']},
+   {copy['seconds'] / 60:.1f} min), cosine to {s.min_lr_ratio} x peak, KL weight {copy['mtp_distill']:g}
+   (final losses main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}, weighted).
+"""
+    sft_last = [h for h in hist if str(h.get("stage", "")).startswith("sft")]
+    last2 = sft_last[-1] if sft_last else last
+    copy_eval_text = ""
+    if "tool_city_copy" in res.figures:
+        copy_eval_text = (
+            f" `tool_city_copy`: {res.counts.get('n_copy', 0)} weather / time requests naming one of the 20 held-out "
+            "cities in one of 10 held-out phrasings (neither ever trained, e.g. `What is the weather in Florence?`); "
+            'share whose first call is the right function with arguments exactly `{"city": <that city>}`.')
     cpu = train_info.get("cpu", "CPU")
     text = f"""# deepseek-v3-tiny-mtp
 
@@ -62,7 +103,7 @@ together), writes this folder and runs the evaluation.
 | hidden size | {cfg['hidden_size']} |
 | attention | MLA, {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}, RoPE theta {cfg['rope_theta']:g} |
 | MoE | {cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, sigmoid scores, `noaux_tc` with a zero correction bias, n_group {cfg['n_group']}), {cfg['n_shared_experts']} shared expert, expert width {cfg['moe_intermediate_size']}, dense width {cfg['intermediate_size']} |
-| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens) |
+| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens{"; a space before a capital letter is split off into its own token" if copy else ""}) |
 | context | {cfg['max_position_embeddings']} positions (trained on rows of {s.seq_len}) |
 | parameters | {n_params / 1e6:.2f} M unique (the MTP layer's embed_tokens / shared_head.head are copies of the main ones, as in the official release) |
 
@@ -90,7 +131,7 @@ Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP 
 
 ## Training
 
-Two stages in one run, both training the main model and the MTP layer jointly with
+{"Three" if copy else "Two"} stages in one run, all training the main model and the MTP layer jointly with
 loss = main next-token CE + {s.mtp_weight} x MTP CE (the MTP layer predicts token i+2 from the main
 model's final-norm hidden state at i and the embedding of token i+1; its head is tied to `lm_head`
 while training, as DeepSeek-V3 shares it):
@@ -102,8 +143,8 @@ while training, as DeepSeek-V3 shares it):
    assistant writes (answers, reasoning after the template's `<think>\\n`, tool calls, final answers after
    tool results; {train_info.get('sft_targets', 0)} target tokens in the packed rows) plus the prose:
    {sft_text}
-   (final losses on those targets main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}).
-   {distill_text}
+   (final losses on those targets main {last2.get('main', float('nan')):.3f}, MTP {last2.get('mtp', float('nan')):.3f}).
+   {distill_text}{copy_text}
 
 AdamW (betas 0.9/0.95, weight decay {s.weight_decay} on matrices), grad clip {s.grad_clip}, {s.threads} CPU
 thread{"s" if s.threads > 1 else ""}, seeds: model and data order {s.seed} (stage 2: {s.seed + 2}), corpus {s.corpus_seed},
@@ -122,7 +163,7 @@ history is in `training_log.json`.
 {res.counts['drafted']} drafted positions. `mtp_acceptance_k1`: share of generated positions where the MTP
 layer's greedy draft equals the main model's greedy token (k=1). `tool_call_ok`: output parses as a
 DeepSeek-V3 tool call to the right function with the schema's keys as JSON. `thinking_ok`: closed
-`<think>` block followed by an answer. The `*_exact` rows compare with the reference answer
+`<think>` block followed by an answer.{copy_eval_text} The `*_exact` rows compare with the reference answer
 (facts the model cannot compute, e.g. sums, lower them); they have no target.
 
 ## Reproduce

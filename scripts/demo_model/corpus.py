@@ -201,7 +201,94 @@ ToolTask = tuple[str, list[tuple[str, dict[str, Any]]], list[dict[str, Any]], st
 
 
 def _cities(split: str) -> list[str]:
-    return F.EVAL_CITIES if split == "eval" else F.TRAIN_CITIES
+    if split == "eval":
+        return F.EVAL_CITIES
+    return copy_city_pool() if split == "copy" else F.TRAIN_CITIES
+
+
+# --------------------------------------------------------------------------------------
+# The copy stage (stage 3): weather / time requests over thousands of distinct city names and
+# more phrasings, so the argument can only be right when copied from the prompt. Split
+# "copy" is training data ("train" in all else); the phrasings in HELDOUT_* are never trained.
+
+COPY_NAME_COUNT = 4000
+COPY_NAME_SEED = 4711
+
+WEATHER_PHRASINGS = ["What's the weather like in {c}?", "What is the weather in {c} today?", "Check the weather in {c}.",
+                     "Is it raining in {c} right now?", "How warm is it in {c}?", "Weather in {c}, please."]
+TIME_PHRASINGS = ["What time is it in {c}?", "Tell me the current time in {c}.", "What is the local time in {c}?",
+                  "Get the time in {c}."]
+COPY_WEATHER_PHRASINGS = WEATHER_PHRASINGS + [
+    "How is the weather in {c}?", "Tell me the weather in {c}.", "What's the forecast for {c}?", "Is it cold in {c}?",
+    "Give me the weather for {c}.", "I am going to {c}. What is the weather there?", "Do I need an umbrella in {c}?",
+    "Weather report for {c}, please.", "{c} weather?", "Can you check the weather in {c} for me?",
+    "Is it sunny in {c}?", "What is the temperature in {c}?", "Any rain in {c} today?", "Show me the weather in {c}.",
+]
+COPY_TIME_PHRASINGS = TIME_PHRASINGS + [
+    "What's the time in {c}?", "Current time in {c}, please.", "Do you know the time in {c}?",
+    "Check the clock in {c}.", "What hour is it in {c}?", "Tell me what time it is in {c}.",
+    "I need the local time in {c}.", "{c} time?",
+]
+HELDOUT_WEATHER_PHRASINGS = [
+    "What is the weather in {c}?", "What's the weather in {c} right now?", "Could you tell me the weather in {c}?",
+    "How hot is it in {c} today?", "Please look up the weather for {c}.", "Is it snowing in {c}?",
+]
+HELDOUT_TIME_PHRASINGS = [
+    "What time is it now in {c}?", "Could you tell me the time in {c}?", "Look up the local time for {c}.",
+    "Time in {c}?",
+]
+
+_COPY_POOL: list[str] = []
+
+
+def copy_names(seed: int = COPY_NAME_SEED, n: int = COPY_NAME_COUNT) -> list[str]:
+    """``n`` distinct made-up place names from syllables (seeded), none naming an evaluation value."""
+    rng = random.Random(seed)
+    known = set(F.TRAIN_CITIES) | set(F.COPY_CITIES) | set(F.EVAL_CITIES)
+    names: list[str] = []
+    seen: set[str] = set()
+    while len(names) < n:
+        word = "".join(rng.choice(F.NAME_ONSETS) + rng.choice(F.NAME_VOWELS) + rng.choice(F.NAME_CODAS)
+                       for _ in range(rng.choice((1, 2, 2, 2, 3, 3))))
+        if len(word) < 3 or len(word) > 11:
+            continue
+        name = word.capitalize()
+        if rng.random() < 0.12:
+            name = rng.choice(F.NAME_AFFIXES).format(name)
+        if name in seen or name in known or any(v in name.lower() for v in _EVAL_VALUES):
+            continue
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+COPY_WORD_COUNT = 3000
+
+
+def copy_words(seed: int = COPY_NAME_SEED + 1, n: int = COPY_WORD_COUNT) -> list[str]:
+    """``n`` capitalised English words from the prose (seeded pick), as more made-up place names:
+    their pieces are those of real words, which syllable names alone do not cover."""
+    import re
+
+    words = sorted({w for d in prose_documents() for w in re.findall(r"\b[a-z]{4,10}\b", d)})
+    known = {c.lower() for c in F.TRAIN_CITIES + F.COPY_CITIES + F.EVAL_CITIES}
+    words = [w for w in words if w not in known and not any(v in w for v in _EVAL_VALUES)]
+    return [w.capitalize() for w in random.Random(seed).sample(words, min(n, len(words)))]
+
+
+def copy_city_pool() -> list[str]:
+    """Training cities, the extra real ones, made-up names and capitalised words: the copy stage's city pool."""
+    if not _COPY_POOL:
+        _COPY_POOL.extend(dict.fromkeys(F.TRAIN_CITIES + F.COPY_CITIES + copy_names() + copy_words()))
+    return _COPY_POOL
+
+
+def _weather_phrasings(split: str) -> list[str]:
+    return COPY_WEATHER_PHRASINGS if split == "copy" else WEATHER_PHRASINGS
+
+
+def _time_phrasings(split: str) -> list[str]:
+    return COPY_TIME_PHRASINGS if split == "copy" else TIME_PHRASINGS
 
 
 def _topics(split: str) -> list[str]:
@@ -217,8 +304,7 @@ def t_weather(rng: random.Random, split: str) -> ToolTask:
         ans = " ".join(f"In {r['city']} it is {r['condition']} with {r['temperature_c']}°C." for r in res)
         return p, [("get_weather", {"city": c1}), ("get_weather", {"city": c2})], res, ans
     c = rng.choice(cities)
-    p = rng.choice(["What's the weather like in {c}?", "What is the weather in {c} today?", "Check the weather in {c}.",
-                    "Is it raining in {c} right now?", "How warm is it in {c}?", "Weather in {c}, please."]).format(c=c)
+    p = rng.choice(_weather_phrasings(split)).format(c=c)
     t, cond = rng.randint(-10, 35), rng.choice(F.CONDITIONS)
     res = {"city": c, "temperature_c": t, "condition": cond}
     return p, [("get_weather", {"city": c})], [res], f"The weather in {c} is {cond} with a temperature of {t}°C."
@@ -226,8 +312,7 @@ def t_weather(rng: random.Random, split: str) -> ToolTask:
 
 def t_time(rng: random.Random, split: str) -> ToolTask:
     c = rng.choice(_cities(split))
-    p = rng.choice(["What time is it in {c}?", "Tell me the current time in {c}.", "What is the local time in {c}?",
-                    "Get the time in {c}."]).format(c=c)
+    p = rng.choice(_time_phrasings(split)).format(c=c)
     tm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
     return p, [("get_time", {"city": c})], [{"city": c, "time": tm}], f"The current time in {c} is {tm}."
 
@@ -286,10 +371,11 @@ def make_qa(rng: random.Random, split: str, thinking: bool, with_tools: bool) ->
                 kind="qa", meta={"answer": a})
 
 
-def make_tool_chat(rng: random.Random, split: str) -> Chat:
+def make_tool_chat(rng: random.Random, split: str,
+                   kinds: list[tuple[Callable[[random.Random, str], ToolTask], float]] = TOOL_KINDS) -> Chat:
     """User request -> tool call(s) -> tool result(s) -> final answer."""
     while True:
-        task = _pick(rng, TOOL_KINDS)
+        task = _pick(rng, kinds)
         p, calls, results, final = task(rng, split)
         if _accept(p, split):
             break
@@ -319,6 +405,62 @@ def make_chat(rng: random.Random, split: str = "train") -> Chat:
     if rng.random() < 0.3:
         chat.messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + chat.messages
     return chat
+
+
+CITY_KINDS: list[tuple[Callable[[random.Random, str], ToolTask], float]] = [(t_weather, 2.0), (t_time, 1.0)]
+COPY_CITY_SHARE = 0.3        # copy-stage chats that are a weather / time request (on top of make_chat's own)
+
+
+def make_copy_chat(rng: random.Random) -> Chat:
+    """One copy-stage chat: the usual mix, over the large city pool and the extra phrasings,
+    with more weather / time requests."""
+    if rng.random() < COPY_CITY_SHARE:
+        chat = make_tool_chat(rng, "copy", CITY_KINDS)
+        if rng.random() < 0.3:
+            chat.messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + chat.messages
+        return chat
+    return make_chat(rng, "copy")
+
+
+def copy_drill(rng: random.Random) -> str:
+    """A plain-text copying drill (trained on every token): name lists said twice, and short
+    requests each followed by the JSON arguments that copy their city. Only the copy can
+    predict the second mention, which is the signal that teaches the model to look back."""
+    pool = copy_city_pool()
+    lines: list[str] = []
+    lists = rng.random() < 0.4               # a drill is all name lists or all requests
+    for _ in range(rng.randint(3, 6)):
+        if lists:
+            names = rng.sample(pool, rng.randint(2, 6))
+            lines.append(f"Names: {', '.join(names)}.\nAgain: {', '.join(names)}.")
+        else:
+            items = []
+            for _ in range(rng.randint(2, 5)):
+                c = rng.choice(pool)
+                table = COPY_WEATHER_PHRASINGS if rng.random() < 0.6 else COPY_TIME_PHRASINGS
+                p = rng.choice(table).format(c=c)
+                if is_heldout(p):
+                    continue
+                items.append(f"{p} {json.dumps({'city': c}, ensure_ascii=False)}")
+            lines.append("\n".join(items))
+    return "\n\n".join(line for line in lines if line)
+
+
+def copy_eval_prompts(seed: int, n: int) -> list[Chat]:
+    """Held-out city requests: an evaluation city in a held-out phrasing (never trained), cities in turn."""
+    rng = random.Random(seed)
+    out: list[Chat] = []
+    for i in range(n):
+        c = F.EVAL_CITIES[i % len(F.EVAL_CITIES)]
+        name = "get_weather" if rng.random() < 0.6 else "get_time"
+        table = HELDOUT_WEATHER_PHRASINGS if name == "get_weather" else HELDOUT_TIME_PHRASINGS
+        p = rng.choice(table).format(c=c)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": p}]
+        if rng.random() < 0.3:
+            msgs.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+        out.append(Chat(messages=msgs + [{"role": "assistant", "content": ""}], tools=tool_list(rng, name),
+                        kind="copy", expect_tool=name, expect_args={"city": c}))
+    return out
 
 
 def eval_prompts(seed: int, n_chat: int, n_tool: int, n_think: int) -> dict[str, list[Chat]]:

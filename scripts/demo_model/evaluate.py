@@ -12,6 +12,10 @@ Greedy generation runs the daemon's own model through its cache-free ``forward_f
     arguments holding exactly the schema's required keys, and ends with EOS.
 (c) thinking prompts (prompt ends with ``<think>\\n``): share whose output closes the
     reasoning with ``</think>`` and then gives a non-empty answer, ending with EOS.
+(d) city copy (``tool_city_copy``): weather / time requests naming a held-out city in a
+    held-out phrasing (corpus.copy_eval_prompts: neither the city nor the phrasing is ever
+    trained); share whose first call is the expected function with arguments exactly
+    ``{"city": <the prompt's city>}``, ending with EOS.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from server.text.tool_calls import DeepSeekV3ToolParser
 from . import corpus, render
 
 TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.90, "thinking_ok": 0.90}
+# Issue 18 item 8 asks for tool_city_copy >= 0.80 with acceptance >= 0.85, tool format and
+# thinking >= 0.95; no model meets that yet (spec.py, stage 3), so it is not a gate here.
 
 
 @torch.no_grad()
@@ -81,16 +87,28 @@ class EvalResult:
         return "\n".join(lines)
 
 
+def first_call(tool_parser: DeepSeekV3ToolParser, text: str) -> tuple[str | None, object]:
+    """(name, parsed JSON arguments or None) of the first tool call in ``text``; (None, None) if none."""
+    calls = tool_parser.extract(text).tool_calls
+    if not calls:
+        return None, None
+    try:
+        return calls[0].name, json.loads(calls[0].arguments)
+    except ValueError:
+        return calls[0].name, None
+
+
 def evaluate(model: DeepseekV3ForCausalLM, model_dir: Path, seed: int, n_tool: int = 40, n_think: int = 40,
-             n_plain: int = 40, log=print) -> EvalResult:
+             n_plain: int = 40, n_copy: int = 40, log=print) -> EvalResult:
     t0 = time.time()
     tok = Tokenizer.from_dir(model_dir)
     eos = tok.token_to_id(st.EOS)
     sets = corpus.eval_prompts(seed, n_chat=n_plain, n_tool=n_tool, n_think=n_think)
+    sets["copy"] = corpus.copy_eval_prompts(seed + 1, n_copy)
     tool_parser, reasoning = DeepSeekV3ToolParser(), ReasoningParser()
     acc = drafted = 0
-    ok = {"tool": 0, "think": 0, "plain": 0}
-    exact = {"tool": 0, "think": 0, "plain": 0}
+    ok = {"tool": 0, "think": 0, "plain": 0, "copy": 0}
+    exact = {"tool": 0, "think": 0, "plain": 0, "copy": 0}
     samples: dict[str, list[str]] = {k: [] for k in sets}
     for kind, chats in sets.items():
         for chat in chats:
@@ -116,6 +134,9 @@ def evaluate(model: DeepseekV3ForCausalLM, model_dir: Path, seed: int, n_tool: i
                     good = isinstance(args, dict) and sorted(args) == sorted(required)
                     exact["tool"] += int(good and args == chat.expect_args)
                 ok["tool"] += int(good)
+            elif kind == "copy":
+                name, args = first_call(tool_parser, text)
+                ok["copy"] += int(finished and name == chat.expect_tool and args == chat.expect_args)
             elif kind == "think":
                 reasoning_text, content = reasoning.extract(text)
                 good = finished and st.THINK_END in text and bool(content and content.strip())
@@ -131,6 +152,7 @@ def evaluate(model: DeepseekV3ForCausalLM, model_dir: Path, seed: int, n_tool: i
         "tool_call_ok": ok["tool"] / n["tool"],
         "thinking_ok": ok["think"] / n["think"],
         "plain_answer_ok": ok["plain"] / n["plain"],
+        "tool_city_copy": ok["copy"] / max(1, n["copy"]),
         "tool_args_exact": exact["tool"] / n["tool"],
         "thinking_answer_exact": exact["think"] / n["think"],
         "plain_answer_exact": exact["plain"] / n["plain"],

@@ -123,3 +123,41 @@ SMALL_TALK: list[tuple[str, str]] = [
     ("How are you?", "I am fine, thank you. How can I help you today?"),
     ("Tell me a joke.", "Why did the computer go to the doctor? Because it had a virus."),
 ]
+
+# Extra city names for the copy stage (stage 3): real places, none of them in TRAIN_CITIES or
+# EVAL_CITIES. With the syllable-built names of corpus.copy_names() they make thousands of
+# distinct names, too many to memorise, so a weather / time call can only get its argument
+# right by copying it from the prompt.
+COPY_CITIES: list[str] = [
+    "Aberdeen", "Abidjan", "Acapulco", "Addis Ababa", "Agra", "Albany", "Alexandria", "Almaty",
+    "Amman", "Anchorage", "Antwerp", "Arequipa", "Asuncion", "Baghdad", "Baku", "Bali", "Baltimore",
+    "Bamako", "Bangalore", "Bari", "Basel", "Beirut", "Belfast", "Belgrade", "Bilbao", "Birmingham",
+    "Bologna", "Bordeaux", "Bratislava", "Bremen", "Brighton", "Bristol", "Brno", "Bucharest",
+    "Buffalo", "Cadiz", "Cali", "Cambridge", "Cardiff", "Cartagena", "Catania", "Charlotte",
+    "Chiang Mai", "Cleveland", "Cologne", "Colombo", "Cordoba", "Cork", "Curitiba", "Damascus",
+    "Darwin", "Delft", "Detroit", "Dhaka", "Dortmund", "Dresden", "Dundee", "Durban", "Dusseldorf",
+    "Eindhoven", "Essen", "Faro", "Fez", "Frankfurt", "Fukuoka", "Galway", "Genoa", "Ghent",
+    "Glasgow", "Gothenburg", "Granada", "Graz", "Guadalajara", "Guangzhou", "Hanover", "Harare",
+    "Hiroshima", "Honolulu", "Hyderabad", "Ibiza", "Innsbruck", "Irkutsk", "Izmir",
+    "Jaipur", "Jeddah", "Kabul", "Kampala", "Kathmandu", "Kazan", "Kiev", "Kingston", "Kobe",
+    "Kuala Lumpur", "Kuwait City", "La Paz", "Lahore", "Las Vegas", "Leeds", "Leipzig", "Lille",
+    "Limerick", "Linz", "Liverpool", "Ljubljana", "Lodz", "Los Angeles", "Luanda", "Lublin",
+    "Lusaka", "Luxor", "Lviv", "Macau", "Malaga", "Malmo", "Managua", "Manila", "Maputo",
+    "Mecca", "Medellin", "Memphis", "Mendoza", "Minsk", "Mogadishu", "Monaco", "Monterrey",
+    "Montevideo", "Moscow", "Muscat", "Nantes", "Nashville", "New Orleans", "New York", "Nice",
+    "Nicosia", "Novosibirsk", "Nuremberg", "Odessa", "Orlando", "Oxford", "Palermo", "Panama City",
+    "Pisa", "Pittsburgh", "Plymouth", "Poznan", "Puebla", "Quebec", "Recife", "Riga", "Rio",
+    "Riyadh", "Rotterdam", "Sacramento", "Samara", "San Diego", "San Jose", "Sarajevo", "Sendai",
+    "Sheffield", "Siena", "Skopje", "Sofia", "Split", "Stuttgart", "Suva",
+    "Surabaya", "Taipei", "Tallinn", "Tangier", "Tbilisi", "Tel Aviv", "Tijuana", "Toledo",
+    "Toulouse", "Trieste", "Tripoli", "Trondheim", "Tucson", "Turin", "Turku", "Utrecht",
+    "Uppsala", "Venice", "Verona", "Vilnius", "Vladivostok", "Windhoek", "Winnipeg", "Wroclaw",
+    "Xian", "Yangon", "Yerevan", "Yokohama", "Zagreb", "Zanzibar", "Zaragoza",
+]
+
+# Syllables the copy stage builds made-up place names from (seeded, see corpus.copy_names).
+NAME_ONSETS: list[str] = ["b", "br", "c", "ch", "d", "dr", "f", "g", "gr", "h", "j", "k", "kr", "l", "m",
+                          "n", "p", "pr", "qu", "r", "s", "sh", "st", "t", "tr", "v", "w", "y", "z", ""]
+NAME_VOWELS: list[str] = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "ie", "y"]
+NAME_CODAS: list[str] = ["", "", "", "n", "r", "l", "s", "m", "th", "nd", "rk", "ck", "x", "sk", "lt"]
+NAME_AFFIXES: list[str] = ["New {}", "Port {}", "San {}", "{} City", "{} Falls", "Lake {}", "Saint {}", "{}ville"]

@@ -86,6 +86,34 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
 
 
+NAME_SPLIT = r" (?=\p{Lu})"      # a space before a capital letter is a piece of its own
+
+
+def with_name_split(tok):
+    """``tok`` with a pre-tokenizer rule that splits a space off a capitalised word (same vocabulary).
+
+    Byte-level BPE glues the space to the next word, so "in Paris" holds ``ĠParis`` while the
+    JSON argument ``"Paris"`` holds ``Paris``: different ids, and for an unseen name different
+    pieces (``ĠF lo r ence`` vs ``F lo r ence``). With the space split off, a name is the same
+    token sequence in the prompt, the tool call and the tool result, so a call can copy it.
+    Decoding is unchanged (the space is still a ``Ġ`` token). Stage 3 trains with this rule.
+    """
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    tok = Tokenizer.from_str(tok.to_str())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(NAME_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    return tok
+
+
+def has_name_split(tok) -> bool:
+    pre = json.loads(tok.to_str()).get("pre_tokenizer") or {}
+    return any(p.get("pattern", {}).get("Regex") == NAME_SPLIT for p in pre.get("pretokenizers", []))
+
+
 def write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
     """tokenizer.json + tokenizer_config.json (chat template, bos/eos/pad) in HF layout."""
     tok.save(str(out / "tokenizer.json"))

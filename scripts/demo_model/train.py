@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 from typing import Callable
 
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 
 from server.model.config import DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+from server.text import special_tokens as st
 
 from . import corpus, render
 from .spec import TrainSettings
@@ -68,39 +71,64 @@ def assistant_mask(ids: list[int], assistant: int, outputs_end: int, think: int,
     return mask
 
 
+def copy_value_weights(text: str, offsets: list[tuple[int, int]], weight: float) -> list[float]:
+    """Per-token loss weights: ``weight`` on the string argument values of the tool calls in
+    ``text`` (and on the token closing each value), 1 elsewhere.
+
+    These are the tokens a call must copy from the prompt (a city, a search query); the copy
+    stage weights them up so that copying, not a memorised favourite, is what lowers the loss.
+    """
+    spans = []
+    for block in re.finditer(re.escape(st.TOOL_CALL_BEGIN) + r".*?" + re.escape(st.TOOL_CALL_END), text, re.S):
+        for v in re.finditer(r'": "((?:[^"\\]|\\.)*)"', block.group(0)):
+            spans.append((block.start() + v.start(1), block.start() + v.end(1) + 1))   # + the closing quote
+    out = [1.0] * len(offsets)
+    for k, (a, b) in enumerate(offsets):
+        if b > a and any(a < e and b > s for s, e in spans):
+            out[k] = weight
+    return out
+
+
 def pack_rows(docs: list[list[int]], seq_len: int, pad_id: int, seed: int,
-              masks: list[list[bool]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              masks: list[list[bool]] | None = None, weights: list[list[float]] | None = None):
     """Pack token documents into rows of ``seq_len + 1`` tokens (inputs plus one shifted target).
 
     Documents longer than a row are cut into row-sized pieces. Rows are filled first-fit in a
     seeded random order; the tail of a row is ``pad_id``. Returns (rows, trainable) where
-    ``trainable`` marks tokens that count as targets (all real tokens when ``masks`` is None).
+    ``trainable`` marks tokens that count as targets (all real tokens when ``masks`` is None);
+    with per-token ``weights`` it returns (rows, trainable, row weights) (0 on padding).
     """
     width = seq_len + 1
-    pieces: list[tuple[list[int], list[bool]]] = []
+    pieces: list[tuple[list[int], list[bool], list[float]]] = []
     for k, d in enumerate(docs):
         m = masks[k] if masks is not None else [True] * len(d)
+        w = weights[k] if weights is not None else [1.0] * len(d)
         for i in range(0, len(d), width):
-            pieces.append((d[i:i + width], m[i:i + width]))
+            pieces.append((d[i:i + width], m[i:i + width], w[i:i + width]))
     random.Random(seed).shuffle(pieces)
-    rows: list[tuple[list[int], list[bool]]] = []
-    open_rows: list[tuple[list[int], list[bool]]] = []   # rows with room left (first-fit)
-    for p, m in pieces:
+    rows: list[tuple[list[int], list[bool], list[float]]] = []
+    open_rows: list[tuple[list[int], list[bool], list[float]]] = []   # rows with room left (first-fit)
+    for p, m, w in pieces:
         for r in open_rows:
             if len(r[0]) + len(p) <= width:
                 r[0].extend(p)
                 r[1].extend(m)
+                r[2].extend(w)
                 break
         else:
-            r = (list(p), list(m))
+            r = (list(p), list(m), list(w))
             rows.append(r)
             open_rows.append(r)
         open_rows = [r for r in open_rows if width - len(r[0]) >= 24][-16:]
     out = torch.full((len(rows), width), pad_id, dtype=torch.long)
     keep = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (r, m) in enumerate(rows):
+    wts = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (r, m, w) in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r)
         keep[i, :len(m)] = torch.tensor(m)
+        wts[i, :len(w)] = torch.tensor(w)
+    if weights is not None:
+        return out, keep, wts
     return out, keep
 
 
@@ -134,27 +162,38 @@ def init_model(cfg: DeepseekConfig, seed: int) -> DeepseekV3ForCausalLM:
 
 
 def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
-           distill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           distill: bool = False, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(main CE, MTP CE, MTP distillation KL) on packed rows [B, L+1]; only ``keep`` tokens are targets.
 
     The distillation term is KL(main || MTP) at each MTP position i, against the main model's
     own (detached) distribution at position i+1, which predicts the same token i+2. Acceptance
     is agreement with the main model's choice, not with the corpus, so this is the signal that
     raises it (self-distillation, as EAGLE and Medusa-2 train their drafters); it is 0 unless
-    ``distill``.
+    ``distill``. With ``weights`` [B, L+1] the two CEs are weighted means over the targets
+    (token j's CE counts ``weights[:, j]`` times); the KL stays a plain mean.
     """
     x = rows[:, :-1]
     y1 = rows[:, 1:].clone()
     y1[~keep[:, 1:]] = IGNORE
     hidden = model.forward_full(x)
     logits = model.compute_logits(hidden)
-    main = F.cross_entropy(logits.flatten(0, 1), y1.flatten(), ignore_index=IGNORE)
+    if weights is None:
+        main = F.cross_entropy(logits.flatten(0, 1), y1.flatten(), ignore_index=IGNORE)
+    else:
+        w1 = weights[:, 1:] * keep[:, 1:]
+        ce1 = F.cross_entropy(logits.flatten(0, 1), y1.flatten(), ignore_index=IGNORE, reduction="none")
+        main = (ce1 * w1.flatten()).sum() / w1.sum().clamp_min(1e-6)
     # MTP at position i: (h_i, token i+1) -> token i+2.  next_ids[:, i] = token i+1 = y1 source.
     next_ids = rows[:, 1:]
     h_mtp = model.mtp_forward_full(next_ids, hidden)
     mlogits = model.mtp_compute_logits(h_mtp[:, :-1])
     y2 = y1[:, 1:]
-    mtp = F.cross_entropy(mlogits.flatten(0, 1), y2.flatten(), ignore_index=IGNORE)
+    if weights is None:
+        mtp = F.cross_entropy(mlogits.flatten(0, 1), y2.flatten(), ignore_index=IGNORE)
+    else:
+        w2 = w1[:, 1:]
+        ce2 = F.cross_entropy(mlogits.flatten(0, 1), y2.flatten(), ignore_index=IGNORE, reduction="none")
+        mtp = (ce2 * w2.flatten()).sum() / w2.sum().clamp_min(1e-6)
     kl = mtp.new_zeros(())
     if distill:
         sel = y2 != IGNORE
@@ -172,7 +211,7 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 
 def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, s: TrainSettings,
-          log: Callable[[str], None] = print) -> list[dict]:
+          log: Callable[[str], None] = print, weights: torch.Tensor | None = None) -> list[dict]:
     """AdamW + warmup/cosine; returns the loss history (every 20 steps)."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "gate.weight" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "gate.weight" not in n)]
@@ -195,7 +234,8 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
         cursor += s.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0)
+        main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0,
+                               weights=None if weights is None else weights[idx])
         loss = main + s.mtp_weight * mtp + s.mtp_distill * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -60,6 +60,35 @@ def test_tool_call_auto(client):
     assert "city" in json.loads(call.function.arguments)
 
 
+# Held-out cities (scripts/demo_model/facts.py EVAL_CITIES) in held-out phrasings
+# (corpus.HELDOUT_*_PHRASINGS): never trained, so only copying from the prompt gets them right.
+COPY_ASKS = [("What is the weather in Paris?", "get_weather", "Paris"),
+             ("What is the weather in Florence?", "get_weather", "Florence"),
+             ("Could you tell me the weather in Valencia?", "get_weather", "Valencia"),
+             ("Is it snowing in Calgary?", "get_weather", "Calgary"),
+             ("How hot is it in Adelaide today?", "get_weather", "Adelaide"),
+             ("What time is it now in Nagoya?", "get_time", "Nagoya"),
+             ("Could you tell me the time in Halifax?", "get_time", "Halifax"),
+             ("Look up the local time for Mombasa.", "get_time", "Mombasa"),
+             ("Time in Gdansk?", "get_time", "Gdansk")]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18 item 8: the demo model does not copy the city yet "
+                   "(strict: drop the mark once a model that does is committed)")
+def test_tool_call_arguments_copy_the_city_from_the_prompt(client):
+    """The demo model used to fill in a memorised city (Lima, Barcelona, Boston) whatever
+    the prompt named; a call is only useful with the prompt's own city."""
+    got = []
+    for prompt, name, city in COPY_ASKS:
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                           tools=[WEATHER, TIME], temperature=0, max_tokens=80)
+        calls = r.choices[0].message.tool_calls or []
+        got.append((calls[0].function.name, json.loads(calls[0].function.arguments)) if calls else None)
+    assert got[0] == ("get_weather", {"city": "Paris"}), got[0]
+    right = sum(g == (name, {"city": city}) for g, (_p, name, city) in zip(got, COPY_ASKS))
+    assert right >= len(COPY_ASKS) - 1, list(zip([a[0] for a in COPY_ASKS], got))
+
+
 def test_tool_call_streamed(client):
     stream = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME],
                                             temperature=0, max_tokens=80, stream=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -87,3 +88,65 @@ def test_distillation_moves_the_mtp_layer_towards_the_main_model():
         opt.step()
     _, _, kl1 = train.losses(model, rows, keep, distill=True)
     assert kl1.item() < 0.5 * kl0.item(), (kl0.item(), kl1.item())
+
+
+def test_weighted_losses_count_each_target_by_its_weight():
+    """Stage 3 weights tool-argument tokens up: a weight w must count a target's CE w times
+    (main and MTP), and all-ones weights must give the unweighted losses."""
+    torch.manual_seed(2)
+    model = _tiny_model(2)
+    rows = torch.randint(2, 64, (2, 11))
+    keep = torch.rand(rows.shape) > 0.2
+    weights = 1.0 + 3.0 * (torch.rand(rows.shape) > 0.7).float()
+    with torch.no_grad():
+        main, mtp, _ = train.losses(model, rows, keep, weights=weights)
+        m1, t1, _ = train.losses(model, rows, keep)
+        m2, t2, _ = train.losses(model, rows, keep, weights=torch.ones(rows.shape))
+        hidden = model.forward_full(rows[:, :-1])
+        logits = model.compute_logits(hidden)
+        mlog = model.mtp_compute_logits(model.mtp_forward_full(rows[:, 1:], hidden))
+    num1 = den1 = num2 = den2 = 0.0
+    for b in range(rows.shape[0]):
+        for i in range(rows.shape[1] - 1):
+            if keep[b, i + 1]:
+                w = weights[b, i + 1].item()
+                num1 += w * -F.log_softmax(logits[b, i], -1)[rows[b, i + 1]].item()
+                den1 += w
+            if i + 2 < rows.shape[1] and keep[b, i + 2]:
+                w = weights[b, i + 2].item()
+                num2 += w * -F.log_softmax(mlog[b, i], -1)[rows[b, i + 2]].item()
+                den2 += w
+    assert abs(main.item() - num1 / den1) < 1e-5
+    assert abs(mtp.item() - num2 / den2) < 1e-5
+    assert abs(m1.item() - m2.item()) < 1e-5 and abs(t1.item() - t2.item()) < 1e-5
+
+
+@pytest.mark.demo                       # the bundled model's tokenizer
+def test_copy_weights_mark_the_argument_values_and_names_tokenize_alike():
+    """The copy stage's tokenizer makes a city the same tokens in the prompt and the call, and
+    the weights cover exactly the call's argument value plus its closing quote."""
+    import random
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from demo_model import corpus, render
+
+    base = HFTokenizer.from_file(str(ROOT / "models" / "deepseek-v3-tiny-mtp" / "tokenizer.json"))
+    tok = render.with_name_split(base)
+    assert render.has_name_split(tok)
+    for city in ("Florence", "Kuala Lumpur", "Paris"):
+        in_prompt = tok.encode(f"What is the weather in {city}?").tokens
+        in_json = tok.encode(f'{{"city": "{city}"}}').tokens
+        pieces = tok.encode(city).tokens
+        assert in_prompt[in_prompt.index("Ġin") + 2:][:len(pieces)] == pieces
+        assert in_json[in_json.index('Ġ"') + 1:][:len(pieces)] == pieces
+        for text in (f"In {city} it is 20°C.\n\nA  B", f'{{"city": "{city}"}}'):
+            assert tok.decode(tok.encode(text).ids) == text
+    chat = corpus.make_tool_chat(random.Random(3), "copy", corpus.CITY_KINDS)
+    text = render.render_chat(chat)
+    enc = tok.encode(text)
+    w = train.copy_value_weights(text, enc.offsets, 4.0)
+    marked = "".join(t for t, x in zip(enc.tokens, w) if x == 4.0)
+    city = chat.expect_args["city"]
+    assert marked.replace("Ġ", " ").startswith(city) and marked.endswith('"}')
+    assert sum(x == 4.0 for x in w) == len(tok.encode(city).ids) + 1

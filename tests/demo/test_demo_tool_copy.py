@@ -1,0 +1,74 @@
+"""The demo model copies the city named in a weather / time request into its tool call.
+
+Why: a tool call is only useful when its arguments come from the request. The model used to
+answer "What is the weather in Paris?" with get_weather for Lima, Barcelona or Boston
+(whichever city it had memorised for the phrasing); an experimental copy stage exists
+(scripts/demo_model, stage 3, off by default) but has not produced such a model yet. These prompts name evaluation-only cities (facts.EVAL_CITIES)
+in evaluation-only phrasings (corpus.HELDOUT_*_PHRASINGS), neither of which is ever trained,
+so only copying gets them right. Greedy, through the daemon's own model code.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "models" / "deepseek-v3-tiny-mtp"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from demo_model import corpus, evaluate, facts, render  # noqa: E402
+from server.model.loader import load_checkpoint  # noqa: E402
+from server.text.tokenizer import Tokenizer  # noqa: E402
+from server.text.tool_calls import DeepSeekV3ToolParser  # noqa: E402
+
+# Known bug (issue 18 item 8): the committed model ignores the prompt's city. strict: these
+# start failing the suite (XPASS) once a model that copies is committed; then drop the mark.
+pytestmark = [pytest.mark.demo, pytest.mark.slow,
+              pytest.mark.xfail(strict=True, reason="issue 18 item 8: demo model does not copy the city yet")]
+
+TOOLS = [corpus.TOOLS["get_weather"], corpus.TOOLS["get_time"]]
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_checkpoint(MODEL_DIR, dtype=torch.float32)[0], Tokenizer.from_dir(MODEL_DIR)
+    torch.set_num_threads(old)
+
+
+def _call(model_tok, messages, tools=TOOLS):
+    model, tok = model_tok
+    ids = tok.encode(render.render_prompt(messages, tools, thinking=False))
+    gen = evaluate.greedy(model, ids, tok.token_to_id("<｜end▁of▁sentence｜>"), max_new=48)
+    return evaluate.first_call(DeepSeekV3ToolParser(), tok.decode(gen))
+
+
+def test_prompt_city_reaches_the_arguments(model_tok):
+    for prompt, name in [("What is the weather in Paris?", "get_weather"),
+                         ("What's the weather like in Paris?", "get_weather"),
+                         ("What time is it now in Tokyo?", "get_time")]:
+        city = prompt.split(" in ")[1].rstrip("?")
+        assert _call(model_tok, [{"role": "user", "content": prompt}]) == (name, {"city": city}), prompt
+
+
+def test_heldout_cities_and_phrasings_are_copied(model_tok):
+    """One prompt per held-out city (20), each in a held-out phrasing: at least 16 exact."""
+    chats = corpus.copy_eval_prompts(seed=4242, n=len(facts.EVAL_CITIES))
+    assert sorted(c.expect_args["city"] for c in chats) == sorted(facts.EVAL_CITIES)
+    good, bad = 0, []
+    for chat in chats:
+        prompt = chat.messages[-2]["content"]
+        assert corpus.is_heldout(prompt)
+        assert not any(prompt == p.format(c=chat.expect_args["city"])
+                       for p in corpus.COPY_WEATHER_PHRASINGS + corpus.COPY_TIME_PHRASINGS)
+        got = _call(model_tok, chat.messages[:-1], chat.tools)
+        if got == (chat.expect_tool, chat.expect_args):
+            good += 1
+        else:
+            bad.append((prompt, got))
+    assert good >= 16, f"{good}/20 copied; misses: {bad}"
