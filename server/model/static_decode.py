@@ -103,20 +103,17 @@ class StaticDecoder:
                        for layer in self._layers]
         # (kind, several tokens per sequence, lone sequence) -> compiled graph
         self._graphs: dict[tuple[str, bool, bool], object] = {}
-        self._lone_graphs = False
-        # The last window's padded metadata and rotary tables: the MTP pass of a static
-        # step reuses the main forward's window (same positions, slots and tables).
-        self._last: tuple[DecodeMetadata, DecodeMetadata, torch.Tensor, torch.Tensor] | None = None
+        # The last window and its rotary tables: the MTP pass of a static step reuses the
+        # main forward's window (same positions, slots and tables).
+        self._last: tuple[DecodeMetadata, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def compiled(self) -> bool:
         return bool(self._graphs)
 
     def use_graphs(self, graphs: dict[tuple[str, bool, bool], object]) -> None:
-        """Switch to compiled graphs (between steps: the next window is prepared afresh)."""
+        """Switch to compiled graphs (between steps)."""
         self._graphs = dict(graphs)
-        self._lone_graphs = any(lone for _kind, _many, lone in graphs)
-        self._last = None
 
     def kind(self, index: int) -> str:
         """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
@@ -160,35 +157,22 @@ class StaticDecoder:
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model
         x = m.model.embed_tokens(input_ids)
-        n = x.shape[0]
-        x, meta, cos, sin = self._prepare(x, meta)
+        cos, sin = self._rotary(meta)
         for i in range(m.config.num_hidden_layers):
             x = self.run_layer(i, x, cos, sin, meta, _data(caches[i]))
-        return m.model.norm(x[:n])
+        return m.model.norm(x)
 
     def mtp_forward(self, x: torch.Tensor, meta: DecodeMetadata, caches: list, layer: int) -> torch.Tensor:
         """x: the MTP layer's combined input [T, H] -> its block output [T, H]."""
         i = self.model.config.num_hidden_layers + layer
-        n = x.shape[0]
-        x, meta, cos, sin = self._prepare(x, meta)
-        return self.run_layer(i, x, cos, sin, meta, _data(caches[i]))[:n]
+        cos, sin = self._rotary(meta)
+        return self.run_layer(i, x, cos, sin, meta, _data(caches[i]))
 
-    def _prepare(self, x: torch.Tensor, meta: DecodeMetadata):
-        """Pad and build rotary tables, or take them from the last call on the same window.
-
-        Graphs made for two or more sequences would specialise a batch of one: without
-        graphs for a lone sequence (compile_step.py makes them), it runs twice, its copy
-        writing the same rows to the same slots."""
-        pad = bool(self._graphs) and not self._lone_graphs and meta.num_seqs == 1
-        if self._last is not None and self._last[0] is meta:
-            _, padded, cos, sin = self._last
-        else:
-            padded = meta if not pad else DecodeMetadata(
-                meta.positions.repeat(2), meta.slot_mapping.repeat(2),
-                meta.block_tables.repeat(2, 1), meta.query_len)
-            cos, sin = _rope(self.model.rope, padded.positions)
-            self._last = (meta, padded, cos, sin)
-        return (x.repeat(2, 1) if pad else x), padded, cos, sin
+    def _rotary(self, meta: DecodeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables of the window, or those of the last call on the same window."""
+        if self._last is None or self._last[0] is not meta:
+            self._last = (meta, *_rope(self.model.rope, meta.positions))
+        return self._last[1], self._last[2]
 
 
 def _rope(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
