@@ -123,11 +123,15 @@ class _Server(uvicorn.Server):
 
 
 def load_engine(cfg: Any) -> tuple[Any, Any]:
-    from server.engine.engine import AsyncEngine
+    """The tokenizer and the engine: in a process of its own (engine_process.py) unless
+    $MTP_SERVE_ENGINE_PROCESS=0."""
     from server.text.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_dir(cfg.model_weight_path)
-    engine = AsyncEngine.from_config(cfg, tokenizer=tokenizer)
-    return tokenizer, engine
+    if getattr(cfg, "engine_process", False):
+        from server.engine.engine_process import EngineProcess
+        return tokenizer, EngineProcess.from_config(cfg)
+    from server.engine.engine import AsyncEngine
+    return tokenizer, AsyncEngine.from_config(cfg, tokenizer=tokenizer)
 
 
 class Daemon:
@@ -198,7 +202,7 @@ class Daemon:
         if pd_cfg is not None:
             registry = state.metrics.registry if state.metrics.enabled else None
             state.pd = PDInstance(pd_cfg, engine.runtime, registry, client_ssl=kv_tls[1])
-            engine.engine.kv_export_sink = state.pd.on_export
+            engine.kv_export_sink = state.pd.on_export
             kv_server = KVServer(state.pd.exports, state.pd.on_sent, state.pd.on_failed)
             await kv_server.start(kv_lst.sock, kv_tls[0])
             log.info("PD instance: KV transfer on %s:%d (%s), role %s", pd_cfg.host, pd_cfg.port,

@@ -77,6 +77,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     async_on, metrics_on, issues = _env_switches(env)
     compile_mode = _compile_mode(env, issues)
     compile_wait = _compile_wait(env, issues)
+    engine_process = _engine_process(env, issues)
     env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
@@ -120,6 +121,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      model_options=options, chat_template_path=template,
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
                      compile_mode=compile_mode, compile_wait=compile_wait, kv_pool=kv_pool,
+                     engine_process=engine_process,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
                      parallel=parallel_layout(doc, env))
 
@@ -195,6 +197,16 @@ def _compile_wait(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
         issues.append(ConfigIssue("$MTP_SERVE_COMPILE_WAIT", raw, "1 (wait) or 0 (compile in the "
                                   "background)", "unrecognised value"))
     return raw in _ON
+
+
+def _engine_process(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
+    """$MTP_SERVE_ENGINE_PROCESS: 1 (default) = the daemon runs its engine in a process of its
+    own (server/engine/engine_process.py); 0 = on a thread of the serving process."""
+    raw = env.get("MTP_SERVE_ENGINE_PROCESS", "").strip().lower()
+    if raw and raw not in _ON | _OFF:
+        issues.append(ConfigIssue("$MTP_SERVE_ENGINE_PROCESS", raw, "1 (a process of its own) or 0 "
+                                  "(a thread of the serving process)", "unrecognised value"))
+    return raw not in _OFF
 
 
 def _env_api_keys(env: Mapping[str, str], issues: list[ConfigIssue]) -> tuple[str, ...]:

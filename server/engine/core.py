@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import dataclasses
 import hashlib
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -107,7 +108,7 @@ class LLMEngine:
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
             swap_preemption=bool(host_blocks) and cfg.swap_preemption,
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
-            moe_ep=cfg.parallel.moe_ep,
+            moe_ep=cfg.parallel.moe_ep, engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
         self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
                                              enable_prefix_cache=cfg.enable_prefix_cache,

@@ -28,18 +28,120 @@ log = logging.getLogger("server.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def build_engine(app_config: Any, model: Any = None, tokenizer: Any = None, *,
+                 engine_config: EngineConfig | None = None, device: str | None = None) -> LLMEngine:
+    """The engine core for an AppConfig; loads the checkpoint and tokenizer unless given."""
+    cfg = engine_config or engine_config_from_app(app_config)
+    if device is None and engine_config is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    if model is None and cfg.parallel.world_size > 1:
+        # The ranks load their own shards; this process needs only the shapes.
+        from server.model.loader import inspect_checkpoint
+        model = inspect_checkpoint(app_config.model_weight_path)
+    elif model is None:
+        from server.model.loader import load_checkpoint
+        model, _info = load_checkpoint(app_config.model_weight_path,
+                                       dtype=_DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                                       device=cfg.device)
+    elif isinstance(model, tuple):
+        model = model[0]
+    if tokenizer is None:
+        from server.text.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_dir(app_config.model_weight_path)
+    if isinstance(model, torch.nn.Module):
+        model.eval()
+    return LLMEngine(model, cfg, tokenizer)
+
+
+class EngineLoop:
+    """The loop that owns an LLMEngine: takes requests and aborts from an inbox, steps
+    while there is work, and hands each step's outputs to ``deliver``.  AsyncEngine runs
+    it on a thread of the serving process; engine_process.py runs it as the main thread
+    of the engine's own process."""
+
+    def __init__(self, engine: LLMEngine, deliver: Any, deliver_error: Any,
+                 on_fatal: Any) -> None:
+        self.engine = engine
+        self.deliver = deliver                  # (outputs) -> None, after every step
+        self.deliver_error = deliver_error      # (request_id, exc): an "add" was refused
+        self.on_fatal = on_fatal                # (error) -> None, once the workers are gone
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.stats = engine.stats()
+
+    def put(self, kind: str, arg: Any) -> None:
+        """``("add", EngineRequest)``, ``("abort", request_id)`` or ``("abort_all", None)``,
+        from any thread."""
+        self.inbox.put((kind, arg))
+        self.wake.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished() or not self.inbox.empty()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "add":
+                    self.engine.add_request(arg)
+                elif kind == "abort_all":
+                    for rid in list(self.engine.scheduler.requests):
+                        self.engine.abort(rid)
+                else:
+                    self.engine.abort(arg)
+            except Exception as exc:               # e.g. a duplicate id: tell that stream only
+                if kind == "add":
+                    self.deliver_error(arg.request_id, exc)
+
+    def run(self) -> None:
+        eng = self.engine
+        while not self.stopping:
+            self._drain_inbox()
+            if not eng.has_unfinished():
+                self.stats = eng.stats()
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            wait = eng.idle_wait_s()
+            if wait:
+                self.wake.wait(wait)
+                self.wake.clear()
+                self._drain_inbox()
+            try:
+                outputs = eng.step()
+            except Exception:                      # a scheduler bug must not kill the thread
+                fatal = eng.fatal_error
+                if fatal is None:
+                    log.exception("engine step raised; failing the requests in the engine")
+                else:
+                    log.error("the worker group failed: %s", fatal)
+                outputs = eng.fail_all(fatal or "internal engine error")
+            self.stats = eng.stats()
+            self.deliver(outputs)
+            if eng.fatal_error is not None and self.on_fatal is not None:
+                on_fatal, self.on_fatal = self.on_fatal, None
+                on_fatal(eng.fatal_error)
+
+
 class AsyncEngine:
     """Async front: ``submit`` streams EngineOutputs; the engine runs on its own thread."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._loop = EngineLoop(engine, self._deliver, self._deliver_error, self._fatal)
         self._thread: threading.Thread | None = None
-        self._stopping = False
         self._accepting = True
-        self._stats = engine.stats()
         # Called (from the engine thread) once the worker group is gone for good.
         self.on_fatal: Any = None
 
@@ -47,32 +149,12 @@ class AsyncEngine:
     def from_config(cls, app_config: Any, model: Any = None, tokenizer: Any = None, *,
                     engine_config: EngineConfig | None = None, device: str | None = None) -> "AsyncEngine":
         """Build from an AppConfig; loads the checkpoint and tokenizer unless given."""
-        cfg = engine_config or engine_config_from_app(app_config)
-        if device is None and engine_config is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device is not None:
-            cfg = dataclasses.replace(cfg, device=device)
-        if model is None and cfg.parallel.world_size > 1:
-            # The ranks load their own shards; this process needs only the shapes.
-            from server.model.loader import inspect_checkpoint
-            model = inspect_checkpoint(app_config.model_weight_path)
-        elif model is None:
-            from server.model.loader import load_checkpoint
-            model, _info = load_checkpoint(app_config.model_weight_path,
-                                           dtype=_DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                           device=cfg.device)
-        elif isinstance(model, tuple):
-            model = model[0]
-        if tokenizer is None:
-            from server.text.tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_dir(app_config.model_weight_path)
-        if isinstance(model, torch.nn.Module):
-            model.eval()
-        return cls(LLMEngine(model, cfg, tokenizer))
+        return cls(build_engine(app_config, model, tokenizer, engine_config=engine_config,
+                                device=device))
 
     async def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop.run, name="engine", daemon=True)
             self._thread.start()
 
     async def submit(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -83,8 +165,7 @@ class AsyncEngine:
             req.arrival_time = time.monotonic()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", req))
-        self._wake.set()
+        self._loop.put("add", req)
         finished = False
         try:
             while True:
@@ -110,11 +191,10 @@ class AsyncEngine:
             await asyncio.to_thread(book.compile, grammar)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._loop.put("abort", request_id)
 
     def stats(self) -> EngineStats:
-        return self._stats
+        return self._loop.stats
 
     @property
     def fatal_error(self) -> str | None:
@@ -125,37 +205,36 @@ class AsyncEngine:
         """What the engine runs with (effective k, async scheduling, KV blocks, EOS ids)."""
         return self.engine.runtime
 
+    @property
+    def kv_export_sink(self) -> Any:
+        """PD: called (from the engine thread) with each prefill's exported KV rows."""
+        return self.engine.kv_export_sink
+
+    @kv_export_sink.setter
+    def kv_export_sink(self, sink: Any) -> None:
+        self.engine.kv_export_sink = sink
+
     async def shutdown(self, drain: bool = True) -> None:
         """Stop accepting; finish (drain) or abort what is in flight; stop the thread."""
         self._accepting = False
         if not drain:
             for rid in list(self._streams):
                 self.abort(rid)
-        while drain and (self.engine.has_unfinished() or not self._inbox.empty()) \
-                and self._thread is not None and self._thread.is_alive():
+        while drain and self._loop.busy() and self._thread is not None and self._thread.is_alive():
             await asyncio.sleep(0.01)
-        self._stopping = True
-        self._wake.set()
+        self._loop.stop()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
             self._thread = None
         self.engine.shutdown()
 
     # ---- engine thread ----------------------------------------------------------------
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if kind == "add":
-                    self.engine.add_request(arg)
-                else:
-                    self.engine.abort(arg)
-            except Exception as exc:               # e.g. a duplicate id: tell that stream only
-                if kind == "add":
-                    self._deliver_error(arg.request_id, exc)
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, out)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -163,35 +242,7 @@ class AsyncEngine:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, exc)
 
-    def _loop(self) -> None:
-        eng = self.engine
-        while not self._stopping:
-            self._drain_inbox()
-            if not eng.has_unfinished():
-                self._stats = eng.stats()
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            wait = eng.idle_wait_s()
-            if wait:
-                self._wake.wait(wait)
-                self._wake.clear()
-                self._drain_inbox()
-            try:
-                outputs = eng.step()
-            except Exception:                      # a scheduler bug must not kill the thread
-                fatal = eng.fatal_error
-                if fatal is None:
-                    log.exception("engine step raised; failing the requests in the engine")
-                else:
-                    log.error("the worker group failed: %s", fatal)
-                outputs = eng.fail_all(fatal or "internal engine error")
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    loop, q = stream
-                    loop.call_soon_threadsafe(q.put_nowait, out)
-            self._stats = eng.stats()
-            if eng.fatal_error is not None and self.on_fatal is not None:
-                self.on_fatal(eng.fatal_error)
-                self.on_fatal = None
+    def _fatal(self, error: str) -> None:
+        if self.on_fatal is not None:
+            on_fatal, self.on_fatal = self.on_fatal, None
+            on_fatal(error)

@@ -49,6 +49,7 @@ class RuntimeInfo:
     moe_tp: int = 1
     moe_ep: int = 1
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
+    engine_pid: int = 0                 # the process running the engine loop (engine_process.py)
 
     @property
     def mtp_enabled(self) -> bool:
@@ -117,7 +118,7 @@ class RuntimeInfo:
                 "compile_state": self.compile_state,
                 "compile_seconds": (round(self.compile_seconds, 2)
                                     if self.compile_seconds is not None else None),
-                "host_kv_tier": self.host_tier_dict(),
+                "host_kv_tier": self.host_tier_dict(), "engine_pid": self.engine_pid,
                 "parallel": {"world_size": self.world_size, "tp": self.world_size,
                              "moe_tp": self.moe_tp, "moe_ep": self.moe_ep,
                              "worker_pids": list(self.worker_pids)}}

@@ -1,0 +1,343 @@
+"""The engine core in its own process: the daemon's default front to the engine.
+
+Why a process: the engine loop (scheduling, the forward's Python-level calls, sampling,
+detokenization) and the HTTP event loop (parsing, chat templates, tool and reasoning
+parsers, SSE) are both Python, and in one process they take turns on the interpreter
+lock: every time the engine thread comes back from a kernel it waits for the event
+loop's current stretch of work, so the event loop's cost is added to every step.  Split
+into two processes, the HTTP work of step n runs while step n+1 computes, as in vLLM's
+engine-core process or SGLang's scheduler process.
+
+Shape: ``EngineProcess`` has AsyncEngine's interface (submit, abort, prepare_grammar,
+stats, runtime, fatal_error, kv_export_sink, on_fatal, shutdown).  The child builds the
+engine from the AppConfig (checkpoint, tokenizer) and runs the same ``EngineLoop`` as
+the in-process engine thread.  Requests and aborts go down one pipe; each step's outputs
+come back in one message with the engine's stats (and its RuntimeInfo when it changed),
+read by one thread here that hands them to the event loop in one call.  The child
+ignores SIGINT/SIGTERM (the daemon drains, then asks it to stop) and exits when its pipe
+closes, so it never outlives the daemon.
+
+Switch: ``$MTP_SERVE_ENGINE_PROCESS`` = ``1`` (default) or ``0`` (the engine thread in
+the serving process, as engines built in-process always are); ``AppConfig.engine_process``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import signal
+import threading
+import time
+import traceback
+from typing import Any, AsyncIterator
+
+import torch
+import torch.multiprocessing as mp
+
+from server.engine.engine import EngineLoop, build_engine
+from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
+from server.engine.runtime import RuntimeInfo
+from server.engine.stats import EngineStats
+from server.engine.worker_process import START_TIMEOUT_S, read_into_queue
+
+log = logging.getLogger("server.engine")
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process ended before its engine was ready, without saying why."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if the daemon can unpickle it, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:                      # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _child(app_config: Any, threads: int, log_level: int, requests: Any, results: Any) -> None:
+    """The engine process: build the engine, then run its loop until told to stop (or
+    until the daemon's end of the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    send_lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            try:
+                results.send(msg)
+            except (OSError, EOFError):     # the daemon is gone; the reader sees EOF too
+                pass
+
+    try:
+        engine = build_engine(app_config)
+    except BaseException as exc:           # noqa: BLE001 - raised again in the daemon
+        send(("error", _portable(exc), traceback.format_exc()))
+        return
+    last_runtime: list[RuntimeInfo | None] = [None]
+
+    def runtime_if_changed() -> RuntimeInfo | None:
+        rt = engine.runtime
+        if rt == last_runtime[0]:
+            return None
+        last_runtime[0] = rt
+        return rt
+
+    def deliver(outputs: list[EngineOutput]) -> None:
+        send(("out", outputs, loop.stats, runtime_if_changed()))
+
+    loop = EngineLoop(engine, deliver, lambda rid, exc: send(("refused", rid, _portable(exc))),
+                      lambda error: send(("fatal", error)))
+    send(("ready", runtime_if_changed(), loop.stats))
+    inbox = read_into_queue(requests, "engine-reader")
+
+    def pump() -> None:                    # pipe -> the loop's inbox
+        while True:
+            msg = inbox.get()
+            if msg is None or msg[0] == "stop":          # stop, or the daemon is gone
+                if msg is None or not msg[1]:
+                    loop.put("abort_all", None)
+                threading.Thread(target=finish, name="engine-stop", daemon=True).start()
+                return
+            if msg[0] == "export":
+                engine.kv_export_sink = (lambda rid, n, rows: send(("export", rid, n, rows))) \
+                    if msg[1] else None
+                continue
+            loop.put(msg[0], msg[1])
+
+    def finish() -> None:                  # waits for the drain, then ends the loop
+        while loop.busy():
+            time.sleep(0.01)
+        loop.stop()
+
+    threading.Thread(target=pump, name="engine-pump", daemon=True).start()
+    loop.run()
+    deliver([])                            # the last stats
+    engine.shutdown()
+    send(("closed",))
+
+
+class EngineProcess:
+    """AsyncEngine's interface over an engine running in a child process (module doc)."""
+
+    def __init__(self, app_config: Any, proc: Any, requests: Any, results: Any,
+                 runtime: RuntimeInfo, stats: EngineStats) -> None:
+        self._app_config = app_config
+        self._proc = proc
+        self._requests = requests
+        self._results = results
+        self._runtime = runtime
+        self._stats = stats
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._accepting = True
+        self._closing = False
+        self._closed = threading.Event()
+        self._fatal: str | None = None
+        self._sink: Any = None
+        self._grammars: Any = None
+        self._reader: threading.Thread | None = None
+        self.on_fatal: Any = None
+
+    @classmethod
+    def from_config(cls, app_config: Any) -> "EngineProcess":
+        """Start the engine process and wait until its engine is built (or failed)."""
+        ctx = mp.get_context("spawn")
+        requests_rx, requests = ctx.Pipe(duplex=False)
+        results, results_tx = ctx.Pipe(duplex=False)
+        # Not a daemonic process: the engine may start processes of its own (workers
+        # for asynchronous scheduling or parallel ranks, which multiprocessing forbids
+        # under a daemonic one); it exits by itself when its pipe closes.
+        proc = ctx.Process(target=_child, name="engine", daemon=False,
+                           args=(app_config, torch.get_num_threads(), logging.getLogger().level,
+                                 requests_rx, results_tx))
+        proc.start()
+        requests_rx.close()
+        results_tx.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        msg: tuple | None = None
+        while time.monotonic() < deadline:
+            try:
+                if results.poll(0.5):
+                    msg = results.recv()
+                    break
+            except (EOFError, OSError):
+                break
+            if not proc.is_alive():
+                break
+        if msg is None or msg[0] != "ready":
+            requests.close()
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+            if msg is not None and msg[0] == "error":
+                log.debug("engine process start failed:\n%s", msg[2])
+                raise msg[1]
+            why = "timed out" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+            raise EngineProcessError(f"the engine process {why} before its engine was ready")
+        return cls(app_config, proc, requests, results, msg[1], msg[2])
+
+    # ---- AsyncEngine's interface ---------------------------------------------------------
+    async def start(self) -> None:
+        if self._reader is None:
+            loop = asyncio.get_running_loop()
+            self._reader = threading.Thread(target=self._read, args=(loop,), name="engine-results",
+                                            daemon=True)
+            self._reader.start()
+
+    async def submit(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the request's outputs; the last has finished=True.  Leaving early aborts."""
+        if not self._accepting:
+            raise RuntimeError("the engine is shutting down")
+        if self._fatal is not None:            # as the engine thread fails it after a fatal error
+            yield self._failed(req.request_id)
+            return
+        if not req.arrival_time:
+            req.arrival_time = time.monotonic()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            self._send(("add", req))
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self.abort(req.request_id)
+
+    async def prepare_grammar(self, grammar: str) -> None:
+        """Validate and compile ``grammar`` here, on a thread, so a bad one is refused
+        before submitting; the engine process compiles it again on first sight."""
+        if self._grammars is None:
+            from server.engine.config import engine_config_from_app
+            from server.engine.grammar import GrammarBook
+            self._grammars = GrammarBook(engine_config_from_app(self._app_config).tokenizer_dir,
+                                         self._runtime.vocab_size)
+        await asyncio.to_thread(self._grammars.compile, grammar)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def fatal_error(self) -> str | None:
+        return self._fatal
+
+    @property
+    def runtime(self) -> RuntimeInfo:
+        return self._runtime
+
+    @property
+    def kv_export_sink(self) -> Any:
+        return self._sink
+
+    @kv_export_sink.setter
+    def kv_export_sink(self, sink: Any) -> None:
+        """PD: the engine process sends each prefill's exported rows; ``sink`` gets them
+        on the reader thread (the same contract as the engine thread's call)."""
+        self._sink = sink
+        self._send(("export", sink is not None))
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Stop accepting; finish (drain) or abort what is in flight; end the process."""
+        self._accepting = False
+        self._closing = True
+        self._send(("stop", drain))
+        await asyncio.get_running_loop().run_in_executor(None, self._join, 15.0)
+
+    # ---- here ------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._requests.send(msg)
+            except (OSError, EOFError, BrokenPipeError):
+                pass                             # the reader reports the process's end
+
+    def _join(self, timeout: float) -> None:
+        self._closed.wait(timeout)
+        self._proc.join(max(0.1, timeout / 3))
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop; killing it")
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._requests.close()
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread: every message of the engine process, in order."""
+        while True:
+            try:
+                msg = self._results.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:                    # noqa: BLE001 - one message that does not load
+                log.exception("a message from the engine process could not be read")
+                continue
+            kind = msg[0]
+            if kind == "out":
+                _kind, outputs, self._stats, runtime = msg
+                if runtime is not None:
+                    self._runtime = runtime
+                if outputs:
+                    loop.call_soon_threadsafe(self._dispatch, outputs)
+            elif kind == "refused":
+                loop.call_soon_threadsafe(self._dispatch_error, msg[1], msg[2])
+            elif kind == "export":
+                if self._sink is not None:
+                    self._sink(msg[1], msg[2], msg[3])
+            elif kind == "fatal":
+                self._set_fatal(loop, msg[1])
+            elif kind == "closed":
+                break
+        self._closed.set()
+        if not self._closing:
+            self._proc.join(1.0)
+            code = self._proc.exitcode
+            self._set_fatal(loop, "the engine process exited unexpectedly"
+                            + (f" (exit code {code})" if code is not None else ""))
+            loop.call_soon_threadsafe(self._fail_streams)
+
+    def _set_fatal(self, loop: asyncio.AbstractEventLoop, error: str) -> None:
+        if self._fatal is not None:
+            return
+        self._fatal = error
+        if self.on_fatal is not None:
+            on_fatal, self.on_fatal = self.on_fatal, None
+            on_fatal(error)
+
+    # ---- event loop ------------------------------------------------------------------
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream[1].put_nowait(out)
+
+    def _dispatch_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream[1].put_nowait(exc)
+
+    def _fail_streams(self) -> None:
+        """The process is gone: every open stream ends with its error."""
+        for rid, (_loop, q) in list(self._streams.items()):
+            q.put_nowait(self._failed(rid))
+
+    def _failed(self, request_id: str) -> EngineOutput:
+        return EngineOutput(request_id=request_id, token_ids=[], text="", finished=True,
+                            finish_reason=FinishReason.ERROR, error=self._fatal)
+

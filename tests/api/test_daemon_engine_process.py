@@ -1,0 +1,104 @@
+"""The daemon's engine in a process of its own (server/engine/engine_process.py, the
+default) against the engine on a thread of the serving process ($MTP_SERVE_ENGINE_PROCESS=0).
+
+Same answers (greedy and seeded, streamed and not, tools and reasoning) and the same
+acceptance counters either way, on the demo model with MTP k=2; /v1/status names the
+process that runs the engine; a drain stops it with the daemon; and an engine process
+killed mid-stream ends the stream with an error, turns /health to 503 and makes the
+daemon exit 1 without leaving a process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from answers import answers, metric
+from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, make_config
+
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.slow, pytest.mark.demo,
+              pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
+DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
+K2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2,"adaptive_speculation":false}'}
+ENV = {"MTP_SERVE_COMPILE": "0"}
+
+
+def _counters(d: Daemon) -> tuple[int, int, int, int]:
+    """Drafts and accepted drafts (/metrics), requests finished and tokens (/v1/status)."""
+    engine = d.status()["engine"]
+    return (int(metric(d.metrics, "spec_decode_num_draft_tokens_total")),
+            int(metric(d.metrics, "spec_decode_num_accepted_tokens_total")),
+            engine["num_requests_finished"], engine["num_generation_tokens"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:          # a zombie is gone for our purposes
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+@pytest.fixture(scope="module")
+def on_a_thread(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("thread")
+    d = Daemon(make_config(folder, DEMO, model=K2), env={**ENV, "MTP_SERVE_ENGINE_PROCESS": "0"}).start()
+    try:
+        assert d.status()["runtime"]["engine_pid"] == d.proc.pid
+        return answers(d.base), _counters(d)
+    finally:
+        assert d.terminate() == 0
+
+
+def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(tmp_path, on_a_thread):
+    ref_answers, ref_counters = on_a_thread
+    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
+    try:
+        pid = d.status()["runtime"]["engine_pid"]
+        assert pid != d.proc.pid and _alive(pid)
+        assert answers(d.base) == ref_answers
+        assert _counters(d) == ref_counters      # the engine's stats come back with each step
+        assert d.terminate() == 0
+        assert _wait_gone(pid), "the engine process outlived the daemon"
+    finally:
+        d.kill()
+
+
+def test_a_killed_engine_process_fails_the_stream_and_the_daemon(tmp_path):
+    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
+    try:
+        pid = d.status()["runtime"]["engine_pid"]
+        client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60, max_retries=0)
+        stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", stream=True,
+                                           max_tokens=400, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as err:
+            for _chunk in stream:
+                pass
+        assert time.monotonic() - t0 < 30
+        assert "engine process" in str(err.value)
+        assert httpx.get(d.base + "/health", timeout=5).status_code == 503
+        st = d.status()
+        assert st["status"] == "unhealthy" and "engine process exited" in st["error"]
+        r = httpx.post(d.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi",
+                                                         "max_tokens": 4}, timeout=10)
+        assert r.status_code == 500 and "engine process" in r.json()["error"]["message"]
+        assert d.proc.wait(30) == 1
+        assert "worker group failed" in d.output()
+    finally:
+        d.kill()
