@@ -20,10 +20,10 @@ Why a graph set for a lone sequence: a graph made for two or more sequences woul
 specialise a batch of one, so a lone sequence used to run twice (padded), which cost a
 third of a plain decode step at concurrency 1.  Four more graphs (batch 1) take that away.
 
-Why in the background: eight graphs take one to two minutes to compile on two cores, and
+Why in the background: eight graphs take one to two minutes to compile on one core, and
 loading them still costs seconds.  A daemon (``BackgroundGraphs``) therefore opens its
-ports at once and serves the static step uncompiled; a child process compiles what the
-cache lacks (it builds the model from its config on uninitialised memory: the graphs take
+ports at once and serves the static step uncompiled; child processes (one per core, up
+to four, each with its share of the graphs) compile what the cache lacks (it builds the model from its config on uninitialised memory: the graphs take
 weights as inputs, so their values never matter), a thread loads the files, and the
 worker switches to the graphs between two steps.  Outputs are the same either way (the
 compiled graphs are exact), only faster.  ``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up
@@ -192,29 +192,40 @@ class BackgroundGraphs:
     def _run(self) -> dict:
         missing = self._missing()
         if missing:
-            log.info("static decode step: compiling %d graphs in a child process (serving the "
+            log.info("static decode step: compiling %d graphs in child processes (serving the "
                      "step uncompiled meanwhile)", len(missing))
-            self._compile_in_child(missing)
+            self._compile_in_children(missing)
         graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder)
         if loaded != len(graphs):                 # the child left a file that does not load
             log.warning("static decode step: %d graphs compiled in-process after the child's",
                         len(graphs) - loaded)
         return graphs
 
-    def _compile_in_child(self, files: list[str]) -> None:
-        spec = {"config": self.model.config, "dtype": next(self.model.parameters()).dtype, "files": files,
+    def _compile_in_children(self, files: list[str]) -> None:
+        """Compile ``files`` in child processes, one per core up to four (the graphs are
+        independent, and a first start is otherwise idle), each with one torch thread."""
+        spec = {"config": self.model.config, "dtype": next(self.model.parameters()).dtype,
                 "block_size": self.block_size, "device": str(self.device), "folder": str(self.folder)}
+        n = max(1, min(len(files), os.cpu_count() or 1, 4))
         with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
-            spec_file = Path(tmp) / "spec.pkl"
-            spec_file.write_bytes(pickle.dumps(spec))
-            log_file = Path(tmp) / "compile.log"
-            with open(log_file, "w") as out:
-                rc = subprocess.call([sys.executable, "-m", "server.engine.compile_step", str(spec_file)],
-                                     stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
-            if rc != 0:
-                tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"the compile process exited {rc}: {' | '.join(tail)}")
+            children = []
+            for i in range(n):
+                spec_file = Path(tmp) / f"spec{i}.pkl"
+                spec_file.write_bytes(pickle.dumps({**spec, "files": files[i::n]}))
+                log_file = Path(tmp) / f"compile{i}.log"
+                with open(log_file, "w") as out:
+                    proc = subprocess.Popen([sys.executable, "-m", "server.engine.compile_step", str(spec_file)],
+                                            stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
+                                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                children.append((proc, log_file))
+            failures = []
+            for proc, log_file in children:
+                rc = proc.wait()
+                if rc != 0:
+                    tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+                    failures.append(f"exited {rc}: {' | '.join(tail)}")
+            if failures:
+                raise RuntimeError(f"the compile process {failures[0]}")
 
     def poll(self) -> dict | None:
         if not self._future.done():
