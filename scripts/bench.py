@@ -14,6 +14,8 @@ Usage:
                                                                # (DIR from scripts/quantize.py)
   scripts/bench.py --compare kv                                # MTP k=1: float vs int8 KV cache
   scripts/bench.py --compare compile                           # MTP k=1: uncompiled vs compiled
+  scripts/bench.py --compare process                           # MTP off and k=1: the engine on a
+                                                               # thread vs in its own process
   scripts/bench.py --compare tp                                # MTP k=1: one process vs tp=2 ranks
   scripts/bench.py --compare pd                                # MTP k=1: co-located vs 1P + 1D + coordinator
                                                                # (first start and later start)
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
     ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp", "pd",
-                                          "structured"),
+                                          "structured", "process"),
                     default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
@@ -433,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
             # on both: the ranks do not compile their step)
             "tp": (("tp1", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}, 1),
                    ("tp2", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}, 2)),
+            # MTP off and k=1 with the engine on a thread of the serving process vs in its
+            # own process (the daemon's default)
+            "process": (("t-off", 0, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "0"}),
+                        ("t-k1", 1, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "0"}),
+                        ("p-off", 0, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "1"}),
+                        ("p-k1", 1, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "1"})),
             "mtp": (("off", 0, False, None, False), ("k1", 1, False, None, False),
                     ("k2", 2, False, None, False))}[args.compare]
     import torch
