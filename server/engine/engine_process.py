@@ -192,16 +192,16 @@ class EngineProcess:
         """Stream the request's outputs; the last has finished=True.  Leaving early aborts."""
         if not self._accepting:
             raise RuntimeError("the engine is shutting down")
-        if self._fatal is not None:            # as the engine thread fails it after a fatal error
-            yield self._failed(req.request_id)
-            return
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            self._send(("add", req))
+            if self._fatal is not None:        # as the engine thread fails it after a fatal error
+                q.put_nowait(self._failed(req.request_id))
+            else:
+                self._send(("add", req))
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
@@ -288,31 +288,44 @@ class EngineProcess:
             except Exception:                    # noqa: BLE001 - one message that does not load
                 log.exception("a message from the engine process could not be read")
                 continue
-            kind = msg[0]
-            if kind == "out":
-                _kind, outputs, self._stats, runtime = msg
-                if runtime is not None:
-                    self._runtime = runtime
-                if outputs:
-                    loop.call_soon_threadsafe(self._dispatch, outputs)
-            elif kind == "refused":
-                loop.call_soon_threadsafe(self._dispatch_error, msg[1], msg[2])
-            elif kind == "export":
-                if self._sink is not None:
-                    self._sink(msg[1], msg[2], msg[3])
-            elif kind == "fatal":
-                self._set_fatal(loop, msg[1])
-            elif kind == "closed":
+            if msg[0] == "closed":
                 break
+            try:
+                self._handle(loop, msg)
+            except Exception:                    # noqa: BLE001 - the reader must keep reading
+                log.exception("handling a %r message from the engine process failed", msg[0])
         self._closed.set()
         if not self._closing:
             self._proc.join(1.0)
             code = self._proc.exitcode
-            self._set_fatal(loop, "the engine process exited unexpectedly"
+            self._set_fatal("the engine process exited unexpectedly"
                             + (f" (exit code {code})" if code is not None else ""))
-            loop.call_soon_threadsafe(self._fail_streams)
+            self._call(loop, self._fail_streams)
 
-    def _set_fatal(self, loop: asyncio.AbstractEventLoop, error: str) -> None:
+    def _handle(self, loop: asyncio.AbstractEventLoop, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            _kind, outputs, self._stats, runtime = msg
+            if runtime is not None:
+                self._runtime = runtime
+            if outputs:
+                self._call(loop, self._dispatch, outputs)
+        elif kind == "refused":
+            self._call(loop, self._dispatch_error, msg[1], msg[2])
+        elif kind == "export":
+            if self._sink is not None:
+                self._sink(msg[1], msg[2], msg[3])
+        elif kind == "fatal":
+            self._set_fatal(msg[1])
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:                     # the event loop is closed: nobody to tell
+            pass
+
+    def _set_fatal(self, error: str) -> None:
         if self._fatal is not None:
             return
         self._fatal = error
