@@ -122,21 +122,21 @@ class _Server(uvicorn.Server):
         yield
 
 
-def load_engine(cfg: Any) -> tuple[Any, Any]:
-    """The tokenizer and the engine: in a process of its own (engine_process.py) unless
-    $MTP_SERVE_ENGINE_PROCESS=0."""
+def load_engine(cfg: Any, launch: Any = None) -> tuple[Any, Any]:
+    """The tokenizer and the engine: the process ``launch`` started (engine_process.py),
+    else an engine thread here ($MTP_SERVE_ENGINE_PROCESS=0)."""
     from server.text.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_dir(cfg.model_weight_path)
-    if getattr(cfg, "engine_process", False):
-        from server.engine.engine_process import EngineProcess
-        return tokenizer, EngineProcess.from_config(cfg)
+    if launch is not None:
+        return tokenizer, launch.wait()
     from server.engine.engine import AsyncEngine
     return tokenizer, AsyncEngine.from_config(cfg, tokenizer=tokenizer)
 
 
 class Daemon:
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, launch: Any = None) -> None:
         self.cfg = cfg
+        self.launch = launch               # engine_process.EngineLaunch, or None: a thread
         self.stop = asyncio.Event()
         self.servers: list[_Server] = []
         self.fatal: str | None = None      # the worker group failed: exit non-zero
@@ -176,7 +176,7 @@ class Daemon:
         kv_lst = Listener(pd_cfg.host, pd_cfg.port, {"kv-transfer"}) if pd_cfg else None
         # The checkpoint first: a checkpoint that cannot be served (a quantized tensor
         # missing its scale, say) fails the start before any port is bound.
-        tokenizer, engine = await asyncio.to_thread(load_engine, cfg)
+        tokenizer, engine = await asyncio.to_thread(load_engine, cfg, self.launch)
         try:
             bind_all(listeners + ([kv_lst] if kv_lst else []))
         except BaseException:
@@ -280,8 +280,14 @@ class Daemon:
 
 def run_daemon(cfg: Any) -> int:
     """Serve until stopped; returns the process exit code (0 after a clean drain)."""
+    launch = None
+    if getattr(cfg, "engine_process", False):
+        # First thing: the engine process loads the checkpoint while this one binds,
+        # builds TLS contexts and loads the tokenizer (engine_process.EngineLaunch).
+        from server.engine.engine_process import EngineLaunch
+        launch = EngineLaunch(cfg)
     try:
-        return asyncio.run(Daemon(cfg).run())
+        return asyncio.run(Daemon(cfg, launch).run())
     except DaemonError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAIL
@@ -289,3 +295,6 @@ def run_daemon(cfg: Any) -> int:
         log.debug("daemon failed", exc_info=True)
         print(f"error: daemon failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAIL
+    finally:
+        if launch is not None:
+            launch.abandon()               # no-op once the daemon took the engine

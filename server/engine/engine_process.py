@@ -26,6 +26,7 @@ import asyncio
 import logging
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -56,9 +57,12 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _child(app_config: Any, threads: int, log_level: int, requests: Any, results: Any) -> None:
+def _child(app_config: Any, threads: int, log_level: int, requests: Any, results: Any,
+           parent_ends: tuple = ()) -> None:
     """The engine process: build the engine, then run its loop until told to stop (or
     until the daemon's end of the pipe closes)."""
+    for conn in parent_ends:
+        conn.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -120,6 +124,76 @@ def _child(app_config: Any, threads: int, log_level: int, requests: Any, results
     send(("closed",))
 
 
+class EngineLaunch:
+    """An engine process on its way up: ``wait()`` gives the EngineProcess once its engine
+    is built, or raises what building it raised; ``abandon()`` if it will not be used.
+
+    Forked where the platform can (Linux): the child starts with the modules the daemon
+    has already imported, so it only loads the checkpoint, while the daemon goes on
+    with its own start-up.  The daemon launches it first thing, before any thread,
+    socket, torch kernel or tokenizer exists in its process, which is what makes a fork
+    safe; elsewhere (and from an engine built later) it is spawned."""
+
+    def __init__(self, app_config: Any, method: str | None = None) -> None:
+        self.app_config = app_config
+        if method is None:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        ctx = mp.get_context(method)
+        requests_rx, self.requests = ctx.Pipe(duplex=False)
+        self.results, results_tx = ctx.Pipe(duplex=False)
+        for stream in (sys.stdout, sys.stderr):   # or a fork repeats what is buffered
+            stream.flush()
+        # Not a daemonic process: the engine may start processes of its own (workers
+        # for asynchronous scheduling or parallel ranks, which multiprocessing forbids
+        # under a daemonic one); it exits by itself when its pipe closes.
+        # A forked child holds this side's pipe ends too: it closes them first, or its
+        # reader would never see the daemon go.
+        ours = (self.requests, self.results) if method == "fork" else ()
+        self.proc = ctx.Process(target=_child, name="engine", daemon=False,
+                                args=(app_config, torch.get_num_threads(), logging.getLogger().level,
+                                      requests_rx, results_tx, ours))
+        self.proc.start()
+        requests_rx.close()
+        results_tx.close()
+        self._used = False
+
+    def wait(self, timeout_s: float = START_TIMEOUT_S) -> "EngineProcess":
+        self._used = True
+        deadline = time.monotonic() + timeout_s
+        msg: tuple | None = None
+        while time.monotonic() < deadline:
+            try:
+                if self.results.poll(0.5):
+                    msg = self.results.recv()
+                    break
+            except (EOFError, OSError):
+                break
+            if not self.proc.is_alive():
+                break
+        if msg is None or msg[0] != "ready":
+            self._stop()
+            if msg is not None and msg[0] == "error":
+                log.debug("engine process start failed:\n%s", msg[2])
+                raise msg[1]
+            code = self.proc.exitcode
+            why = "timed out" if code is None else f"exited with code {code}"
+            raise EngineProcessError(f"the engine process {why} before its engine was ready")
+        return EngineProcess(self.app_config, self.proc, self.requests, self.results, msg[1], msg[2])
+
+    def abandon(self) -> None:
+        """The daemon stops before using the engine: end the process now."""
+        if not self._used:
+            self._used = True
+            self._stop()
+
+    def _stop(self) -> None:
+        self.requests.close()                     # the child's reader sees EOF and stops
+        self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+
+
 class EngineProcess:
     """AsyncEngine's interface over an engine running in a child process (module doc)."""
 
@@ -145,40 +219,7 @@ class EngineProcess:
     @classmethod
     def from_config(cls, app_config: Any) -> "EngineProcess":
         """Start the engine process and wait until its engine is built (or failed)."""
-        ctx = mp.get_context("spawn")
-        requests_rx, requests = ctx.Pipe(duplex=False)
-        results, results_tx = ctx.Pipe(duplex=False)
-        # Not a daemonic process: the engine may start processes of its own (workers
-        # for asynchronous scheduling or parallel ranks, which multiprocessing forbids
-        # under a daemonic one); it exits by itself when its pipe closes.
-        proc = ctx.Process(target=_child, name="engine", daemon=False,
-                           args=(app_config, torch.get_num_threads(), logging.getLogger().level,
-                                 requests_rx, results_tx))
-        proc.start()
-        requests_rx.close()
-        results_tx.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        msg: tuple | None = None
-        while time.monotonic() < deadline:
-            try:
-                if results.poll(0.5):
-                    msg = results.recv()
-                    break
-            except (EOFError, OSError):
-                break
-            if not proc.is_alive():
-                break
-        if msg is None or msg[0] != "ready":
-            requests.close()
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-            if msg is not None and msg[0] == "error":
-                log.debug("engine process start failed:\n%s", msg[2])
-                raise msg[1]
-            why = "timed out" if proc.exitcode is None else f"exited with code {proc.exitcode}"
-            raise EngineProcessError(f"the engine process {why} before its engine was ready")
-        return cls(app_config, proc, requests, results, msg[1], msg[2])
+        return EngineLaunch(app_config).wait()
 
     # ---- AsyncEngine's interface ---------------------------------------------------------
     async def start(self) -> None:

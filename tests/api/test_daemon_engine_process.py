@@ -2,10 +2,11 @@
 default) against the engine on a thread of the serving process ($MTP_SERVE_ENGINE_PROCESS=0).
 
 Same answers (greedy and seeded, streamed and not, tools and reasoning) and the same
-acceptance counters either way, on the demo model with MTP k=2; /v1/status names the
+counters (drafts, accepted drafts, requests, tokens) either way, on the demo model with MTP k=2; /v1/status names the
 process that runs the engine; a drain stops it with the daemon; and an engine process
 killed mid-stream ends the stream with an error, turns /health to 503 and makes the
-daemon exit 1 without leaving a process behind.
+daemon exit 1 without leaving a process behind; a daemon killed outright takes the engine
+process with it.
 """
 from __future__ import annotations
 
@@ -100,5 +101,17 @@ def test_a_killed_engine_process_fails_the_stream_and_the_daemon(tmp_path):
         assert r.status_code == 500 and "engine process" in r.json()["error"]["message"]
         assert d.proc.wait(30) == 1
         assert "worker group failed" in d.output()
+    finally:
+        d.kill()
+
+
+def test_the_engine_process_does_not_outlive_a_killed_daemon(tmp_path):
+    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
+    try:
+        pid = d.status()["runtime"]["engine_pid"]
+        assert pid != d.proc.pid and _alive(pid)
+        d.proc.send_signal(signal.SIGKILL)         # no drain, no goodbye: only the pipe closes
+        d.proc.wait(10)
+        assert _wait_gone(pid), "the engine process outlived a killed daemon"
     finally:
         d.kill()
