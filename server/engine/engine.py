@@ -1,9 +1,12 @@
 """The engine's async front (AsyncEngine) over the synchronous core (core.LLMEngine).
 
-A dedicated thread owns the core (model, KV pool, scheduler) and runs step() in a loop;
-the event loop talks to it only through an inbox (submit / abort) and gets outputs back
-with ``loop.call_soon_threadsafe``.  Torch releases the GIL in kernels, so the event loop
-stays responsive while a step runs.
+A dedicated thread owns the core (model, KV pool, scheduler) and runs ``EngineLoop``:
+step() while there is work; the event loop talks to it only through an inbox (submit /
+abort) and gets outputs back with ``loop.call_soon_threadsafe``.  Torch releases the GIL
+in kernels, so the event loop stays responsive while a step runs, but the two still take
+turns on the interpreter lock; the daemon therefore runs the same loop in a process of
+its own by default (engine_process.py), and this thread front serves engines built
+in-process (tests, scripts) and ``$MTP_SERVE_ENGINE_PROCESS=0``.
 """
 from __future__ import annotations
 
