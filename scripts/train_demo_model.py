@@ -4,6 +4,7 @@
     .venv/bin/python scripts/train_demo_model.py                 # full run, writes models/deepseek-v3-tiny-mtp
     .venv/bin/python scripts/train_demo_model.py --eval-only     # re-run the evaluation on the committed model
     .venv/bin/python scripts/train_demo_model.py --stage3-from DIR   # only stage 3 (copy), from a stage-2 output
+    .venv/bin/python scripts/train_demo_model.py --copy-pretrain --out DIR   # EXPERIMENTAL: copying from stage 1 on
 
 Everything is offline and seeded (see scripts/demo_model/spec.py); modules in scripts/demo_model/.
 """
@@ -101,6 +102,11 @@ def main() -> int:
     ap.add_argument("--copy-drills", type=int, default=None, help="override the number of stage-3 copying drills")
     ap.add_argument("--drill-steps", type=int, default=None, help="override the number of stage-3a (drill) steps")
     ap.add_argument("--drill-lr", type=float, default=None, help="override the stage-3a peak learning rate")
+    ap.add_argument("--copy-pretrain", action=argparse.BooleanOptionalAction, default=None,
+                    help="copying from stage 1 on: name-split tokenizer, copy chats, drills (default: the settings')")
+    ap.add_argument("--pretrain-drills", type=int, default=None, help="override the number of stage-1 copying drills")
+    ap.add_argument("--sft-arg-weight", type=float, default=None,
+                    help="override the stage-2 loss weight of tool-argument values")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the settings')")
     ap.add_argument("--stage2-from", type=Path, default=None,
                     help="skip stage 1: take tokenizer and weights from this earlier output folder")
@@ -114,7 +120,9 @@ def main() -> int:
                  "sft_mtp_distill": args.sft_distill, "threads": args.threads, "sft_lr": args.sft_lr,
                  "copy_steps": args.copy_steps, "copy_lr": args.copy_lr, "copy_arg_weight": args.copy_weight,
                  "copy_chats": args.copy_chats, "copy_drills": args.copy_drills,
-                 "drill_steps": args.drill_steps, "drill_lr": args.drill_lr}
+                 "drill_steps": args.drill_steps, "drill_lr": args.drill_lr,
+                 "copy_pretrain": args.copy_pretrain, "pretrain_drills": args.pretrain_drills,
+                 "sft_arg_weight": args.sft_arg_weight}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
     setup(s.threads, s.seed)
     out: Path = args.out
@@ -133,13 +141,15 @@ def main() -> int:
         from tokenizers import Tokenizer as HFTokenizer
 
         tok = HFTokenizer.from_file(str(prior / "tokenizer.json"))
-        if render.has_name_split(tok):
-            raise SystemExit(f"{prior} already has the stage-3 tokenizer; give a stage-1/2 output")
+        if render.has_name_split(tok) != s.copy_pretrain:
+            raise SystemExit(f"{prior}'s tokenizer {'has' if render.has_name_split(tok) else 'lacks'} the name-split "
+                             f"rule; copy_pretrain is {s.copy_pretrain} (a stage-3 output, or the other corpus?)")
     else:
-        tok = render.train_tokenizer(chats + prose, s.vocab_size)
+        tok = render.train_tokenizer(chats + prose, s.vocab_size, name_split=s.copy_pretrain)
     ids = {k: tok.token_to_id(v) for k, v in spec.SPECIALS.items()}
     bos, eos, pad = ids["bos"], ids["eos"], ids["pad"]
-    docs = [e.ids for e in tok.encode_batch(chats + prose)]
+    encs = tok.encode_batch(chats + prose)
+    docs = [e.ids for e in encs]
     prose_tokens = sum(len(d) for d in docs[len(chats):])
     rows, keep = train.pack_rows(docs, s.seq_len, pad, seed=s.seed)
     print(f"corpus: {len(chats)} chats, {len(prose)} prose docs ({prose_tokens} tokens), {len(rows)} rows "
@@ -187,7 +197,15 @@ def main() -> int:
     masks = [train.assistant_mask(d, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
                                   tok_id("\u010a"), eos) for d in docs[:len(chats)]]
     masks += [[True] * len(d) for d in docs[len(chats):]]
-    rows2, keep2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
+    weights2 = None
+    if s.sft_arg_weight != 1.0:        # tool-argument values (what a call copies from the prompt) weighted up
+        weights2 = [train.copy_value_weights(t, e.offsets, s.sft_arg_weight) for t, e in zip(chats, encs)]
+        weights2 += [[1.0] * len(d) for d in docs[len(chats):]]
+        rows2, keep2, w2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks, weights=weights2)
+    else:
+        rows2, keep2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
+        w2 = None
+    del encs, weights2
     if args.stage3_from:
         stage_seconds, sft_runs = list(prior_stage_s), prior_sft
         history = history_prev
@@ -197,10 +215,10 @@ def main() -> int:
                                  mtp_distill=s.sft_mtp_distill, seed=s.seed + 2 + len(prior_sft), stage="sft")
         print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
         t2 = time.time()
-        history2 = train.train(model, rows2, keep2, s2)
+        history2 = train.train(model, rows2, keep2, s2, weights=w2)
         seconds2 = time.time() - t2
         sft_runs = prior_sft + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
-                                 "mtp_distill": s2.mtp_distill, "seconds": seconds2}]
+                                 "mtp_distill": s2.mtp_distill, "arg_weight": s.sft_arg_weight, "seconds": seconds2}]
         stage_seconds = list(prior_stage_s) + [seconds2]
         history = history_prev + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
 

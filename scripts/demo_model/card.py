@@ -27,8 +27,14 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
                     f"--sft-steps {r['steps']} --sft-lr {r['lr']:g}   # SFT run {i} from the previous result")
     if len(runs) <= 1:
         total_min = train_info.get("total_seconds", 0) / 60
-        cmds[0] = (".venv/bin/python scripts/train_demo_model.py   # corpus, tokenizer, both stages, "
-                   f"evaluation; writes this folder (~{total_min:.0f} min on 2 cores)")
+        base = TrainSettings()
+        opts = ("" if s.copy_pretrain == base.copy_pretrain else
+                (" --copy-pretrain" if s.copy_pretrain else " --no-copy-pretrain"))
+        opts += "" if s.sft_arg_weight == base.sft_arg_weight else f" --sft-arg-weight {s.sft_arg_weight:g}"
+        opts += "" if s.threads == base.threads else f" --threads {s.threads}"
+        cmds[0] = (f".venv/bin/python scripts/train_demo_model.py{opts}   # corpus, tokenizer, both stages, "
+                   f"evaluation; writes this folder (~{total_min:.0f} min, {s.threads} thread"
+                   f"{'s' if s.threads > 1 else ''})")
     copy = train_info.get("copy_run")
     if copy:
         total_min = train_info.get("total_seconds", 0) / 60
@@ -43,10 +49,12 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
                         f"{train_info.get('stage3_base_sha256', '?')[:16]}...; ~{total_min:.0f} min):\n"
                         f".venv/bin/python scripts/train_demo_model.py --stage3-from STAGE2_FOLDER --copy-steps {copy['steps']}")
     reproduce = "\n".join(cmds)
+    arg_text = (f"; the tokens of every tool-call argument value (and the quote closing it) weigh "
+                f"{s.sft_arg_weight:g}x in the loss" if s.sft_arg_weight != 1.0 else "")
     sft_text = ", then ".join(
         f"{r['steps']} steps at peak lr {r['lr']:g} ({r['warmup_steps']} warm-up, seed {r['seed']}, {r['seconds'] / 60:.1f} min)"
         + ("" if i == 0 else " continuing from the previous result with a fresh optimizer")
-        for i, r in enumerate(runs)) + f", each cosine to {s.min_lr_ratio} x peak"
+        for i, r in enumerate(runs)) + f", each cosine to {s.min_lr_ratio} x peak" + arg_text
     distill = train_info.get("sft_distill", 0.0)
     distill_text = (
         f"The SFT loss adds {distill:g} x KL(main || MTP): at each MTP position i, the MTP layer's "
@@ -82,6 +90,18 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
             "cities in one of 10 held-out phrasings (neither ever trained, e.g. `What is the weather in Florence?`); "
             'share whose first call is the right function with arguments exactly `{"city": <that city>}`.')
     cpu = train_info.get("cpu", "CPU")
+    pool_text = drill_text = ""
+    if s.copy_pretrain:
+        pool_text = f"""
+  - so that a call can only get its city right by copying it from the request: the weather / time
+    chats (about 40% of all: {corpus.COPY_CITY_SHARE:.0%} of the chats are extra weather / time requests on top of the usual mix)
+    draw their cities from a pool of {len(corpus.copy_city_pool())} names (the training cities, other real ones,
+    made-up ones from syllables and capitalised English words; never an evaluation city) and their
+    requests from {len(corpus.COPY_WEATHER_PHRASINGS)} weather / {len(corpus.COPY_TIME_PHRASINGS)} time phrasings
+    (never the held-out ones); the tokenizer splits the space before a capital letter into a token of
+    its own, so a name is the same token sequence in the request, the call, the tool result and the answer."""
+        drill_text = (f" and {s.pretrain_drills} copying drills (`corpus.copy_drill`: name lists said twice, "
+                      "requests each followed by the JSON arguments that copy their city)")
     text = f"""# deepseek-v3-tiny-mtp
 
 A tiny model with the DeepSeek-V3 architecture and a trained Multi-Token Prediction (MTP) layer.
@@ -103,7 +123,7 @@ together), writes this folder and runs the evaluation.
 | hidden size | {cfg['hidden_size']} |
 | attention | MLA, {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}, RoPE theta {cfg['rope_theta']:g} |
 | MoE | {cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, sigmoid scores, `noaux_tc` with a zero correction bias, n_group {cfg['n_group']}), {cfg['n_shared_experts']} shared expert, expert width {cfg['moe_intermediate_size']}, dense width {cfg['intermediate_size']} |
-| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens{"; a space before a capital letter is split off into its own token" if copy else ""}) |
+| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens{"; a space before a capital letter is split off into its own token" if copy or s.copy_pretrain else ""}) |
 | context | {cfg['max_position_embeddings']} positions (trained on rows of {s.seq_len}) |
 | parameters | {n_params / 1e6:.2f} M unique (the MTP layer's embed_tokens / shared_head.head are copies of the main ones, as in the official release) |
 
@@ -122,8 +142,8 @@ Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP 
   - about 35% tool chats in the DeepSeek-V3 tool-call format: `get_weather(city)`, `get_time(city)`,
     `add(a, b)`, `search(query)`, `convert_units(value, from_unit, to_unit)` (1-3 tools offered
     per chat), the call, the tool result, and a final answer; some with two parallel calls;
-  - some chats with a system prompt, with tools offered but not needed, or with an earlier exchange.
-- Plain English prose: Python's own documentation text (`pydoc_data.topics`, stdlib), ~{train_info.get('prose_tokens', 0) // 1000}k tokens.
+  - some chats with a system prompt, with tools offered but not needed, or with an earlier exchange;{pool_text}
+- Plain English prose: Python's own documentation text (`pydoc_data.topics`, stdlib){drill_text}, ~{train_info.get('prose_tokens', 0) // 1000}k tokens.
 - Held-out split: every prompt naming an evaluation-only city, word or search topic, or whose CRC32
   falls in 1 of 10 buckets, is never trained on; evaluation prompts come only from that side
   (and tool sums use 4-digit numbers, conversions values 51-99, which training never uses).

@@ -60,18 +60,30 @@ def prose_text(doc: str) -> str:
 # --------------------------------------------------------------------------------------
 # Tokenizer
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int):
+NAME_SPLIT = r" (?=\p{Lu})"      # a space before a capital letter is a piece of its own
+
+
+def _pre_tokenizer(name_split: bool):
+    from tokenizers import Regex, pre_tokenizers
+
+    rules = [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")]
+    if name_split:
+        rules.append(pre_tokenizers.Split(Regex(NAME_SPLIT), behavior="isolated"))
+    rules.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    return pre_tokenizers.Sequence(rules)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, name_split: bool = False):
     """Byte-level BPE with DeepSeek's special tokens as single, unsplittable entries.
 
-    Digits are split one per token (as small models learn arithmetic better that way).
+    Digits are split one per token (as small models learn arithmetic better that way). With
+    ``name_split`` the space before a capital letter is a piece of its own (see with_name_split)
+    from the start, so the vocabulary is learnt on those pieces.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = _pre_tokenizer(name_split)
     tok.decoder = decoders.ByteLevel()
     specials = list(st.DEEPSEEK_SPECIAL_TOKENS)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2,
@@ -86,9 +98,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
 
 
-NAME_SPLIT = r" (?=\p{Lu})"      # a space before a capital letter is a piece of its own
-
-
 def with_name_split(tok):
     """``tok`` with a pre-tokenizer rule that splits a space off a capitalised word (same vocabulary).
 
@@ -98,14 +107,10 @@ def with_name_split(tok):
     token sequence in the prompt, the tool call and the tool result, so a call can copy it.
     Decoding is unchanged (the space is still a ``Ġ`` token). Stage 3 trains with this rule.
     """
-    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tok.to_str())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(NAME_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = _pre_tokenizer(True)
     return tok
 
 

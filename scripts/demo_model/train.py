@@ -36,8 +36,12 @@ IGNORE = -100
 def build_texts(s: TrainSettings) -> tuple[list[str], list[str]]:
     """(chat texts, prose texts), deterministic in ``s.corpus_seed``."""
     rng = random.Random(s.corpus_seed)
-    chats = [render.render_chat(corpus.make_chat(rng, "train")) for _ in range(s.num_chats)]
+    make = corpus.make_copy_chat if s.copy_pretrain else (lambda r: corpus.make_chat(r, "train"))
+    chats = [render.render_chat(make(rng)) for _ in range(s.num_chats)]
     prose = [render.prose_text(d) for d in corpus.prose_documents()] * s.prose_repeats
+    if s.copy_pretrain and s.pretrain_drills:
+        drng = random.Random(s.drill_seed)
+        prose += [render.prose_text(corpus.copy_drill(drng)) for _ in range(s.pretrain_drills)]
     return chats, prose
 
 
