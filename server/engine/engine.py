@@ -11,6 +11,7 @@ in-process (tests, scripts) and ``$MTP_SERVE_ENGINE_PROCESS=0``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -136,12 +137,59 @@ class EngineLoop:
                 on_fatal(eng.fatal_error)
 
 
+class OutputStreams:
+    """The open requests of an engine front: one asyncio queue each, filled from the
+    engine's side (``put_threadsafe``) or from the event loop (``put``)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def ids(self) -> list[str]:
+        return list(self._queues)
+
+    async def open(self, req: EngineRequest, start: Any, abort: Any) -> AsyncIterator[EngineOutput]:
+        """Register ``req``, ``start(q)`` it, then yield its outputs (an exception put
+        in the queue is raised) until the finished one; leaving early calls ``abort``."""
+        if not req.arrival_time:
+            req.arrival_time = time.monotonic()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            start(q)
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished:
+                abort(req.request_id)
+
+    def put(self, request_id: str, item: Any) -> None:
+        """On the event loop: ``item`` (an EngineOutput or an exception) to that stream."""
+        stream = self._queues.get(request_id)
+        if stream is not None:
+            stream[1].put_nowait(item)
+
+    def put_threadsafe(self, request_id: str, item: Any) -> None:
+        """The same, from another thread."""
+        stream = self._queues.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+
 class AsyncEngine:
     """Async front: ``submit`` streams EngineOutputs; the engine runs on its own thread."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = OutputStreams()
         self._loop = EngineLoop(engine, self._deliver, self._deliver_error, self._fatal)
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -164,25 +212,10 @@ class AsyncEngine:
         """Stream the request's outputs; the last has finished=True.  Leaving early aborts."""
         if not self._accepting:
             raise RuntimeError("the engine is shutting down")
-        if not req.arrival_time:
-            req.arrival_time = time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (asyncio.get_running_loop(), q)
-        self._loop.put("add", req)
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
+        async with contextlib.aclosing(self._streams.open(req, lambda _q: self._loop.put("add", req),
+                                                          self.abort)) as outputs:
+            async for out in outputs:
                 yield out
-                if finished:
-                    break
-        finally:
-            self._streams.pop(req.request_id, None)
-            if not finished:
-                self.abort(req.request_id)
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Compile ``grammar`` on a thread before a request using it is submitted, so the
@@ -221,7 +254,7 @@ class AsyncEngine:
         """Stop accepting; finish (drain) or abort what is in flight; stop the thread."""
         self._accepting = False
         if not drain:
-            for rid in list(self._streams):
+            for rid in self._streams.ids():
                 self.abort(rid)
         while drain and self._loop.busy() and self._thread is not None and self._thread.is_alive():
             await asyncio.sleep(0.01)
@@ -234,16 +267,10 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                loop, q = stream
-                loop.call_soon_threadsafe(q.put_nowait, out)
+            self._streams.put_threadsafe(out.request_id, out)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, exc)
+        self._streams.put_threadsafe(request_id, exc)
 
     def _fatal(self, error: str) -> None:
         if self.on_fatal is not None:

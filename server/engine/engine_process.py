@@ -23,6 +23,7 @@ the serving process, as engines built in-process always are); ``AppConfig.engine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 import signal
@@ -35,7 +36,7 @@ from typing import Any, AsyncIterator
 import torch
 import torch.multiprocessing as mp
 
-from server.engine.engine import EngineLoop, build_engine
+from server.engine.engine import EngineLoop, OutputStreams, build_engine
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
@@ -206,7 +207,7 @@ class EngineProcess:
         self._runtime = runtime
         self._stats = stats
         self._send_lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = OutputStreams()
         self._accepting = True
         self._closing = False
         self._closed = threading.Event()
@@ -233,28 +234,15 @@ class EngineProcess:
         """Stream the request's outputs; the last has finished=True.  Leaving early aborts."""
         if not self._accepting:
             raise RuntimeError("the engine is shutting down")
-        if not req.arrival_time:
-            req.arrival_time = time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (asyncio.get_running_loop(), q)
-        finished = False
-        try:
+
+        def start(q: asyncio.Queue) -> None:
             if self._fatal is not None:        # as the engine thread fails it after a fatal error
                 q.put_nowait(self._failed(req.request_id))
             else:
                 self._send(("add", req))
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
+        async with contextlib.aclosing(self._streams.open(req, start, self.abort)) as outputs:
+            async for out in outputs:
                 yield out
-                if finished:
-                    break
-        finally:
-            self._streams.pop(req.request_id, None)
-            if not finished:
-                self.abort(req.request_id)
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Validate and compile ``grammar`` here, on a thread, so a bad one is refused
@@ -352,7 +340,7 @@ class EngineProcess:
             if outputs:
                 self._call(loop, self._dispatch, outputs)
         elif kind == "refused":
-            self._call(loop, self._dispatch_error, msg[1], msg[2])
+            self._call(loop, self._streams.put, msg[1], msg[2])
         elif kind == "export":
             if self._sink is not None:
                 self._sink(msg[1], msg[2], msg[3])
@@ -377,19 +365,12 @@ class EngineProcess:
     # ---- event loop ------------------------------------------------------------------
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream[1].put_nowait(out)
-
-    def _dispatch_error(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream[1].put_nowait(exc)
+            self._streams.put(out.request_id, out)
 
     def _fail_streams(self) -> None:
         """The process is gone: every open stream ends with its error."""
-        for rid, (_loop, q) in list(self._streams.items()):
-            q.put_nowait(self._failed(rid))
+        for rid in self._streams.ids():
+            self._streams.put(rid, self._failed(rid))
 
     def _failed(self, request_id: str) -> EngineOutput:
         return EngineOutput(request_id=request_id, token_ids=[], text="", finished=True,

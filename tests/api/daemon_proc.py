@@ -24,6 +24,16 @@ READY = "Daemon start success!"
 MODEL_NAME = "tiny-mtp"
 
 
+def process_alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a zombie is gone for our purposes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

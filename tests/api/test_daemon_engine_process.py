@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from answers import answers, metric
-from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, make_config
+from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, make_config, process_alive
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
@@ -36,20 +36,11 @@ def _counters(d: Daemon) -> tuple[int, int, int, int]:
             engine["num_requests_finished"], engine["num_generation_tokens"])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:          # a zombie is gone for our purposes
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
 def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not _alive(pid)
+    return not process_alive(pid)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +59,7 @@ def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(tm
     d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
     try:
         pid = d.status()["runtime"]["engine_pid"]
-        assert pid != d.proc.pid and _alive(pid)
+        assert pid != d.proc.pid and process_alive(pid)
         assert answers(d.base) == ref_answers
         assert _counters(d) == ref_counters      # the engine's stats come back with each step
         assert d.terminate() == 0
@@ -109,7 +100,7 @@ def test_the_engine_process_does_not_outlive_a_killed_daemon(tmp_path):
     d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
     try:
         pid = d.status()["runtime"]["engine_pid"]
-        assert pid != d.proc.pid and _alive(pid)
+        assert pid != d.proc.pid and process_alive(pid)
         d.proc.send_signal(signal.SIGKILL)         # no drain, no goodbye: only the pipe closes
         d.proc.wait(10)
         assert _wait_gone(pid), "the engine process outlived a killed daemon"

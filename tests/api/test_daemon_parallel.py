@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from answers import answers, metric
-from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
+from daemon_proc import (MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config,
+                         process_alive)
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
@@ -53,15 +54,6 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:          # a zombie is gone for our purposes
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
 def test_tp2_daemon_answers_like_one_process_then_survives_a_dead_rank(tmp_path, reference):
     ref_answers, ref_acceptance = reference
     cfg = make_config(tmp_path, DEMO, model={**K2, "worldSize": 2},
@@ -74,7 +66,7 @@ def test_tp2_daemon_answers_like_one_process_then_survives_a_dead_rank(tmp_path,
         par = status["runtime"]["parallel"]
         assert (par["world_size"], par["moe_tp"], par["moe_ep"]) == (2, 2, 1)
         pids = par["worker_pids"]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
 
         # A long stream, then rank 1 dies under it.
         client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60, max_retries=0)
@@ -95,9 +87,9 @@ def test_tp2_daemon_answers_like_one_process_then_survives_a_dead_rank(tmp_path,
         assert d.proc.wait(30) == 1
         assert "worker group failed" in d.output()
         deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(p) for p in pids), "a rank outlived the daemon"
+        assert not any(process_alive(p) for p in pids), "a rank outlived the daemon"
     finally:
         d.kill()
 
@@ -118,7 +110,7 @@ def test_two_node_group_on_loopback(tmp_path, reference):
         assert len(pids) == 1                             # rank 0 here, rank 1 on "node 1"
         assert _answers(d) == ref_answers
         assert d.terminate() == 0                          # SIGTERM: drain, stop every rank
-        assert not any(_alive(p) for p in pids)
+        assert not any(process_alive(p) for p in pids)
         out, _ = node1.communicate(timeout=30)
         assert node1.returncode == 0, out
         assert "the group was shut down" in out
