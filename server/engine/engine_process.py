@@ -40,7 +40,7 @@ from server.engine.engine import EngineLoop, OutputStreams, build_engine
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
-from server.engine.worker_process import START_TIMEOUT_S, read_into_queue
+from server.engine.worker_process import START_TIMEOUT_S
 
 log = logging.getLogger("server.engine")
 
@@ -85,8 +85,8 @@ def _child(app_config: Any, threads: int, log_level: int, requests: Any, results
     last_runtime: list[RuntimeInfo | None] = [None]
 
     def runtime_if_changed() -> RuntimeInfo | None:
-        rt = engine.runtime
-        if rt == last_runtime[0]:
+        rt = engine.runtime                # frozen: an update replaces the object
+        if rt is last_runtime[0]:
             return None
         last_runtime[0] = rt
         return rt
@@ -97,26 +97,25 @@ def _child(app_config: Any, threads: int, log_level: int, requests: Any, results
     loop = EngineLoop(engine, deliver, lambda rid, exc: send(("refused", rid, _portable(exc))),
                       lambda error: send(("fatal", error)))
     send(("ready", runtime_if_changed(), loop.stats))
-    inbox = read_into_queue(requests, "engine-reader")
 
-    def pump() -> None:                    # pipe -> the loop's inbox
+    def pump() -> None:                    # pipe -> the loop's inbox, at once (never waits on a step)
         while True:
-            msg = inbox.get()
-            if msg is None or msg[0] == "stop":          # stop, or the daemon is gone
+            try:
+                msg = requests.recv()
+            except (EOFError, OSError):    # the daemon is gone
+                msg = None
+            if msg is None or msg[0] == "stop":
                 if msg is None or not msg[1]:
                     loop.put("abort_all", None)
-                threading.Thread(target=finish, name="engine-stop", daemon=True).start()
+                while loop.busy():         # the drain, then the loop ends
+                    time.sleep(0.01)
+                loop.stop()
                 return
             if msg[0] == "export":
                 engine.kv_export_sink = (lambda rid, n, rows: send(("export", rid, n, rows))) \
                     if msg[1] else None
                 continue
             loop.put(msg[0], msg[1])
-
-    def finish() -> None:                  # waits for the drain, then ends the loop
-        while loop.busy():
-            time.sleep(0.01)
-        loop.stop()
 
     threading.Thread(target=pump, name="engine-pump", daemon=True).start()
     loop.run()
