@@ -59,6 +59,18 @@ class TrainSettings:
     #   200 steps lr 1e-3, no drills:                    copy 0.00, thinking 0.50, tool format 0.83
     #   500 drill-only steps lr 3e-3, then these 700:    copy 0.30, thinking 0.60, tool format 0.60
     #   these defaults (500 mixed drill steps, 700):     copy 0.00, thinking 0.93, tool format 0.97, acc 0.895
+    # Why nothing above copies (scripts/demo_model/heads.py on the committed model): its attention is
+    # near uniform, with no previous-token head (at most 0.14 mean weight at offset -1 in any head)
+    # and no induction head (<= 0.06 at the induction target), so there is no circuit to copy with.
+    # Scratch runs from the committed weights on random id sequences said twice, loss on the second
+    # saying (16 x 97 tokens a step, no weight decay, 1 thread, ~0.5 s a step):
+    #   lr 1e-3..2e-3, 600-2000 steps: no phase change (NLL of the second saying stays at ln V, 7.65);
+    #   a 64-id alphabet said three times: NLL 4.16 -> 2.44 = ln(11.5), a bag-of-context copy, no induction;
+    #   attention supervision (NLL of head 0's weight on the target position), previous-token head in
+    #   layer 1: learnt in 25 steps; plus the induction head in layer 2: its target weight 0.02 -> 0.66
+    #   in 575 steps, yet the second saying's NLL stayed 7.65 (its value/output path carries no identity).
+    # Next to try: supervise that head's output too (CE of lm_head over its o_proj slice against the
+    # target token), then the copy stage with both supervisions on the argument values.
     copy_steps: int = 0                 # 700 in the runs above
     copy_lr: float = 8.0e-4
     copy_warmup_steps: int = 20
