@@ -80,6 +80,7 @@ def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> d
     torch.set_num_threads(threads)            # as the daemons run (OMP_NUM_THREADS=--threads)
     from server.api.grammars import response_format_grammar
     from server.engine import grammar as G
+    from server.engine import grammar_masks as GM
     from server.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(weights)
     vocab = json.loads((weights / "config.json").read_text())["vocab_size"]
@@ -87,14 +88,14 @@ def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> d
     g = response_format_grammar(FORMAT).grammar
     book.compile(g)
     ids = tok.encode(json.dumps({"city": "Paris", "temperature_c": 21, "conditions": "sunny"}))
-    applier = G.MaskApplier(vocab, torch.device("cpu"))
+    applier = GM.MaskApplier(vocab, torch.device("cpu"))
     logits = torch.randn(batch * (k + 1), vocab)
     masks_s = apply_s = 0.0
     for _ in range(5):
         ms = [book.matcher(g, []) for _ in range(batch)]
         for j in range(len(ids) - k):
             t0 = time.perf_counter()
-            rows, bm = G.window_masks(ms, [ids[j + 1:j + 1 + k]] * batch, book.words)
+            rows, bm = GM.window_masks(ms, [ids[j + 1:j + 1 + k]] * batch, book.words)
             t1 = time.perf_counter()
             applier.apply(logits, torch.tensor(rows), bm)
             t2 = time.perf_counter()

@@ -26,7 +26,9 @@ Module map (one concept each; engine side, then the step messages, then the work
     output.py         OutputProcessor: detokenization, stop strings, EngineOutput
     stats.py          EngineStats counters for /metrics, StatsRecorder
     core.py           LLMEngine: step() = schedule, execute, update, emit
-    engine.py         AsyncEngine: the engine thread and the async front
+    engine.py         AsyncEngine: the engine thread and the async front; EngineLoop
+    engine_process.py EngineProcess: the engine in a process of its own (the daemon's default)
+    streams.py        OutputStreams: one asyncio queue per open request (no torch)
     messages.py       SchedulerOutput / ModelRunnerOutput (plain, picklable; no torch)
     executor.py       InProcessExecutor: the worker inline or on a worker thread (async)
     worker.py         Worker: owns model, KV tensors, request states, the MTP proposer

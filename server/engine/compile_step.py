@@ -52,6 +52,7 @@ import torch
 
 from server.model import static_decode
 from server.model.batch import DecodeMetadata
+from server.model.meta import meta_device
 
 log = logging.getLogger("server.engine")
 
@@ -249,7 +250,7 @@ def _child(spec_file: Path) -> int:
     threading.Thread(target=watch, daemon=True).start()
     torch.set_num_threads(1)
     device = torch.device(spec["device"])
-    with torch.device("meta"):
+    with meta_device():
         model = DeepseekV3ForCausalLM(spec["config"])
     model = model.to(spec["dtype"]).to_empty(device=device)   # never read: shapes are what count
     folder = Path(spec["folder"])

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+# How long a child process (engine process, worker, rank) may take to load and report ready.
+START_TIMEOUT_S = 300.0
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:

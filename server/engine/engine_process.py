@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing as mp
 import pickle
 import signal
 import sys
@@ -33,14 +34,11 @@ import time
 import traceback
 from typing import Any, AsyncIterator
 
-import torch
-import torch.multiprocessing as mp
-
-from server.engine.engine import EngineLoop, OutputStreams, build_engine
+from server.engine.config import START_TIMEOUT_S
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
-from server.engine.worker_process import START_TIMEOUT_S
+from server.engine.streams import OutputStreams
 
 log = logging.getLogger("server.engine")
 
@@ -58,16 +56,19 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _child(app_config: Any, threads: int, log_level: int, requests: Any, results: Any,
+def _child(app_config: Any, log_level: int, requests: Any, results: Any,
            parent_ends: tuple = ()) -> None:
     """The engine process: build the engine, then run its loop until told to stop (or
-    until the daemon's end of the pipe closes)."""
+    until the daemon's end of the pipe closes).  Torch is imported here, not in the
+    daemon: the serving process never loads it (it would cost the daemon a second at
+    start and another at exit, for nothing it uses), and the import runs while the
+    daemon starts its planes."""
     for conn in parent_ends:
         conn.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(threads)
+    from server.engine.engine import EngineLoop, build_engine
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -129,10 +130,10 @@ class EngineLaunch:
     is built, or raises what building it raised; ``abandon()`` if it will not be used.
 
     Forked where the platform can (Linux): the child starts with the modules the daemon
-    has already imported, so it only loads the checkpoint, while the daemon goes on
-    with its own start-up.  The daemon launches it first thing, before any thread,
-    socket, torch kernel or tokenizer exists in its process, which is what makes a fork
-    safe; elsewhere (and from an engine built later) it is spawned."""
+    has already imported and imports torch and loads the checkpoint while the daemon
+    goes on with its own start-up.  The daemon launches it first thing, before any
+    thread, socket or tokenizer exists in its process, which is what makes a fork safe;
+    elsewhere it is spawned."""
 
     def __init__(self, app_config: Any, method: str | None = None) -> None:
         self.app_config = app_config
@@ -150,7 +151,7 @@ class EngineLaunch:
         # reader would never see the daemon go.
         ours = (self.requests, self.results) if method == "fork" else ()
         self.proc = ctx.Process(target=_child, name="engine", daemon=False,
-                                args=(app_config, torch.get_num_threads(), logging.getLogger().level,
+                                args=(app_config, logging.getLogger().level,
                                       requests_rx, results_tx, ours))
         self.proc.start()
         requests_rx.close()

@@ -49,7 +49,7 @@ class SamplingParams:
     # (no prefix-cache hit for this request: cached positions have no logits).
     prompt_logprobs: int | None = None
     # A grammar the output must follow (llguidance's serialised grammar; grammar.py in the
-    # API layer builds it, server/engine/grammar.py applies it as a token mask).
+    # API layer builds it, server/engine/grammar_masks.py applies it as a token mask).
     grammar: str | None = None
 
     @property

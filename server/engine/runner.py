@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from server.engine import grammar as G
+from server.engine import grammar_masks as GM
 from server.engine import sampler as S
 from server.engine.verifier import verify
 from server.engine.metadata import build_metadata, expand_rows
@@ -66,7 +66,7 @@ class ModelRunner:
         # the static path (DecodeMetadata; server/model/static_decode.py).
         self.static_decode = static_decode
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.masks = G.MaskApplier(self.vocab_size, self.device)
+        self.masks = GM.MaskApplier(self.vocab_size, self.device)
         self.masks_words = (self.vocab_size + 31) // 32
 
     @torch.inference_mode()
@@ -99,12 +99,12 @@ class ModelRunner:
         rows = hidden if w.logits_indices is None else hidden[w.logits_indices]
         logits = self.model.compute_logits(rows)                           # [R, V]
         prompt_lp = self._prompt_logprobs(states, starts, w.cu, hidden)
-        # Grammar masks on every verified row (grammar.py); logprobs stay the raw model's.
+        # Grammar masks on every verified row (grammar_masks.py); logprobs stay the raw model's.
         matchers = [s.matcher for s in states]
         vlogits = logits
         if any(m is not None for m in matchers):
             held = w.drafts.tolist()                  # a host copy, constrained steps only
-            rows, bitmask = G.window_masks(matchers, [h[:d] for h, d in zip(held, nd)],
+            rows, bitmask = GM.window_masks(matchers, [h[:d] for h, d in zip(held, nd)],
                                            self.masks_words)
             vlogits = self.masks.apply(logits, torch.tensor(rows, device=logits.device), bitmask)
         tokens, num_acc = self._verify(states, starts, n_new, nd, w, vlogits)
@@ -123,7 +123,7 @@ class ModelRunner:
         # ---- drafts for the next step (stay on the device) -----------------------------
         draft_mask = None
         if k and any(m is not None for m in matchers):    # the first draft, where cheap
-            rows, bitmask = G.next_masks(matchers, sampled, self.masks_words)
+            rows, bitmask = GM.next_masks(matchers, sampled, self.masks_words)
             draft_mask = (self.masks, torch.tensor(rows, device=self.device), bitmask)
         drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
                                        window=w.meta if uniform else None, draft_mask=draft_mask,

@@ -25,11 +25,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from server.engine.config import EngineConfig
+from server.engine.config import START_TIMEOUT_S, EngineConfig
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("server.engine")
-START_TIMEOUT_S = 300.0
 
 
 def read_into_queue(conn: Any, name: str) -> queue.SimpleQueue:

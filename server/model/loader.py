@@ -26,6 +26,7 @@ from torch import nn
 from server.model.config import DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
+from server.model.meta import meta_device
 from server.model.parallel import ParallelPlan, ShardError, TensorSlice, shard_model
 from server.model.quant import QuantLinear
 from server.model.quant_loader import (QuantConfigError, check_fa_scales, detect, install,
@@ -85,7 +86,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                        cfg.num_nextn_predict_layers, num_mtp,
                        "MTP is unavailable" if num_mtp == 0 else "using those present")
 
-    with torch.device("meta"):
+    with meta_device():
         model = DeepseekV3ForCausalLM(cfg, num_mtp_layers=num_mtp)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:

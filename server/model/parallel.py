@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from server.model.meta import meta_device
+
 
 class ShardError(ValueError):
     """The model's shapes do not divide over the requested parallel sizes."""
@@ -142,7 +144,7 @@ def _split(total: int, ways: int, index: int, what: str) -> tuple[int, int]:
 
 
 def _meta_linear(cls: type[nn.Linear], in_f: int, out_f: int) -> nn.Linear:
-    with torch.device("meta"):
+    with meta_device():
         return cls(in_f, out_f, bias=False)
 
 
@@ -163,7 +165,7 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
 
     v0, v1 = _split(cfg.vocab_size, tp, r, "vocab_size")
     emb = model.model.embed_tokens
-    with torch.device("meta"):
+    with meta_device():
         model.model.embed_tokens = VocabParallelEmbedding(v1 - v0, emb.embedding_dim, v0)
         model.lm_head = VocabParallelHead(v1 - v0, cfg.hidden_size, tp)
     rows("model.embed_tokens.weight", v0, v1)
@@ -194,7 +196,7 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
             _shard_mlp(layer.mlp, f"{p}.mlp", a, b, rows, cols, RowParallelLinear)
         head = getattr(layer, "shared_head", None)
         if head is not None:
-            with torch.device("meta"):
+            with meta_device():
                 head.head = VocabParallelHead(v1 - v0, cfg.hidden_size, tp)
             rows(f"{p}.shared_head.head.weight", v0, v1)
     model.num_local_heads = local_heads

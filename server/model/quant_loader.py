@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from server.model.meta import meta_device
 from server.model.quant import QuantLinear, unpack_int4_rows
 
 DESCRIPTION = "quant_model_description.json"
@@ -161,7 +162,7 @@ def install(model: nn.Module, spec: QuantSpec, backend: str) -> None:
             continue
         old = model.get_submodule(prefix)
         parent, _, attr = prefix.rpartition(".")
-        with torch.device("meta"):
+        with meta_device():
             new = QuantLinear(old.in_features, old.out_features, SUPPORTED[t], backend=backend,
                               bias=old.bias is not None)
         setattr(model.get_submodule(parent), attr, new)

@@ -15,6 +15,7 @@ from torch import nn
 
 from server.model.config import DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
+from server.model.meta import meta_device
 
 # Kept in float32 whatever the model dtype, as the loader does (routing runs in float32).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -111,7 +112,7 @@ def build_model(cfg: DeepseekConfig, device: str | torch.device = "cpu",
     the loader arranges for released checkpoints.  Same seed and device: same weights.
     """
     device = torch.device(device)
-    with torch.device("meta"):
+    with meta_device():
         model = DeepseekV3ForCausalLM(cfg)
     n = cfg.num_hidden_layers
     heads = {f"model.layers.{n + j}.shared_head.head.weight" for j in range(model.num_mtp_layers)}

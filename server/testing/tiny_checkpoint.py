@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from server.model.config import DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import quantize_fp8
+from server.model.meta import meta_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Linear weights the official FP8 release stores in float8 (embedding, heads, router, norms,
@@ -102,7 +103,7 @@ def make_tiny_checkpoint(dir: str | Path, *, seed: int = 0, yarn: bool = False, 
     raw = tiny_config(yarn=yarn, q_lora_rank=q_lora_rank, n_group=n_group, topk_group=topk_group,
                       with_mtp=with_mtp, dtype="bfloat16" if fp8 else dtype, **overrides)
     cfg = DeepseekConfig.from_hf(raw)
-    with torch.device("meta"):
+    with meta_device():
         shapes = {k: p.shape for k, p in DeepseekV3ForCausalLM(cfg).named_parameters()}
     g = torch.Generator().manual_seed(seed)
     target = _DTYPES[dtype]

@@ -6,7 +6,7 @@ counters (drafts, accepted drafts, requests, tokens) either way, on the demo mod
 process that runs the engine; a drain stops it with the daemon; and an engine process
 killed mid-stream ends the stream with an error, turns /health to 503 and makes the
 daemon exit 1 without leaving a process behind; a daemon killed outright takes the engine
-process with it.
+process with it.  The serving process never loads torch.
 """
 from __future__ import annotations
 
@@ -61,6 +61,10 @@ def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(tm
         pid = d.status()["runtime"]["engine_pid"]
         assert pid != d.proc.pid and process_alive(pid)
         assert answers(d.base) == ref_answers
+        if os.path.exists(f"/proc/{pid}/maps"):  # Linux: torch lives in the engine process only
+            assert "libtorch" in open(f"/proc/{pid}/maps").read()
+            assert "libtorch" not in open(f"/proc/{d.proc.pid}/maps").read(), \
+                "the serving process loaded torch (a second more at start and at exit)"
         assert _counters(d) == ref_counters      # the engine's stats come back with each step
         assert d.terminate() == 0
         assert _wait_gone(pid), "the engine process outlived the daemon"

@@ -71,4 +71,6 @@ def test_heldout_cities_and_phrasings_are_copied(model_tok):
             good += 1
         else:
             bad.append((prompt, got))
+            if len(bad) > 4:                  # 16 of 20 can no longer be reached
+                break
     assert good >= 16, f"{good}/20 copied; misses: {bad}"

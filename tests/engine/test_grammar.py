@@ -20,6 +20,7 @@ import torch
 from server.api.grammars import auto_tool_grammar, response_format_grammar, tool_call_grammar
 from server.api.protocol import Tool
 from server.engine import grammar as G
+from server.engine import grammar_masks as GM
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
@@ -113,14 +114,14 @@ def test_window_masks_reject_a_forbidden_draft_and_leave_the_matcher_as_it_was()
     m = book.matcher(g, [])
     yes = tok.encode('"yes"')
     bad = tok.encode('"x')[-1]
-    applier = G.MaskApplier(2048, torch.device("cpu"))
-    rows, bm = G.window_masks([None, m], [[5, 6], [yes[0], bad, yes[-1]]], book.words)
+    applier = GM.MaskApplier(2048, torch.device("cpu"))
+    rows, bm = GM.window_masks([None, m], [[5, 6], [yes[0], bad, yes[-1]]], book.words)
     assert rows == [3, 4, 5, 6]                          # request 1 owns window rows 3..6
     allowed = applier.allowed(bm)
     assert allowed[0, yes[0]] and allowed[1].sum() < 2048
     assert not allowed[1, bad]                           # the forbidden draft: bit 0 -> rejected
     assert allowed[2:].all()                             # rows after it are never used
-    again = G.window_masks([m], [[]], book.words)[1]
+    again = GM.window_masks([m], [[]], book.words)[1]
     assert torch.equal(again[0], bm[1 - 1])              # the matcher rolled back
     logits = torch.zeros(7, 2048)
     out = applier.apply(logits, torch.tensor(rows), bm)

@@ -81,9 +81,10 @@ def hf_path(tmp_path_factory) -> str:
     return str(out)
 
 
+# Every k on tensor parallelism; the other layouts at k=2 (MTP off and k=1 run the same
+# sharded forward, which k=2's main and draft passes already cover there).
 @pytest.mark.demo
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("layout, k", [("tp2", 0), ("tp2", 1), ("tp2", 2), ("ep2", 2), ("tp4-moe2x2", 2)])
 def test_demo_model_identical(layout, k):
     assert _parallel(str(DEMO), k, layout) == _single(str(DEMO), k)
 
