@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding on the worker: llguidance matchers and their token masks.
+"""Grammar-constrained decoding: llguidance matchers, compiled once per grammar (masks: grammar_masks.py).
 
 A constrained request carries its grammar as text (``SamplingParams.grammar``, llguidance's
 serialised grammar, built in server/api/grammars.py).  The worker keeps one compiled,
