@@ -169,12 +169,19 @@ def _env_switches(env: Mapping[str, str]) -> tuple[bool, bool, list[ConfigIssue]
     # MindIE: async scheduling is on only for "1"; here also true/on/yes (docs/config.md).
     async_on = env.get("MINDIE_ASYNC_SCHEDULING_ENABLE", "").strip().lower() in _ON
     # MindIE defaults metrics off; this daemon defaults them on (a demo should be observable).
-    mode = env.get("MIES_SERVICE_MONITOR_MODE", "").strip().lower()
-    issues = []
-    if mode and mode not in _ON | _OFF:
-        issues.append(ConfigIssue("$MIES_SERVICE_MONITOR_MODE", mode, "1 (metrics on) or 0 (off)",
-                                  "unrecognised value"))
-    return async_on, mode not in _OFF, issues
+    issues: list[ConfigIssue] = []
+    metrics_on = _switch(env, "MIES_SERVICE_MONITOR_MODE", True, "1 (metrics on) or 0 (off)", issues)
+    return async_on, metrics_on, issues
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool, expected: str,
+            issues: list[ConfigIssue]) -> bool:
+    """A 1/0 environment switch (true/on/yes and false/off/no too); unset or unrecognised
+    gives ``default``, and an unrecognised value is reported."""
+    raw = env.get(name, "").strip().lower()
+    if raw and raw not in _ON | _OFF:
+        issues.append(ConfigIssue(f"${name}", raw, expected, "unrecognised value"))
+    return raw not in _OFF if default else raw in _ON
 
 
 def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
@@ -192,21 +199,15 @@ def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
 def _compile_wait(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
     """$MTP_SERVE_COMPILE_WAIT: 1 = start-up waits for the compiled graphs; 0 (default) = the
     daemon serves at once and adopts them when ready (server/engine/compile_step.py)."""
-    raw = env.get("MTP_SERVE_COMPILE_WAIT", "").strip().lower()
-    if raw and raw not in _ON | _OFF:
-        issues.append(ConfigIssue("$MTP_SERVE_COMPILE_WAIT", raw, "1 (wait) or 0 (compile in the "
-                                  "background)", "unrecognised value"))
-    return raw in _ON
+    return _switch(env, "MTP_SERVE_COMPILE_WAIT", False, "1 (wait) or 0 (compile in the background)",
+                   issues)
 
 
 def _engine_process(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
     """$MTP_SERVE_ENGINE_PROCESS: 1 (default) = the daemon runs its engine in a process of its
     own (server/engine/engine_process.py); 0 = on a thread of the serving process."""
-    raw = env.get("MTP_SERVE_ENGINE_PROCESS", "").strip().lower()
-    if raw and raw not in _ON | _OFF:
-        issues.append(ConfigIssue("$MTP_SERVE_ENGINE_PROCESS", raw, "1 (a process of its own) or 0 "
-                                  "(a thread of the serving process)", "unrecognised value"))
-    return raw not in _OFF
+    return _switch(env, "MTP_SERVE_ENGINE_PROCESS", True,
+                   "1 (a process of its own) or 0 (a thread of the serving process)", issues)
 
 
 def _env_api_keys(env: Mapping[str, str], issues: list[ConfigIssue]) -> tuple[str, ...]:

@@ -23,9 +23,10 @@ third of a plain decode step at concurrency 1.  Four more graphs (batch 1) take 
 Why in the background: eight graphs take one to two minutes to compile on one core, and
 loading them still costs seconds.  A daemon (``BackgroundGraphs``) therefore opens its
 ports at once and serves the static step uncompiled; child processes (one per core, up
-to four, each with its share of the graphs) compile what the cache lacks (it builds the model from its config on uninitialised memory: the graphs take
-weights as inputs, so their values never matter), a thread loads the files, and the
-worker switches to the graphs between two steps.  Outputs are the same either way (the
+to four, each with its share of the graphs) compile what the cache lacks (each builds the
+model from its config on uninitialised memory: the graphs take weights as inputs, so
+their values never matter), a thread loads the files, and the worker switches to the
+graphs between two steps.  Outputs are the same either way (the
 compiled graphs are exact), only faster.  ``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up
 wait for them instead (``compile_static_decoder``), as engines built in-process do.
 

@@ -43,6 +43,16 @@ def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
     return not process_alive(pid)
 
 
+@pytest.fixture
+def k2_daemon(tmp_path):
+    """A demo-model daemon (MTP k=2, engine process) and its engine process's pid."""
+    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
+    try:
+        yield d, d.status()["runtime"]["engine_pid"]
+    finally:
+        d.kill()
+
+
 @pytest.fixture(scope="module")
 def on_a_thread(tmp_path_factory):
     folder = tmp_path_factory.mktemp("thread")
@@ -54,59 +64,47 @@ def on_a_thread(tmp_path_factory):
         assert d.terminate() == 0
 
 
-def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(tmp_path, on_a_thread):
+def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(on_a_thread, k2_daemon):
     ref_answers, ref_counters = on_a_thread
-    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
-    try:
-        pid = d.status()["runtime"]["engine_pid"]
-        assert pid != d.proc.pid and process_alive(pid)
-        assert answers(d.base) == ref_answers
-        if os.path.exists(f"/proc/{pid}/maps"):  # Linux: torch lives in the engine process only
-            assert "libtorch" in open(f"/proc/{pid}/maps").read()
-            assert "libtorch" not in open(f"/proc/{d.proc.pid}/maps").read(), \
-                "the serving process loaded torch (a second more at start and at exit)"
-        assert _counters(d) == ref_counters      # the engine's stats come back with each step
-        assert d.terminate() == 0
-        assert _wait_gone(pid), "the engine process outlived the daemon"
-    finally:
-        d.kill()
+    d, pid = k2_daemon
+    assert pid != d.proc.pid and process_alive(pid)
+    assert answers(d.base) == ref_answers
+    if os.path.exists(f"/proc/{pid}/maps"):  # Linux: torch lives in the engine process only
+        assert "libtorch" in open(f"/proc/{pid}/maps").read()
+        assert "libtorch" not in open(f"/proc/{d.proc.pid}/maps").read(), \
+            "the serving process loaded torch (a second more at start and at exit)"
+    assert _counters(d) == ref_counters      # the engine's stats come back with each step
+    assert d.terminate() == 0
+    assert _wait_gone(pid), "the engine process outlived the daemon"
 
 
-def test_a_killed_engine_process_fails_the_stream_and_the_daemon(tmp_path):
-    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
-    try:
-        pid = d.status()["runtime"]["engine_pid"]
-        client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60, max_retries=0)
-        stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", stream=True,
-                                           max_tokens=400, temperature=0,
-                                           extra_body={"ignore_eos": True})
-        next(iter(stream))
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(Exception) as err:
-            for _chunk in stream:
-                pass
-        assert time.monotonic() - t0 < 30
-        assert "engine process" in str(err.value)
-        assert httpx.get(d.base + "/health", timeout=5).status_code == 503
-        st = d.status()
-        assert st["status"] == "unhealthy" and "engine process exited" in st["error"]
-        r = httpx.post(d.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi",
-                                                         "max_tokens": 4}, timeout=10)
-        assert r.status_code == 500 and "engine process" in r.json()["error"]["message"]
-        assert d.proc.wait(30) == 1
-        assert "worker group failed" in d.output()
-    finally:
-        d.kill()
+def test_a_killed_engine_process_fails_the_stream_and_the_daemon(k2_daemon):
+    d, pid = k2_daemon
+    client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60, max_retries=0)
+    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", stream=True,
+                                       max_tokens=400, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:
+        for _chunk in stream:
+            pass
+    assert time.monotonic() - t0 < 30
+    assert "engine process" in str(err.value)
+    assert httpx.get(d.base + "/health", timeout=5).status_code == 503
+    st = d.status()
+    assert st["status"] == "unhealthy" and "engine process exited" in st["error"]
+    r = httpx.post(d.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi",
+                                                     "max_tokens": 4}, timeout=10)
+    assert r.status_code == 500 and "engine process" in r.json()["error"]["message"]
+    assert d.proc.wait(30) == 1
+    assert "worker group failed" in d.output()
 
 
-def test_the_engine_process_does_not_outlive_a_killed_daemon(tmp_path):
-    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
-    try:
-        pid = d.status()["runtime"]["engine_pid"]
-        assert pid != d.proc.pid and process_alive(pid)
-        d.proc.send_signal(signal.SIGKILL)         # no drain, no goodbye: only the pipe closes
-        d.proc.wait(10)
-        assert _wait_gone(pid), "the engine process outlived a killed daemon"
-    finally:
-        d.kill()
+def test_the_engine_process_does_not_outlive_a_killed_daemon(k2_daemon):
+    d, pid = k2_daemon
+    assert pid != d.proc.pid and process_alive(pid)
+    d.proc.send_signal(signal.SIGKILL)         # no drain, no goodbye: only the pipe closes
+    d.proc.wait(10)
+    assert _wait_gone(pid), "the engine process outlived a killed daemon"
