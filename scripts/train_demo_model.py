@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/train_demo_model.py                 # full run, writes models/deepseek-v3-tiny-mtp
     .venv/bin/python scripts/train_demo_model.py --eval-only     # re-run the evaluation on the committed model
-    .venv/bin/python scripts/train_demo_model.py --stage3-from DIR   # only stage 3 (copy), from a stage-2 output
+    .venv/bin/python scripts/train_demo_model.py --stage3-from DIR --copy-steps 600   # EXPERIMENTAL: only stage 3 (copy), from a stage-2 output
     .venv/bin/python scripts/train_demo_model.py --copy-pretrain --out DIR   # EXPERIMENTAL: copying from stage 1 on
 
 Everything is offline and seeded (see scripts/demo_model/spec.py); modules in scripts/demo_model/.
@@ -27,7 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from demo_model import corpus, evaluate, export, render, spec, train  # noqa: E402
+from demo_model import copy_heads, corpus, evaluate, export, render, spec, train  # noqa: E402
 from demo_model.card import write_card  # noqa: E402
 from server.text import special_tokens as st  # noqa: E402
 
@@ -100,8 +100,6 @@ def main() -> int:
     ap.add_argument("--copy-weight", type=float, default=None, help="override the stage-3 argument-value loss weight")
     ap.add_argument("--copy-chats", type=int, default=None, help="override the number of stage-3 chats")
     ap.add_argument("--copy-drills", type=int, default=None, help="override the number of stage-3 copying drills")
-    ap.add_argument("--drill-steps", type=int, default=None, help="override the number of stage-3a (drill) steps")
-    ap.add_argument("--drill-lr", type=float, default=None, help="override the stage-3a peak learning rate")
     ap.add_argument("--copy-pretrain", action=argparse.BooleanOptionalAction, default=None,
                     help="copying from stage 1 on: name-split tokenizer, copy chats, drills (default: the settings')")
     ap.add_argument("--pretrain-drills", type=int, default=None, help="override the number of stage-1 copying drills")
@@ -120,7 +118,6 @@ def main() -> int:
                  "sft_mtp_distill": args.sft_distill, "threads": args.threads, "sft_lr": args.sft_lr,
                  "copy_steps": args.copy_steps, "copy_lr": args.copy_lr, "copy_arg_weight": args.copy_weight,
                  "copy_chats": args.copy_chats, "copy_drills": args.copy_drills,
-                 "drill_steps": args.drill_steps, "drill_lr": args.drill_lr,
                  "copy_pretrain": args.copy_pretrain, "pretrain_drills": args.pretrain_drills,
                  "sft_arg_weight": args.sft_arg_weight}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
@@ -227,6 +224,8 @@ def main() -> int:
     copy_targets = 0
     if s.copy_steps > 0:
         tok = render.with_name_split(tok)
+        if s.copy_piece_names:
+            corpus.use_piece_names(tok)
         t3 = time.time()
         rows3, keep3, w3 = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
                                            s.copy_corpus_seed, s.copy_chats, s.copy_drills)
@@ -237,20 +236,38 @@ def main() -> int:
               f"({int((w3 > 1).sum())} argument-value tokens at weight {s.copy_arg_weight:g}); "
               f"data {time.time() - t3:.0f}s")
         t3 = time.time()
-        history3 = []
-        if s.drill_steps > 0:
-            rows_d, keep_d, w_d = copy_stage_data(tok, s, [], s.copy_corpus_seed + 1, s.drill_chats, s.drill_docs)
-            sd = dataclasses.replace(s, steps=s.drill_steps, lr=s.drill_lr, warmup_steps=s.copy_warmup_steps,
-                                     min_lr_ratio=1.0, mtp_distill=s.copy_mtp_distill, seed=s.seed + 4, stage="drill")
-            print(f"stage 3a: {sd.steps} steps on copying drills and copy chats, {len(rows_d)} rows, lr {sd.lr:g}")
-            history3 += [dict(h, stage="drill") for h in train.train(model, rows_d, keep_d, sd, weights=w_d)]
-        history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3)]
+        classes = copy_heads.name_token_classes(tok)
+        supervision = None
+        if s.copy_value_init:
+            ce = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
+                                            s.copy_value_init, seed=s.seed + 5)
+            print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
+                  f"(readout CE {ce:.3f}) on {s.copy_fit_rows} rows; {time.time() - t3:.0f}s")
+        if s.copy_supervision:
+            supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
+                                                     s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight)
+        history3 = [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
+                                                               supervision=supervision,
+                                                               supervision_weight=s.copy_supervision)]
+        if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
+            rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
+                                                  s.copy_corpus_seed + 1, s.polish_chats, 0)
+            sp = dataclasses.replace(s, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
+                                     mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
+            print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
+            history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
+                                                                      supervision=supervision,
+                                                                      supervision_weight=s.copy_supervision)]
         seconds3 = time.time() - t3
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
                     "corpus_seed": s.copy_corpus_seed, "rows": len(rows3), "drills": s.copy_drills,
-                    "drill_steps": s.drill_steps, "drill_lr": s.drill_lr, "drill_docs": s.drill_docs,
-                    "drill_chats": s.drill_chats,
+                    "piece_names": len(corpus.piece_names(tok)) if s.copy_piece_names else 0,
+                    "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
+                    "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
+                    "value_weight": s.copy_value_weight, "value_init": s.copy_value_init,
+                    "sink_weight": s.copy_sink_weight,
+                    "polish_steps": s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}
         stage_seconds = stage_seconds + [seconds3]
         history = history + history3

@@ -63,23 +63,36 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         "main model, not with the corpus, so this self-distillation (as EAGLE and Medusa-2 train "
         "their drafters) is the signal acceptance needs." if distill else "")
     copy_text = ""
+    piece_text = polish_text = ""
+    if copy and copy.get("polish_steps"):
+        polish_text = (f"\n   Then {copy['polish_steps']} steps on {copy['polish_chats']} new copy chats and the prose, no drills, "
+                       f"at peak lr {copy['polish_lr']:g}, the copy heads still supervised (the drills, trained on every "
+                       "token, otherwise leak into answers and thinking).")
+    if copy and copy.get("piece_names"):
+        piece_text = (f"; {copy['piece_names']} of the pool's names are spelt from the vocabulary's own pieces "
+                      "(`corpus.piece_names`: a capitalised piece and one to three lowercase ones, each lowercase "
+                      "piece dealt about equally often), so that every piece a name may need has been copied")
     if copy:
         copy_text = f"""
 3. copy stage, from the stage-2 weights with a fresh optimizer and the stage-3 tokenizer rule (a space
    before a capital letter is a token of its own, so a name is the same token sequence in the prompt,
    the tool call and the tool result; same vocabulary): {copy['chats']} new chats (corpus seed
    {copy['corpus_seed']}), the stage-2 mix plus 30% more weather / time requests, over a pool of
-   {len(corpus.copy_city_pool())} city names (the training cities, other real ones, made-up ones from syllables
-   and capitalised words; never an evaluation city) and {len(corpus.COPY_WEATHER_PHRASINGS)} weather /
+   {len(corpus.copy_city_pool())} city names (the training cities, other real ones, made-up ones from syllables,
+   capitalised words and vocabulary pieces; never an evaluation city) and {len(corpus.COPY_WEATHER_PHRASINGS)} weather /
    {len(corpus.COPY_TIME_PHRASINGS)} time phrasings, plus the prose and {copy.get('drills', 0)} copying drills
-   (name lists said twice, requests followed by their JSON arguments), after {copy.get('drill_steps', 0)} steps
-   at a constant lr {copy.get('drill_lr', 0):g} on {copy.get('drill_docs', 0)} drills and {copy.get('drill_chats', 0)}
-   copy chats; loss on what the
+   (name lists said twice, requests followed by their JSON arguments){piece_text}; copy heads
+   (`scripts/demo_model/copy_heads.py`): head 0 of layer {copy.get('prev_layer')} is supervised to attend
+   to the previous token, head 0 of layers {', '.join(map(str, copy.get('copy_layers', [])))}{" and of the MTP layer" if copy.get('mtp_supervision') else ""}
+   to an earlier occurrence of the name piece to be written next (weight {copy.get('supervision', 0):g}), and
+   those heads' value/output path starts from a least-squares fit that reads the piece back through
+   `lm_head` ({copy.get('value_init', 0):g} x the residual's size) and is trained to keep doing so
+   (weight {copy.get('value_weight', 0):g}); loss on what the
    assistant writes as in stage 2, the tokens of every tool-call argument value (and the quote closing it)
    weighted {copy['arg_weight']:g}x ({train_info.get('copy_targets', 0)} target tokens, {copy['rows']} rows):
    {copy['steps']} steps at peak lr {copy['lr']:g} ({copy['warmup_steps']} warm-up, seed {copy['seed']},
    {copy['seconds'] / 60:.1f} min), cosine to {s.min_lr_ratio} x peak, KL weight {copy['mtp_distill']:g}
-   (final losses main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}, weighted).
+   (final losses main {last.get('main', float('nan')):.3f}, MTP {last.get('mtp', float('nan')):.3f}, weighted).{polish_text}
 """
     sft_last = [h for h in hist if str(h.get("stage", "")).startswith("sft")]
     last2 = sft_last[-1] if sft_last else last

@@ -276,10 +276,59 @@ def copy_words(seed: int = COPY_NAME_SEED + 1, n: int = COPY_WORD_COUNT) -> list
     return [w.capitalize() for w in random.Random(seed).sample(words, min(n, len(words)))]
 
 
+PIECE_NAME_COUNT = 6000
+
+
+def piece_names(tok, seed: int = COPY_NAME_SEED + 2, n: int = PIECE_NAME_COUNT) -> list[str]:
+    """``n`` made-up names spelt from the tokenizer's own pieces: a capitalised piece, then one
+    to three lowercase ones, the lowercase pieces dealt in turn so each comes up about equally.
+
+    A copy head learns to carry a piece's identity only for pieces it has copied. Syllable
+    names and capitalised words cover fewer than half of the vocabulary's lowercase pieces
+    (``gen``, ``burg``, ``ago`` never or once), and an unseen name is as likely to need any of
+    them. None names an evaluation value."""
+    vocab = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size())]
+    heads = sorted(p for p in vocab if p.isalpha() and p.isascii() and p[0].isupper() and p[1:].islower())
+    tails = sorted(p for p in vocab if p.isalpha() and p.isascii() and p.islower())
+    rng = random.Random(seed)
+    deck: list[str] = []
+    known = {c.lower() for c in F.TRAIN_CITIES + F.COPY_CITIES + F.EVAL_CITIES}
+    names: list[str] = []
+    seen: set[str] = set()
+    for _ in range(50 * n):                      # bounded: a small vocabulary has fewer names
+        if len(names) == n:
+            break
+        parts = [rng.choice(heads)]
+        for _ in range(rng.choice((1, 1, 2, 2, 3))):
+            if not deck:
+                deck = tails[:]
+                rng.shuffle(deck)
+            parts.append(deck.pop())
+        name = "".join(parts)
+        low = name.lower()
+        if len(name) > 14 or name in seen or low in known or any(v in low for v in _EVAL_VALUES):
+            continue
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+_PIECE_NAMES: list[str] = []
+
+
+def use_piece_names(tok) -> None:
+    """Add ``piece_names(tok)`` to the copy stage's city pool (they depend on the vocabulary,
+    which the corpus does not know by itself); call before the first copy chat is made."""
+    if not _PIECE_NAMES:
+        _PIECE_NAMES.extend(piece_names(tok))
+        _COPY_POOL.clear()
+
+
 def copy_city_pool() -> list[str]:
-    """Training cities, the extra real ones, made-up names and capitalised words: the copy stage's city pool."""
+    """Training cities, the extra real ones, made-up names, capitalised words and (after
+    use_piece_names) names spelt from the vocabulary's pieces: the copy stage's city pool."""
     if not _COPY_POOL:
-        _COPY_POOL.extend(dict.fromkeys(F.TRAIN_CITIES + F.COPY_CITIES + copy_names() + copy_words()))
+        _COPY_POOL.extend(dict.fromkeys(F.TRAIN_CITIES + F.COPY_CITIES + copy_names() + copy_words() + _PIECE_NAMES))
     return _COPY_POOL
 
 

@@ -10,6 +10,7 @@ the MTP layer sees (final-norm hidden h_i, embedding of token i+1), as in DeepSe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import re
@@ -215,8 +216,13 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 
 def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, s: TrainSettings,
-          log: Callable[[str], None] = print, weights: torch.Tensor | None = None) -> list[dict]:
-    """AdamW + warmup/cosine; returns the loss history (every 20 steps)."""
+          log: Callable[[str], None] = print, weights: torch.Tensor | None = None,
+          supervision=None, supervision_weight: float = 0.0) -> list[dict]:
+    """AdamW + warmup/cosine; returns the loss history (every 20 steps).
+
+    With ``supervision`` (a copy_heads.CopySupervision) its loss on each batch is added at
+    ``supervision_weight``, and its parts are logged.
+    """
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "gate.weight" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "gate.weight" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
@@ -228,6 +234,7 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
     t0 = time.time()
     tag = f"[{s.stage}] " if s.stage else ""
     acc_main = acc_mtp = acc_kl = 0.0
+    acc_aux: dict[str, float] = {}
     model.train()
     for step in range(s.steps):
         if cursor + s.batch_size > len(order):
@@ -238,9 +245,16 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
         cursor += s.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0,
-                               weights=None if weights is None else weights[idx])
+        parts: dict[str, float] = {}
+        with supervision.recording() if supervision is not None else contextlib.nullcontext():
+            main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0,
+                                   weights=None if weights is None else weights[idx])
         loss = main + s.mtp_weight * mtp + s.mtp_distill * kl
+        if supervision is not None:
+            aux, parts = supervision.loss(batch)
+            loss = loss + supervision_weight * aux
+            for k, v in parts.items():
+                acc_aux[k] = acc_aux.get(k, 0.0) + v
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
@@ -252,10 +266,14 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
             n = 20 if (step + 1) % 20 == 0 else (step + 1) % 20
             rec = {"step": step + 1, "main": acc_main / n, "mtp": acc_mtp / n, "kl": acc_kl / n, "lr": lr_at(step, s),
                    "elapsed_s": time.time() - t0}
+            if acc_aux:
+                rec["supervision"] = {k: round(v / n, 4) for k, v in acc_aux.items()}
             history.append(rec)
             eta = (time.time() - t0) / (step + 1) * (s.steps - step - 1)
             log(f"{tag}step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} kl {rec['kl']:.3f} "
-                f"lr {rec['lr']:.2e} {rec['elapsed_s']:.0f}s eta {eta:.0f}s")
+                f"lr {rec['lr']:.2e} {rec['elapsed_s']:.0f}s eta {eta:.0f}s"
+                + "".join(f" {k} {v:.3f}" for k, v in rec.get("supervision", {}).items() if k != "targets"))
             acc_main = acc_mtp = acc_kl = 0.0
+            acc_aux = {}
     model.eval()
     return history

@@ -1,0 +1,163 @@
+"""The copy-head supervision of the demo model's stage 3 (scripts/demo_model/copy_heads.py).
+
+Why: the shipped model copies a city from the prompt because these targets tell two heads
+where to look; a target shifted by one position teaches a head to look at the wrong token,
+and the model would write made-up names with nothing but a lower card figure to say so.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from demo_model import copy_heads, corpus, facts, spec, train  # noqa: E402
+from server.model.config import DeepseekConfig  # noqa: E402
+
+
+class _Vocab:
+    """A tokenizer stand-in: the pieces are the list's entries."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def get_vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def id_to_token(self, i: int) -> str:
+        return self.pieces[i]
+
+
+PIECES = ["<bos>", "Ġ", "in", "Ġthe", "Ber", "gen", "Par", "is", "?", '"', ":", "city", "The", "x"]
+ID = {p: i for i, p in enumerate(PIECES)}
+
+
+def _ids(*pieces: str) -> list[int]:
+    return [ID[p] for p in pieces]
+
+
+def test_name_classes_and_positions():
+    starts, cont = copy_heads.name_token_classes(_Vocab(PIECES))
+    assert [PIECES[i] for i in range(len(PIECES)) if starts[i]] == ["Ber", "Par", "The"]
+    assert "gen" in [PIECES[i] for i in range(len(PIECES)) if cont[i]]
+    assert not cont[ID["Ġthe"]] and not cont[ID["Ġ"]]
+    x = torch.tensor([_ids("in", "Ġ", "Ber", "gen", "?", "gen")])
+    inside = copy_heads.name_positions(x, (starts, cont))
+    # "gen" is inside a name only right after a name piece
+    assert inside[0].tolist() == [False, False, True, True, False, False]
+
+
+def test_copy_targets_point_at_the_earlier_occurrence_of_the_next_piece():
+    classes = copy_heads.name_token_classes(_Vocab(PIECES))
+    # "<bos> in Ġ Ber gen ? " city : " Ber gen "  -> at the quote (pos 8) the next piece is
+    # "Ber", held at 3; at "Ber" (9) the next is "gen", held at 4.
+    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
+    rows = torch.tensor([seq])
+    tg = copy_heads.copy_targets(rows, classes, bos_id=ID["<bos>"])
+    assert tg.shape == (1, len(seq) - 1, len(seq) - 1)
+    hits = {int(i): tg[0, i].nonzero().flatten().tolist() for i in tg[0].any(-1).nonzero().flatten()}
+    assert hits == {8: [3], 9: [4]}
+
+
+def test_copy_targets_stay_inside_a_document():
+    classes = copy_heads.name_token_classes(_Vocab(PIECES))
+    seq = _ids("<bos>", "Ġ", "Ber", "gen", "<bos>", '"', "Ber", "gen")
+    tg = copy_heads.copy_targets(torch.tensor([seq]), classes, bos_id=ID["<bos>"])
+    assert not tg.any()           # the only earlier "Ber" is in the previous document
+
+
+def _tiny_model(seed: int = 0):
+    hf = spec.hf_config(vocab_size=len(PIECES) + 50, bos_id=0, eos_id=1, max_len=64)
+    hf.update(num_hidden_layers=3, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+              kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    return train.init_model(DeepseekConfig.from_hf(hf), seed)
+
+
+def test_supervision_records_only_inside_its_context_and_trains_a_previous_token_head():
+    torch.manual_seed(0)
+    model = _tiny_model()
+    classes = copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50))
+    sup = copy_heads.CopySupervision(model, classes, ID["<bos>"], prev_layer=0, copy_layers=(1, 2),
+                                     mtp=True, value_weight=1.0)
+    cls = type(model.model.layers[0].self_attn)
+    plain = cls._attend_decompressed
+    name = _ids("Ġ", "Ber", "gen", "?", '"', "Ber", "gen", '"')
+    rows = torch.tensor([_ids("<bos>", "x") + name * 3 + _ids("x")] * 4)
+    keep = torch.ones_like(rows, dtype=torch.bool)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        with sup.recording():
+            assert cls._attend_decompressed is not plain
+            main, mtp, _ = train.losses(model, rows, keep)
+        assert cls._attend_decompressed is plain
+        aux, parts = sup.loss(rows)
+        assert set(parts) >= {"prev", "copy1", "copy2", "value", "mtp", "targets"} and parts["targets"] > 0
+        first = first or dict(parts)
+        opt.zero_grad()
+        (main + aux).backward()
+        opt.step()
+    assert math.isfinite(aux.item())
+    assert parts["prev"] < 0.5 * first["prev"], (first, parts)
+    assert parts["copy1"] < first["copy1"] and parts["copy2"] < first["copy2"], (first, parts)
+
+
+def test_value_fit_reads_the_name_piece_back():
+    torch.manual_seed(0)
+    model = _tiny_model()
+    letters = "abcdefghijklmnopqrstuvwxy"
+    vocab = PIECES + [f"Q{c}" for c in letters] + [f"q{c}" for c in letters]
+    classes = copy_heads.name_token_classes(_Vocab(vocab))
+    rows = torch.randint(len(PIECES), len(vocab), (24, 33))
+    with torch.no_grad():           # a trained lm_head's scale (at init it cannot be confident)
+        model.lm_head.weight.mul_(50)
+    before = [model.model.layers[li].self_attn.o_proj.weight.clone() for li in (1, 2)]
+    ce = copy_heads.fit_copy_values(model, rows, classes, layers=(1, 2), scale=1.0, steps=300)
+    vocab_ce = math.log(len(vocab))
+    assert ce < 0.5 * vocab_ce, ce
+    for li, old in zip((1, 2), before):
+        w = model.model.layers[li].self_attn.o_proj.weight
+        dv = model.model.layers[li].self_attn.v_dim
+        assert not torch.equal(w[:, :dv], old[:, :dv]) and torch.equal(w[:, dv:], old[:, dv:])
+
+
+def test_piece_names_cover_the_lowercase_pieces_and_avoid_evaluation_values():
+    vocab = ["Ber", "Sal", "Tor", "Mon", "gen", "burg", "ago", "enc", "ia", "Florence", "x1", "Ġthe"]
+    names = corpus.piece_names(_Vocab(vocab), n=200)
+    assert len(set(names)) == len(names) >= 150 and names == corpus.piece_names(_Vocab(vocab), n=200)
+    assert not any(v in n.lower() for n in names for v in corpus._EVAL_VALUES)   # no Bergen..., no Florence
+    assert all(n[:3] in ("Ber", "Sal", "Tor", "Mon") for n in names)
+    for piece in ("gen", "burg", "ago", "enc", "ia"):
+        assert sum(piece in n[3:] for n in names) >= 30, piece
+    assert len(corpus.piece_names(_Vocab(["Ab", "cd"]), n=50)) < 50     # ends when names run out
+
+
+def test_sink_is_the_bos_that_opens_each_document():
+    x = torch.tensor([_ids("x", "x", "<bos>", "x", "x", "<bos>", "x")])
+    assert copy_heads.sink_positions(x, ID["<bos>"])[0].tolist() == [0, 0, 2, 2, 2, 5, 5]
+
+
+def test_sink_term_trains_the_copy_heads_to_rest_where_nothing_is_copied():
+    torch.manual_seed(0)
+    model = _tiny_model()
+    classes = copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50))
+    sup = copy_heads.CopySupervision(model, classes, ID["<bos>"], prev_layer=-1, copy_layers=(1,),
+                                     mtp=True, value_weight=0.0, sink_weight=1.0)
+    rows = torch.tensor([_ids("<bos>") + _ids("x", "in", "Ġthe", "?") * 4 + _ids("Ġ", "Ber", "gen", '"', "Ber", "gen")] * 2)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(40):
+        with sup.recording():
+            train.losses(model, rows, torch.ones_like(rows, dtype=torch.bool))
+        aux, parts = sup.loss(rows)
+        first = first or dict(parts)
+        opt.zero_grad()
+        aux.backward()
+        opt.step()
+    assert {"sink1", "mtp_sink"} <= set(parts)
+    assert parts["sink1"] < 0.3 * first["sink1"] and parts["mtp_sink"] < 0.3 * first["mtp_sink"], (first, parts)
