@@ -89,6 +89,25 @@ def _sink_term(logp: torch.Tensor, x: torch.Tensor, copying: torch.Tensor, bos_i
     return -logp.gather(2, sink)[..., 0][rest].mean() if bool(rest.any()) else logp.new_zeros(())
 
 
+@contextlib.contextmanager
+def attention_inputs(model: DeepseekV3ForCausalLM, on_call) -> Iterator[None]:
+    """Calls ``on_call(layer_index, attn, q_nope, q_pe, latent, k_pe)`` on every attention of
+    ``model.forward_full`` / ``mtp_forward_full`` inside the block; the plain method after."""
+    cls = type(model.model.layers[0].self_attn)
+    plain = cls._attend_decompressed
+    layer_of = {id(layer.self_attn): i for i, layer in enumerate(model.model.layers)}
+
+    def attend(attn, q_nope, q_pe, latent, k_pe, mask=None, is_causal=False):
+        on_call(layer_of.get(id(attn), -1), attn, q_nope, q_pe, latent, k_pe)
+        return plain(attn, q_nope, q_pe, latent, k_pe, mask, is_causal)
+
+    cls._attend_decompressed = attend
+    try:
+        yield
+    finally:
+        cls._attend_decompressed = plain
+
+
 def _head_scores(attn, q_nope, q_pe, latent, k_pe) -> tuple[torch.Tensor, torch.Tensor]:
     """(causal log-attention [B, L, S], value rows [B, S, dv]) of head ``HEAD``."""
     k_nope, v = attn._expand(latent)
@@ -110,36 +129,26 @@ class CopySupervision:
         self.mtp_layer = model.config.num_hidden_layers if mtp else None
         self.value_weight = value_weight
         self.sink_weight = sink_weight
-        self._layer_of = {id(layer.self_attn): i for i, layer in enumerate(model.model.layers)}
         self._logp: dict[int, torch.Tensor] = {}
         self._share: dict[int, torch.Tensor] = {}
 
     def _watched(self, li: int) -> bool:
         return li == self.prev_layer or li in self.copy_layers or li == self.mtp_layer
 
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        cls = type(self.model.model.layers[0].self_attn)
-        plain = cls._attend_decompressed
-        sup = self
+    def _record(self, li: int, attn, q_nope, q_pe, latent, k_pe) -> None:
+        if not self._watched(li):
+            return
+        logp, v = _head_scores(attn, q_nope, q_pe, latent, k_pe)
+        self._logp[li] = logp
+        if li in self.copy_layers and self.value_weight:
+            dv = v.shape[-1]
+            self._share[li] = (logp.exp() @ v) @ attn.o_proj.weight[:, HEAD * dv:(HEAD + 1) * dv].T
 
-        def attend(attn, q_nope, q_pe, latent, k_pe, mask=None, is_causal=False):
-            li = sup._layer_of.get(id(attn), -1)
-            if sup._watched(li):
-                logp, v = _head_scores(attn, q_nope, q_pe, latent, k_pe)
-                sup._logp[li] = logp
-                if li in sup.copy_layers and sup.value_weight:
-                    dv = v.shape[-1]
-                    sup._share[li] = (logp.exp() @ v) @ attn.o_proj.weight[:, HEAD * dv:(HEAD + 1) * dv].T
-            return plain(attn, q_nope, q_pe, latent, k_pe, mask, is_causal)
-
+    def recording(self):
+        """Context manager: the forward passes inside it record what ``loss`` needs."""
         self._logp.clear()
         self._share.clear()
-        cls._attend_decompressed = attend
-        try:
-            yield
-        finally:
-            cls._attend_decompressed = plain
+        return attention_inputs(self.model, self._record)
 
     def loss(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Sum of: previous-token NLL, copy-target NLL per copy layer (and the MTP layer),
@@ -194,22 +203,14 @@ class CopySupervision:
 @torch.no_grad()
 def _latents(model: DeepseekV3ForCausalLM, x: torch.Tensor, layers: tuple[int, ...]):
     """({layer: kv latent [B, L, kvr]}, final hidden [B, L, H]) of ``model`` on rows ``x``."""
-    cls = type(model.model.layers[0].self_attn)
-    plain = cls._attend_decompressed
-    layer_of = {id(layer.self_attn): i for i, layer in enumerate(model.model.layers)}
     out: dict[int, list[torch.Tensor]] = {li: [] for li in layers}
 
-    def attend(attn, q_nope, q_pe, latent, k_pe, mask=None, is_causal=False):
-        li = layer_of.get(id(attn), -1)
+    def keep(li, _attn, _q_nope, _q_pe, latent, _k_pe):
         if li in out:
             out[li].append(latent)
-        return plain(attn, q_nope, q_pe, latent, k_pe, mask, is_causal)
 
-    cls._attend_decompressed = attend
-    try:
+    with attention_inputs(model, keep):
         hidden = [model.forward_full(x[b:b + 16]) for b in range(0, len(x), 16)]
-    finally:
-        cls._attend_decompressed = plain
     return {li: torch.cat(v) for li, v in out.items()}, torch.cat(hidden)
 
 

@@ -245,7 +245,6 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
         cursor += s.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        parts: dict[str, float] = {}
         with supervision.recording() if supervision is not None else contextlib.nullcontext():
             main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0,
                                    weights=None if weights is None else weights[idx])
