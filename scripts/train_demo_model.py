@@ -12,6 +12,7 @@ Everything is offline and seeded (see scripts/demo_model/spec.py); modules in sc
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -111,6 +112,8 @@ def main() -> int:
     ap.add_argument("--stage3-from", type=Path, default=None,
                     help="skip stages 1 and 2: take tokenizer and weights from this stage-2 output folder")
     ap.add_argument("--no-eval", action="store_true", help="skip the evaluation (probes)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override any spec.TrainSettings field (repeatable; tuples as 2,3,4)")
     args = ap.parse_args()
 
     s = spec.TrainSettings()
@@ -121,6 +124,10 @@ def main() -> int:
                  "copy_pretrain": args.copy_pretrain, "pretrain_drills": args.pretrain_drills,
                  "sft_arg_weight": args.sft_arg_weight}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        s = spec.with_overrides(s, args.set)
+    except ValueError as e:
+        ap.error(str(e))
     setup(s.threads, s.seed)
     out: Path = args.out
     if args.eval_only:
@@ -238,6 +245,9 @@ def main() -> int:
         t3 = time.time()
         classes = copy_heads.name_token_classes(tok)
         supervision = None
+        teacher = None
+        if s.copy_retain:               # the stage-2 weights, frozen, before the value fit changes them
+            teacher = copy.deepcopy(model).eval().requires_grad_(False)
         if s.copy_value_init:
             ce = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
                                             s.copy_value_init, seed=s.seed + 5)
@@ -245,10 +255,12 @@ def main() -> int:
                   f"(readout CE {ce:.3f}) on {s.copy_fit_rows} rows; {time.time() - t3:.0f}s")
         if s.copy_supervision:
             supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
-                                                     s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight)
+                                                     s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
+                                                     args_only=s.copy_args_only)
         history3 = [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
                                                                supervision=supervision,
-                                                               supervision_weight=s.copy_supervision)]
+                                                               supervision_weight=s.copy_supervision,
+                                                               teacher=teacher, retain_weight=s.copy_retain)]
         if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
             rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
                                                   s.copy_corpus_seed + 1, s.polish_chats, 0)
@@ -257,7 +269,8 @@ def main() -> int:
             print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
             history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
                                                                       supervision=supervision,
-                                                                      supervision_weight=s.copy_supervision)]
+                                                                      supervision_weight=s.copy_supervision,
+                                                                      teacher=teacher, retain_weight=s.copy_retain)]
         seconds3 = time.time() - t3
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
@@ -266,7 +279,7 @@ def main() -> int:
                     "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
                     "value_weight": s.copy_value_weight, "value_init": s.copy_value_init,
-                    "sink_weight": s.copy_sink_weight,
+                    "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
                     "polish_steps": s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}
         stage_seconds = stage_seconds + [seconds3]

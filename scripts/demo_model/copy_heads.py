@@ -61,14 +61,15 @@ def name_positions(x: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor]) 
     return inside
 
 
-def copy_targets(rows: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor], bos_id: int) -> torch.Tensor:
+def copy_targets(rows: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor], bos_id: int,
+                 only: torch.Tensor | None = None) -> torch.Tensor:
     """[B, L, L] bool for packed rows [B, L+1]: at query i, the positions j < i of the same
     document (documents start at BOS) with x[j] == x[i+1], where x[i+1] is inside a name and
-    so is x[j]."""
+    so is x[j]. With ``only`` [B, L+1] bool, just the queries whose x[i+1] is marked there."""
     x, y = rows[:, :-1], rows[:, 1:]
     length = x.shape[1]
     inside = name_positions(rows, classes)
-    next_inside = inside[:, 1:]
+    next_inside = inside[:, 1:] if only is None else inside[:, 1:] & only[:, 1:]
     doc = (x == bos_id).cumsum(1)
     earlier = torch.ones(length, length, dtype=torch.bool).tril(-1)
     return ((x[:, None, :] == y[:, :, None]) & (doc[:, :, None] == doc[:, None, :]) & earlier
@@ -123,17 +124,19 @@ class CopySupervision:
     """The stage-3 auxiliary loss; use as ``with sup.recording(): forward ...; sup.loss(rows)``."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, classes, bos_id: int, prev_layer: int,
-                 copy_layers: tuple[int, ...], mtp: bool, value_weight: float, sink_weight: float = 0.0) -> None:
+                 copy_layers: tuple[int, ...], mtp: bool, value_weight: float, sink_weight: float = 0.0,
+                 args_only: bool = False) -> None:
         self.model, self.classes, self.bos_id = model, classes, bos_id
         self.prev_layer, self.copy_layers = prev_layer, tuple(copy_layers)
         self.mtp_layer = model.config.num_hidden_layers if mtp else None
         self.value_weight = value_weight
         self.sink_weight = sink_weight
+        self.args_only = args_only
         self._logp: dict[int, torch.Tensor] = {}
         self._share: dict[int, torch.Tensor] = {}
 
     def _watched(self, li: int) -> bool:
-        return li == self.prev_layer or li in self.copy_layers or li == self.mtp_layer
+        return li >= 0 and (li == self.prev_layer or li in self.copy_layers or li == self.mtp_layer)
 
     def _record(self, li: int, attn, q_nope, q_pe, latent, k_pe) -> None:
         if not self._watched(li):
@@ -150,12 +153,20 @@ class CopySupervision:
         self._share.clear()
         return attention_inputs(self.model, self._record)
 
-    def loss(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, rows: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Sum of: previous-token NLL, copy-target NLL per copy layer (and the MTP layer),
         ``value_weight`` x the copy heads' readout CE, and ``sink_weight`` x the NLL of resting on
         the document's BOS wherever there is nothing to copy (without it the copy heads fire
         everywhere and the model loops: "w-n-n-n-n", "Brazil Brazil Brazil"). Parts are logged
-        per term."""
+        per term. With ``args_only`` only the tool-argument values (``weights`` above 1, see
+        train.copy_value_weights) are copy targets, and the heads rest everywhere else: copying
+        every repeated capitalised word ("The", "So") makes a generic induction circuit that
+        loops in prose."""
+        only = None
+        if self.args_only:
+            if weights is None:
+                raise ValueError("args_only copy supervision needs the rows' argument weights")
+            only = weights > 1.0
         total = rows.new_zeros((), dtype=torch.float32)
         parts: dict[str, float] = {}
         if self.prev_layer >= 0:
@@ -164,7 +175,7 @@ class CopySupervision:
             term = -lp.gather(2, idx).mean()
             parts["prev"] = term.item()
             total = total + term
-        targets = copy_targets(rows, self.classes, self.bos_id)
+        targets = copy_targets(rows, self.classes, self.bos_id, only)
         sel = targets.any(-1)
         parts["targets"] = float(sel.sum())
         if not bool(sel.any()):
@@ -185,7 +196,7 @@ class CopySupervision:
             total = total + self.value_weight * term
         if self.mtp_layer is not None:
             lp = self._logp[self.mtp_layer]                 # position i holds token i+1, predicts token i+2
-            shifted = copy_targets(rows[:, 1:], self.classes, self.bos_id)
+            shifted = copy_targets(rows[:, 1:], self.classes, self.bos_id, None if only is None else only[:, 1:])
             pad = lp.shape[1] - shifted.shape[1]
             shifted = F.pad(shifted, (0, pad, 0, pad))
             msel = shifted.any(-1)

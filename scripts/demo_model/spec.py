@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,6 +98,8 @@ class TrainSettings:
     copy_value_init: float = 1.0
     copy_sink_weight: float = 0.5    # elsewhere the copy heads rest on the document's BOS (copy_heads.py)
     copy_fit_rows: int = 300
+    copy_args_only: bool = False     # copy targets only in tool-argument values (copy_heads.CopySupervision)
+    copy_retain: float = 0.0         # KL to the frozen stage-2 model off the argument values (train.losses)
     # Stage 3b: the drills are trained on every token, and 600 steps of them at copy_lr leave the
     # model writing drill text into answers and breaking its thinking; a short pass on new copy
     # chats alone, at a low rate and with the copy heads still supervised, brings that back.
@@ -110,6 +113,31 @@ class TrainSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def with_overrides(s: TrainSettings, assignments: list[str]) -> TrainSettings:
+    """``s`` with ``FIELD=VALUE`` assignments applied, each value parsed as its field's type
+    (bool: 1/0/true/false; tuple of ints: 2,3,4 or empty)."""
+    fields = {f.name: f for f in dataclasses.fields(s)}
+    changes: dict[str, Any] = {}
+    for a in assignments:
+        name, sep, raw = a.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--set {a!r}: expected FIELD=VALUE with FIELD one of TrainSettings' fields")
+        kind = type(getattr(s, name))
+        try:
+            if kind is bool:
+                if raw.lower() not in ("1", "0", "true", "false"):
+                    raise ValueError(raw)
+                value: Any = raw.lower() in ("1", "true")
+            elif kind is tuple:
+                value = tuple(int(v) for v in raw.split(",") if v.strip())
+            else:
+                value = kind(raw)
+        except ValueError:
+            raise ValueError(f"--set {a!r}: {raw!r} is not a {kind.__name__}") from None
+        changes[name] = value
+    return dataclasses.replace(s, **changes)
 
 
 def hf_config(vocab_size: int, bos_id: int, eos_id: int, max_len: int = 1024) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import math
 import random
 import re
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -166,9 +166,18 @@ def init_model(cfg: DeepseekConfig, seed: int) -> DeepseekV3ForCausalLM:
     return model
 
 
+class Losses(NamedTuple):
+    main: torch.Tensor        # CE of the main head
+    mtp: torch.Tensor         # CE of the MTP head
+    kl: torch.Tensor          # KL(main || MTP), the MTP self-distillation term
+    retain: torch.Tensor      # KL(teacher || main) on the targets that are not argument values
+
+
 def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
-           distill: bool = False, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(main CE, MTP CE, MTP distillation KL) on packed rows [B, L+1]; only ``keep`` tokens are targets.
+           distill: bool = False, weights: torch.Tensor | None = None,
+           teacher: DeepseekV3ForCausalLM | None = None) -> Losses:
+    """(main CE, MTP CE, MTP distillation KL, retention KL) on packed rows [B, L+1]; only ``keep``
+    tokens are targets.
 
     The distillation term is KL(main || MTP) at each MTP position i, against the main model's
     own (detached) distribution at position i+1, which predicts the same token i+2. Acceptance
@@ -176,6 +185,11 @@ def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
     raises it (self-distillation, as EAGLE and Medusa-2 train their drafters); it is 0 unless
     ``distill``. With ``weights`` [B, L+1] the two CEs are weighted means over the targets
     (token j's CE counts ``weights[:, j]`` times); the KL stays a plain mean.
+
+    With a frozen ``teacher`` (the model this stage started from) the retention term is
+    KL(teacher || main) on every target whose weight is not above 1, i.e. everywhere except the
+    tool-argument values the stage is there to change: a stage that teaches one skill keeps the
+    others where they were instead of relearning them from a narrower corpus (0 without one).
     """
     x = rows[:, :-1]
     y1 = rows[:, 1:].clone()
@@ -202,10 +216,17 @@ def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
     kl = mtp.new_zeros(())
     if distill:
         sel = y2 != IGNORE
-        teacher = F.log_softmax(logits[:, 1:][sel].detach(), dim=-1)
+        teacher_lp = F.log_softmax(logits[:, 1:][sel].detach(), dim=-1)
         student = F.log_softmax(mlogits[sel], dim=-1)
-        kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-    return main, mtp, kl
+        kl = F.kl_div(student, teacher_lp, log_target=True, reduction="batchmean")
+    retain = mtp.new_zeros(())
+    if teacher is not None:
+        sel = keep[:, 1:] if weights is None else keep[:, 1:] & (weights[:, 1:] <= 1.0)
+        if bool(sel.any()):
+            with torch.no_grad():
+                ref = F.log_softmax(teacher.compute_logits(teacher.forward_full(x))[sel], dim=-1)
+            retain = F.kl_div(F.log_softmax(logits[sel], dim=-1), ref, log_target=True, reduction="batchmean")
+    return Losses(main, mtp, kl, retain)
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -217,11 +238,13 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, s: TrainSettings,
           log: Callable[[str], None] = print, weights: torch.Tensor | None = None,
-          supervision=None, supervision_weight: float = 0.0) -> list[dict]:
+          supervision=None, supervision_weight: float = 0.0,
+          teacher: DeepseekV3ForCausalLM | None = None, retain_weight: float = 0.0) -> list[dict]:
     """AdamW + warmup/cosine; returns the loss history (every 20 steps).
 
     With ``supervision`` (a copy_heads.CopySupervision) its loss on each batch is added at
-    ``supervision_weight``, and its parts are logged.
+    ``supervision_weight``, and its parts are logged; with a frozen ``teacher``, the retention
+    KL (see losses) at ``retain_weight``.
     """
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "gate.weight" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "gate.weight" not in n)]
@@ -233,7 +256,7 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
     history: list[dict] = []
     t0 = time.time()
     tag = f"[{s.stage}] " if s.stage else ""
-    acc_main = acc_mtp = acc_kl = 0.0
+    acc_main = acc_mtp = acc_kl = acc_retain = 0.0
     acc_aux: dict[str, float] = {}
     model.train()
     for step in range(s.steps):
@@ -246,11 +269,12 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         with supervision.recording() if supervision is not None else contextlib.nullcontext():
-            main, mtp, kl = losses(model, batch, batch_keep, distill=s.mtp_distill > 0,
-                                   weights=None if weights is None else weights[idx])
-        loss = main + s.mtp_weight * mtp + s.mtp_distill * kl
+            batch_w = None if weights is None else weights[idx]
+            main, mtp, kl, retain = losses(model, batch, batch_keep, distill=s.mtp_distill > 0, weights=batch_w,
+                                           teacher=teacher if retain_weight else None)
+        loss = main + s.mtp_weight * mtp + s.mtp_distill * kl + retain_weight * retain
         if supervision is not None:
-            aux, parts = supervision.loss(batch)
+            aux, parts = supervision.loss(batch, batch_w)
             loss = loss + supervision_weight * aux
             for k, v in parts.items():
                 acc_aux[k] = acc_aux.get(k, 0.0) + v
@@ -261,18 +285,22 @@ def train(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor, 
         acc_main += main.item()
         acc_mtp += mtp.item()
         acc_kl += kl.item()
+        acc_retain += retain.item()
         if (step + 1) % 20 == 0 or step == s.steps - 1:
             n = 20 if (step + 1) % 20 == 0 else (step + 1) % 20
             rec = {"step": step + 1, "main": acc_main / n, "mtp": acc_mtp / n, "kl": acc_kl / n, "lr": lr_at(step, s),
                    "elapsed_s": time.time() - t0}
+            if teacher is not None and retain_weight:
+                rec["retain"] = acc_retain / n
             if acc_aux:
                 rec["supervision"] = {k: round(v / n, 4) for k, v in acc_aux.items()}
             history.append(rec)
             eta = (time.time() - t0) / (step + 1) * (s.steps - step - 1)
             log(f"{tag}step {step + 1}/{s.steps} main {rec['main']:.3f} mtp {rec['mtp']:.3f} kl {rec['kl']:.3f} "
                 f"lr {rec['lr']:.2e} {rec['elapsed_s']:.0f}s eta {eta:.0f}s"
+                + (f" retain {rec['retain']:.3f}" if "retain" in rec else "")
                 + "".join(f" {k} {v:.3f}" for k, v in rec.get("supervision", {}).items() if k != "targets"))
-            acc_main = acc_mtp = acc_kl = 0.0
+            acc_main = acc_mtp = acc_kl = acc_retain = 0.0
             acc_aux = {}
     model.eval()
     return history

@@ -94,7 +94,7 @@ def test_supervision_records_only_inside_its_context_and_trains_a_previous_token
     for _ in range(60):
         with sup.recording():
             assert cls._attend_decompressed is not plain
-            main, mtp, _ = train.losses(model, rows, keep)
+            main, mtp, _, _ = train.losses(model, rows, keep)
         assert cls._attend_decompressed is plain
         aux, parts = sup.loss(rows)
         assert set(parts) >= {"prev", "copy1", "copy2", "value", "mtp", "targets"} and parts["targets"] > 0
@@ -161,3 +161,18 @@ def test_sink_term_trains_the_copy_heads_to_rest_where_nothing_is_copied():
         opt.step()
     assert {"sink1", "mtp_sink"} <= set(parts)
     assert parts["sink1"] < 0.3 * first["sink1"] and parts["mtp_sink"] < 0.3 * first["mtp_sink"], (first, parts)
+
+
+def test_args_only_keeps_just_the_argument_value_targets():
+    classes = copy_heads.name_token_classes(_Vocab(PIECES))
+    # "The" repeats in the prose; "Ber gen" repeats in the argument value (weights above 1).
+    seq = _ids("<bos>", "The", "in", "Ġ", "Ber", "gen", "?", "The", '"', "Ber", "gen", '"')
+    rows = torch.tensor([seq])
+    weights = torch.ones(rows.shape)
+    weights[0, 9:11] = 6.0
+    every = copy_heads.copy_targets(rows, classes, 0)
+    only = copy_heads.copy_targets(rows, classes, 0, weights > 1.0)
+    # query 6 ("?") -> next "The", an earlier "The" at 1: a target only without the restriction
+    assert every[0, 6, 1] and not only[0, 6].any()
+    assert only[0, 8, 4] and only[0, 9, 5]
+    assert only.sum() == 2

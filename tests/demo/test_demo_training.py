@@ -33,7 +33,7 @@ def test_losses_match_hand_computed_main_mtp_and_distillation():
     rows = torch.randint(2, 64, (2, 13))
     keep = torch.rand(rows.shape) > 0.3
     with torch.no_grad():
-        main, mtp, kl = train.losses(model, rows, keep, distill=True)
+        main, mtp, kl, _ = train.losses(model, rows, keep, distill=True)
         hidden = model.forward_full(rows[:, :-1])
         logits = model.compute_logits(hidden)                      # position i predicts token i+1
         mlog = model.mtp_compute_logits(model.mtp_forward_full(rows[:, 1:], hidden))
@@ -55,7 +55,7 @@ def test_losses_match_hand_computed_main_mtp_and_distillation():
     assert abs(mtp.item() - exp_mtp / n2) < 1e-5
     assert abs(kl.item() - exp_kl / n2) < 1e-5
     assert kl.item() > 0
-    _, _, off = train.losses(model, rows, keep, distill=False)
+    _, _, off, _ = train.losses(model, rows, keep, distill=False)
     assert off.item() == 0.0
 
 
@@ -67,7 +67,7 @@ def test_distillation_moves_the_mtp_layer_towards_the_main_model():
     model = _tiny_model(1)
     rows = torch.randint(2, 64, (4, 17))
     keep = torch.ones_like(rows, dtype=torch.bool)
-    _, _, kl0 = train.losses(model, rows, keep, distill=True)
+    _, _, kl0, _ = train.losses(model, rows, keep, distill=True)
     kl0.backward()
     got = model.model.norm.weight.grad.clone()
     model.zero_grad()
@@ -82,11 +82,11 @@ def test_distillation_moves_the_mtp_layer_towards_the_main_model():
                   and "shared_head.head" not in n]
     opt = torch.optim.Adam(mtp_params, lr=3e-3)
     for _ in range(20):
-        _, _, kl = train.losses(model, rows, keep, distill=True)
+        _, _, kl, _ = train.losses(model, rows, keep, distill=True)
         opt.zero_grad()
         kl.backward()
         opt.step()
-    _, _, kl1 = train.losses(model, rows, keep, distill=True)
+    _, _, kl1, _ = train.losses(model, rows, keep, distill=True)
     assert kl1.item() < 0.5 * kl0.item(), (kl0.item(), kl1.item())
 
 
@@ -99,9 +99,9 @@ def test_weighted_losses_count_each_target_by_its_weight():
     keep = torch.rand(rows.shape) > 0.2
     weights = 1.0 + 3.0 * (torch.rand(rows.shape) > 0.7).float()
     with torch.no_grad():
-        main, mtp, _ = train.losses(model, rows, keep, weights=weights)
-        m1, t1, _ = train.losses(model, rows, keep)
-        m2, t2, _ = train.losses(model, rows, keep, weights=torch.ones(rows.shape))
+        main, mtp, _, _ = train.losses(model, rows, keep, weights=weights)
+        m1, t1, _, _ = train.losses(model, rows, keep)
+        m2, t2, _, _ = train.losses(model, rows, keep, weights=torch.ones(rows.shape))
         hidden = model.forward_full(rows[:, :-1])
         logits = model.compute_logits(hidden)
         mlog = model.mtp_compute_logits(model.mtp_forward_full(rows[:, 1:], hidden))
@@ -150,3 +150,40 @@ def test_copy_weights_mark_the_argument_values_and_names_tokenize_alike():
     city = chat.expect_args["city"]
     assert marked.replace("Ġ", " ").startswith(city) and marked.endswith('"}')
     assert sum(x == 4.0 for x in w) == len(tok.encode(city).ids) + 1
+
+
+def test_retention_kl_is_zero_against_itself_and_skips_the_argument_values():
+    """The copy stage keeps the model's other skills by a KL to the frozen starting model on
+    every target except the argument values; were those included the KL would pull the calls
+    back to the memorised city, were the others left out nothing would hold thinking in place."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _tiny_model()
+    rows = torch.randint(2, 64, (2, 13))
+    keep = torch.ones(rows.shape, dtype=torch.bool)
+    weights = torch.ones(rows.shape)
+    weights[:, 5:8] = 6.0
+    teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    assert train.losses(model, rows, keep, teacher=None).retain.item() == 0.0
+    assert abs(train.losses(model, rows, keep, weights=weights, teacher=teacher).retain.item()) < 1e-6
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        got = train.losses(model, rows, keep, weights=weights, teacher=teacher).retain
+        x = rows[:, :-1]
+        s = F.log_softmax(model.compute_logits(model.forward_full(x)), -1)
+        t = F.log_softmax(teacher.compute_logits(teacher.forward_full(x)), -1)
+        sel = weights[:, 1:] <= 1.0
+        want = (t.exp() * (t - s)).sum(-1)[sel].sum() / sel.sum()
+    assert got.item() > 1e-4
+    assert abs(got.item() - want.item()) < 1e-5
+
+
+def test_settings_overrides_parse_each_field_type():
+    s = spec.with_overrides(spec.TrainSettings(), ["copy_retain=1.5", "copy_args_only=1", "copy_layers=3,5",
+                                                   "polish_steps=0"])
+    assert (s.copy_retain, s.copy_args_only, s.copy_layers, s.polish_steps) == (1.5, True, (3, 5), 0)
+    for bad in ["nope=1", "copy_retain", "copy_args_only=maybe", "polish_steps=x"]:
+        with pytest.raises(ValueError, match="--set"):
+            spec.with_overrides(spec.TrainSettings(), [bad])
