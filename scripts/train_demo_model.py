@@ -248,16 +248,32 @@ def main() -> int:
         teacher = None
         if s.copy_retain:               # the stage-2 weights, frozen, before the value fit changes them
             teacher = copy.deepcopy(model).eval().requires_grad_(False)
+        history3 = []
+        if s.copy_attention_steps > 0:  # the heads learn where to look first, their output silenced
+            copy_heads.silence_heads(model, s.copy_layers)
+            sa = dataclasses.replace(s, steps=s.copy_attention_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
+                                     mtp_distill=s.copy_mtp_distill, seed=s.seed + 7, stage="attend")
+            attend = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
+                                                s.copy_mtp_supervision, 0.0, s.copy_sink_weight,
+                                                args_only=s.copy_args_only)
+            print(f"stage 3 (attention first): {sa.steps} steps, head {copy_heads.HEAD} of layers "
+                  f"{list(s.copy_layers)} silenced")
+            history3 += [dict(h, stage="attend") for h in train.train(model, rows3, keep3, sa, weights=w3,
+                                                                      supervision=attend,
+                                                                      supervision_weight=s.copy_supervision,
+                                                                      teacher=teacher, retain_weight=s.copy_retain)]
         if s.copy_value_init:
-            ce = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
-                                            s.copy_value_init, seed=s.seed + 5)
+            ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
+                                                     s.copy_value_init, seed=s.seed + 5, bos_id=bos,
+                                                     silence=s.copy_value_silence)
             print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
-                  f"(readout CE {ce:.3f}) on {s.copy_fit_rows} rows; {time.time() - t3:.0f}s")
+                  f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
+                  f"{time.time() - t3:.0f}s")
         if s.copy_supervision:
             supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
                                                      s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
                                                      args_only=s.copy_args_only)
-        history3 = [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
+        history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
                                                                supervision=supervision,
                                                                supervision_weight=s.copy_supervision,
                                                                teacher=teacher, retain_weight=s.copy_retain)]
@@ -278,7 +294,8 @@ def main() -> int:
                     "piece_names": len(corpus.piece_names(tok)) if s.copy_piece_names else 0,
                     "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
-                    "value_weight": s.copy_value_weight, "value_init": s.copy_value_init,
+                    "value_weight": s.copy_value_weight, "value_init": s.copy_value_init, "value_silence": s.copy_value_silence,
+                    "attention_steps": s.copy_attention_steps,
                     "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
                     "polish_steps": s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}

@@ -225,17 +225,52 @@ def _latents(model: DeepseekV3ForCausalLM, x: torch.Tensor, layers: tuple[int, .
     return {li: torch.cat(v) for li, v in out.items()}, torch.cat(hidden)
 
 
+def silence_heads(model: DeepseekV3ForCausalLM, layers: tuple[int, ...]) -> None:
+    """Zero head ``HEAD``'s output columns (o_proj) in ``layers``: while the heads learn where to
+    look they write nothing, so moving their attention does not disturb the rest of the model."""
+    with torch.no_grad():
+        for li in layers:
+            attn = model.model.layers[li].self_attn
+            attn.o_proj.weight[:, HEAD * attn.v_dim:(HEAD + 1) * attn.v_dim] = 0.0
+
+
+BOS_RANK = 3      # directions of the BOS latent the copy heads' value map ignores
+
+
+def _without_directions(samples: torch.Tensor, rank: int) -> torch.Tensor:
+    """[d, d] projection that removes the top ``rank`` directions of ``samples`` [n, d]
+    (uncentred, so the mean direction goes first); the identity without samples."""
+    d = samples.shape[-1]
+    if len(samples) == 0:
+        return torch.eye(d)
+    top = torch.linalg.svd(samples, full_matrices=False).Vh[:rank]
+    return torch.eye(d) - top.T @ top
+
+
 def fit_copy_values(model: DeepseekV3ForCausalLM, rows: torch.Tensor, classes, layers: tuple[int, ...],
-                    scale: float, steps: int = 800, seed: int = 0) -> float:
+                    scale: float, steps: int = 800, seed: int = 0, bos_id: int | None = None,
+                    silence: float = 0.0) -> tuple[float, float]:
     """Overwrite head ``HEAD``'s value rows (kv_b_proj) and output columns (o_proj) in ``layers``
     with a joint fit: sum over layers of o_l(v_l(latent_l at a name token)), read through the
     final norm and lm_head, predicts that token. The product is scaled to ``scale`` x the
-    median norm of the final hidden state. Returns the fit's last cross-entropy."""
+    median norm of the final hidden state.
+
+    With ``bos_id`` the heads write nothing where they rest, on the document's BOS: the value
+    map is fitted on the latent with BOS's top ``BOS_RANK`` directions projected out (the BOS
+    latent is nearly the same vector everywhere, cosine 0.98 to its mean in the demo model).
+    Without it the resting heads add a residual-sized vector to every position, four layers
+    over, and the model's other skills break. ``silence`` adds a soft term that makes them quiet
+    at the other tokens that are not names too. Returns (the fit's last cross-entropy, the size
+    of what they write at BOS relative to at a name)."""
     x = rows[:, :-1]
     latents, hidden = _latents(model, x, layers)
     inside = name_positions(x, classes)
     ys = x[inside]
     feats = {li: latents[li][inside] for li in layers}
+    at_bos = (x == bos_id) if bos_id is not None else torch.zeros_like(inside)
+    rest = {li: latents[li][~inside & ~at_bos] for li in layers}
+    bos = {li: latents[li][at_bos] for li in layers}
+    keep_dirs = {li: _without_directions(bos[li], BOS_RANK) for li in layers}
     g = torch.Generator().manual_seed(seed)
     attn0 = model.model.layers[layers[0]].self_attn
     dv, kvr, hid = attn0.v_dim, attn0.kv_lora_rank, model.config.hidden_size
@@ -244,24 +279,36 @@ def fit_copy_values(model: DeepseekV3ForCausalLM, rows: torch.Tensor, classes, l
     opt = torch.optim.Adam([p for pair in params.values() for p in pair], lr=3e-3)
     w_u, g_norm = model.lm_head.weight.detach(), model.model.norm.weight.detach()
 
-    def write(idx: torch.Tensor) -> torch.Tensor:
-        return sum(feats[li][idx] @ b.T @ o.T for li, (o, b) in params.items())
+    def write(idx: torch.Tensor, src: dict[int, torch.Tensor] = feats) -> torch.Tensor:
+        return sum(src[li][idx] @ keep_dirs[li] @ b.T @ o.T for li, (o, b) in params.items())
+
+    def quiet(src: dict[int, torch.Tensor], size: torch.Tensor) -> torch.Tensor:
+        n = len(next(iter(src.values())))
+        if n == 0:
+            return size.new_zeros(())
+        return write(torch.randint(0, n, (512,), generator=g), src).pow(2).sum(-1).mean() / size
 
     ce = float("nan")
     for _ in range(steps):
         idx = torch.randint(0, len(ys), (1024,), generator=g)
-        logits = F.rms_norm(write(idx), (hid,)) * g_norm @ w_u.T
+        out = write(idx)
+        logits = F.rms_norm(out, (hid,)) * g_norm @ w_u.T
         loss = F.cross_entropy(logits, ys[idx])
+        if silence:
+            size = out.pow(2).sum(-1).mean()
+            loss = loss + silence * quiet(rest, size)
         opt.zero_grad()
         loss.backward()
         opt.step()
         ce = loss.item()
     with torch.no_grad():
         size = write(torch.arange(min(20000, len(ys)))).norm(dim=-1).median().item()
+        n_bos = len(bos[layers[0]])
+        at_rest = write(torch.arange(n_bos), bos).norm(dim=-1).median().item() / size if n_bos else float("nan")
         factor = math.sqrt(scale * hidden.norm(dim=-1).median().item() / size)
         for li, (o, b) in params.items():
             attn = model.model.layers[li].self_attn
             dn = attn.nope_dim
-            attn.kv_b_proj.weight.view(attn.num_heads, dn + dv, kvr)[HEAD, dn:] = b * factor
+            attn.kv_b_proj.weight.view(attn.num_heads, dn + dv, kvr)[HEAD, dn:] = (b @ keep_dirs[li].T) * factor
             attn.o_proj.weight[:, HEAD * dv:(HEAD + 1) * dv] = o * factor
-    return ce
+    return ce, at_rest

@@ -117,13 +117,61 @@ def test_value_fit_reads_the_name_piece_back():
     with torch.no_grad():           # a trained lm_head's scale (at init it cannot be confident)
         model.lm_head.weight.mul_(50)
     before = [model.model.layers[li].self_attn.o_proj.weight.clone() for li in (1, 2)]
-    ce = copy_heads.fit_copy_values(model, rows, classes, layers=(1, 2), scale=1.0, steps=300)
+    ce, _ = copy_heads.fit_copy_values(model, rows, classes, layers=(1, 2), scale=1.0, steps=300)
     vocab_ce = math.log(len(vocab))
     assert ce < 0.5 * vocab_ce, ce
     for li, old in zip((1, 2), before):
         w = model.model.layers[li].self_attn.o_proj.weight
         dv = model.model.layers[li].self_attn.v_dim
         assert not torch.equal(w[:, :dv], old[:, :dv]) and torch.equal(w[:, dv:], old[:, dv:])
+
+
+def _head_writes(model, rows, layers, latents=None):
+    """{layer: what head HEAD writes [B, L, H] for each position's own latent (``latents``, or
+    the model's own on ``rows``)}."""
+    if latents is None:
+        latents, _ = copy_heads._latents(model, rows, layers)
+    out = {}
+    for li in layers:
+        attn = model.model.layers[li].self_attn
+        dn, dv = attn.nope_dim, attn.v_dim
+        b = attn.kv_b_proj.weight.view(attn.num_heads, dn + dv, -1)[copy_heads.HEAD, dn:]
+        o = attn.o_proj.weight[:, copy_heads.HEAD * dv:(copy_heads.HEAD + 1) * dv]
+        out[li] = latents[li] @ b.T @ o.T
+    return out
+
+
+def test_value_fit_with_a_bos_writes_nothing_at_the_sink_and_silenced_heads_write_nothing():
+    """Resting copy heads sit on BOS; if their value there is not ~0 they add a residual-sized
+    vector to every position of the model (that is what broke thinking in the first stage-3 runs)."""
+    torch.manual_seed(0)
+    letters = "abcdefghijklmnopqrstuvwxy"
+    vocab = PIECES + [f"Q{c}" for c in letters] + [f"q{c}" for c in letters]
+    classes = copy_heads.name_token_classes(_Vocab(vocab))
+    rows = torch.randint(len(PIECES), len(vocab), (24, 33))
+    rows[:, 0] = rows[:, 16] = ID["<bos>"]
+    sizes = {}
+    for bos_id in (None, ID["<bos>"]):
+        model = _tiny_model()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(50)
+        with torch.no_grad():
+            latents, _ = copy_heads._latents(model, rows[:, :-1], (1, 2))    # what the fit sees
+        ce, at_rest = copy_heads.fit_copy_values(model, rows, classes, layers=(1, 2), scale=1.0, steps=300,
+                                                 bos_id=bos_id)
+        assert ce < 0.5 * math.log(len(vocab)), ce
+        with torch.no_grad():
+            w = sum(_head_writes(model, rows[:, :-1], (1, 2), latents).values())
+        at_bos = w[rows[:, :-1] == ID["<bos>"]].norm(dim=-1).median()
+        at_name = w[copy_heads.name_positions(rows[:, :-1], classes)].norm(dim=-1).median()
+        sizes[bos_id] = (at_bos / at_name).item()
+        if bos_id is not None:
+            assert abs(at_rest - sizes[bos_id]) < 0.02
+    assert sizes[ID["<bos>"]] < 0.05 < 0.3 < sizes[None], sizes
+    copy_heads.silence_heads(model, (1,))
+    with torch.no_grad():
+        w = _head_writes(model, rows[:, :-1], (1, 2))
+    assert w[1].abs().max() == 0 and w[2].abs().max() > 0
 
 
 def test_piece_names_cover_the_lowercase_pieces_and_avoid_evaluation_values():
