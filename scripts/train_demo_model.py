@@ -12,6 +12,7 @@ Everything is offline and seeded (see scripts/demo_model/spec.py); modules in sc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -248,45 +249,53 @@ def main() -> int:
         teacher = None
         if s.copy_retain:               # the stage-2 weights, frozen, before the value fit changes them
             teacher = copy.deepcopy(model).eval().requires_grad_(False)
-        history3 = []
-        if s.copy_attention_steps > 0:  # the heads learn where to look first, their output silenced
-            copy_heads.silence_heads(model, s.copy_layers)
-            sa = dataclasses.replace(s, steps=s.copy_attention_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
-                                     mtp_distill=s.copy_mtp_distill, seed=s.seed + 7, stage="attend")
-            attend = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
-                                                s.copy_mtp_supervision, 0.0, s.copy_sink_weight,
-                                                args_only=s.copy_args_only)
-            print(f"stage 3 (attention first): {sa.steps} steps, head {copy_heads.HEAD} of layers "
-                  f"{list(s.copy_layers)} silenced")
-            history3 += [dict(h, stage="attend") for h in train.train(model, rows3, keep3, sa, weights=w3,
-                                                                      supervision=attend,
-                                                                      supervision_weight=s.copy_supervision,
-                                                                      teacher=teacher, retain_weight=s.copy_retain)]
-        if s.copy_value_init:
-            ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
-                                                     s.copy_value_init, seed=s.seed + 5, bos_id=bos,
-                                                     silence=s.copy_value_silence)
-            print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
-                  f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
-                  f"{time.time() - t3:.0f}s")
-        if s.copy_supervision:
-            supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
-                                                     s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
-                                                     args_only=s.copy_args_only)
-        history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
-                                                               supervision=supervision,
-                                                               supervision_weight=s.copy_supervision,
-                                                               teacher=teacher, retain_weight=s.copy_retain)]
-        if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
-            rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
-                                                  s.copy_corpus_seed + 1, s.polish_chats, 0)
-            sp = dataclasses.replace(s, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
-                                     mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
-            print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
-            history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
-                                                                      supervision=supervision,
-                                                                      supervision_weight=s.copy_supervision,
-                                                                      teacher=teacher, retain_weight=s.copy_retain)]
+        circuit = (s.copy_prev_layer,) + tuple(s.copy_layers) + ((hf_cfg["num_hidden_layers"],) if s.copy_mtp_supervision else ())
+        if s.copy_heads_only:           # only the copy circuit's heads train; no weight decay on the frozen rest
+            s3 = dataclasses.replace(s3, weight_decay=0.0)
+        with (copy_heads.heads_only(model, tuple(li for li in circuit if li >= 0)) if s.copy_heads_only
+              else contextlib.nullcontext(None)) as trainable:
+            if trainable is not None:
+                print(f"stage 3 trains only head {copy_heads.HEAD} of layers {[li for li in circuit if li >= 0]}: "
+                      f"{trainable} weights")
+            history3 = []
+            if s.copy_attention_steps > 0:  # the heads learn where to look first, their output silenced
+                copy_heads.silence_heads(model, s.copy_layers)
+                sa = dataclasses.replace(s3, steps=s.copy_attention_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
+                                         mtp_distill=s.copy_mtp_distill, seed=s.seed + 7, stage="attend")
+                attend = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
+                                                    s.copy_mtp_supervision, 0.0, s.copy_sink_weight,
+                                                    args_only=s.copy_args_only)
+                print(f"stage 3 (attention first): {sa.steps} steps, head {copy_heads.HEAD} of layers "
+                      f"{list(s.copy_layers)} silenced")
+                history3 += [dict(h, stage="attend") for h in train.train(model, rows3, keep3, sa, weights=w3,
+                                                                          supervision=attend,
+                                                                          supervision_weight=s.copy_supervision,
+                                                                          teacher=teacher, retain_weight=s.copy_retain)]
+            if s.copy_value_init:
+                ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
+                                                         s.copy_value_init, seed=s.seed + 5, bos_id=bos,
+                                                         silence=s.copy_value_silence)
+                print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
+                      f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
+                      f"{time.time() - t3:.0f}s")
+            if s.copy_supervision:
+                supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
+                                                         s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
+                                                         args_only=s.copy_args_only)
+            history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
+                                                                   supervision=supervision,
+                                                                   supervision_weight=s.copy_supervision,
+                                                                   teacher=teacher, retain_weight=s.copy_retain)]
+            if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
+                rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
+                                                      s.copy_corpus_seed + 1, s.polish_chats, 0)
+                sp = dataclasses.replace(s3, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
+                                         mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
+                print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
+                history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
+                                                                          supervision=supervision,
+                                                                          supervision_weight=s.copy_supervision,
+                                                                          teacher=teacher, retain_weight=s.copy_retain)]
         seconds3 = time.time() - t3
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
@@ -295,7 +304,7 @@ def main() -> int:
                     "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
                     "value_weight": s.copy_value_weight, "value_init": s.copy_value_init, "value_silence": s.copy_value_silence,
-                    "attention_steps": s.copy_attention_steps,
+                    "attention_steps": s.copy_attention_steps, "heads_only": s.copy_heads_only,
                     "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
                     "polish_steps": s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}

@@ -234,6 +234,46 @@ def silence_heads(model: DeepseekV3ForCausalLM, layers: tuple[int, ...]) -> None
             attn.o_proj.weight[:, HEAD * attn.v_dim:(HEAD + 1) * attn.v_dim] = 0.0
 
 
+@contextlib.contextmanager
+def heads_only(model: DeepseekV3ForCausalLM, layers: tuple[int, ...]) -> Iterator[int]:
+    """Inside the block only head ``HEAD`` of ``layers`` trains: its query rows (q_b_proj or
+    q_proj), key/value rows (kv_b_proj) and output columns (o_proj); every other weight is
+    frozen (gradient masks on the shared matrices). Yields the number of trainable weights.
+
+    Copying then cannot cost the model its other skills except through what these heads
+    write, and resting on a silent BOS they write nothing (fit_copy_values); the stage's
+    weight decay must be 0, or AdamW would shrink the frozen rows of the shared matrices."""
+    saved = {p: p.requires_grad for p in model.parameters()}
+    hooks = []
+    n = 0
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for li in layers:
+        attn = model.model.layers[li].self_attn
+        q = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
+        qk = attn.nope_dim + attn.rope_dim
+        masks = []
+        for lin, per_head, rows in ((q, qk, True), (attn.kv_b_proj, attn.nope_dim + attn.v_dim, True),
+                                    (attn.o_proj, attn.v_dim, False)):
+            m = torch.zeros_like(lin.weight)
+            if rows:
+                m[HEAD * per_head:(HEAD + 1) * per_head] = 1.0
+            else:
+                m[:, HEAD * per_head:(HEAD + 1) * per_head] = 1.0
+            masks.append((lin.weight, m))
+        for w, m in masks:
+            w.requires_grad_(True)
+            hooks.append(w.register_hook(lambda g, m=m: g * m))
+            n += int(m.sum())
+    try:
+        yield n
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+
+
 BOS_RANK = 3      # directions of the BOS latent the copy heads' value map ignores
 
 

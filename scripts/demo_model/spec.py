@@ -98,6 +98,7 @@ class TrainSettings:
     copy_value_init: float = 1.0
     copy_sink_weight: float = 0.5    # elsewhere the copy heads rest on the document's BOS (copy_heads.py)
     copy_fit_rows: int = 300
+    copy_heads_only: bool = False    # only the copy circuit's heads train in stage 3 (copy_heads.heads_only)
     copy_attention_steps: int = 0    # steps before the value fit, the copy heads' output silenced
     copy_value_silence: float = 0.0  # the value fit also silences the heads at rest (copy_heads.fit_copy_values)
     copy_args_only: bool = False     # copy targets only in tool-argument values (copy_heads.CopySupervision)

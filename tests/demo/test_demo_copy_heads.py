@@ -224,3 +224,32 @@ def test_args_only_keeps_just_the_argument_value_targets():
     assert every[0, 6, 1] and not only[0, 6].any()
     assert only[0, 8, 4] and only[0, 9, 5]
     assert only.sum() == 2
+
+
+def test_heads_only_trains_just_head_zero_of_the_circuit_layers():
+    torch.manual_seed(0)
+    model = _tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flags = [p.requires_grad for p in model.parameters()]
+    rows = torch.randint(2, 64, (4, 17))
+    keep = torch.ones(rows.shape, dtype=torch.bool)
+    with copy_heads.heads_only(model, (1,)) as n:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+        for _ in range(3):
+            main, mtp, _, _ = train.losses(model, rows, keep)
+            opt.zero_grad()
+            (main + mtp).backward()
+            opt.step()
+    assert [p.requires_grad for p in model.parameters()] == flags      # restored after the block
+    attn = model.model.layers[1].self_attn
+    qk, kvd, dv = attn.nope_dim + attn.rope_dim, attn.nope_dim + attn.v_dim, attn.v_dim
+    assert n == qk * attn.q_b_proj.in_features + kvd * attn.kv_b_proj.in_features + dv * attn.o_proj.out_features
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed == {"model.layers.1.self_attn.q_b_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight",
+                       "model.layers.1.self_attn.o_proj.weight"}, changed
+    for name, width, by_rows in (("q_b_proj", qk, True), ("kv_b_proj", kvd, True), ("o_proj", dv, False)):
+        w = getattr(attn, name).weight
+        old = before[f"model.layers.1.self_attn.{name}.weight"]
+        head, rest = (w[:width], w[width:]) if by_rows else (w[:, :width], w[:, width:])
+        old_head, old_rest = (old[:width], old[width:]) if by_rows else (old[:, :width], old[:, width:])
+        assert not torch.equal(head, old_head) and torch.equal(rest, old_rest), name
