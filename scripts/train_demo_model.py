@@ -12,7 +12,6 @@ Everything is offline and seeded (see scripts/demo_model/spec.py); modules in sc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -129,6 +128,8 @@ def main() -> int:
         s = spec.with_overrides(s, args.set)
     except ValueError as e:
         ap.error(str(e))
+    if s.copy_heads_from_start and not s.copy_pretrain:
+        ap.error("copy_heads_from_start needs --copy-pretrain (the name-split tokenizer from the start)")
     setup(s.threads, s.seed)
     out: Path = args.out
     if args.eval_only:
@@ -167,6 +168,11 @@ def main() -> int:
     model = train.init_model(cfg, s.seed)
     n_params = sum(p.numel() for p in model.parameters())
     history_prev: list[dict] = []
+    early = None                 # copy heads supervised from stage 1 on (copy_heads_from_start)
+    if s.copy_heads_from_start:
+        early = copy_heads.CopySupervision(model, copy_heads.name_token_classes(tok), bos, s.copy_prev_layer,
+                                           s.copy_layers, s.copy_mtp_supervision, s.copy_value_weight,
+                                           s.copy_sink_weight)
     if prior:
         from safetensors.torch import load_file
 
@@ -194,7 +200,9 @@ def main() -> int:
     else:
         print(f"model: {n_params / 1e6:.2f} M parameters; stage 1: {s.steps} steps of {s.batch_size}x{s.seq_len}")
         t1 = time.time()
-        history_prev = [{"stage": "pretrain", **h} for h in train.train(model, rows, keep, dataclasses.replace(s, stage="pretrain"))]
+        history_prev = [{"stage": "pretrain", **h} for h in train.train(model, rows, keep, dataclasses.replace(s, stage="pretrain"),
+                                                                         supervision=early,
+                                                                         supervision_weight=s.copy_supervision)]
         prior_stage_s, prior_sft = [time.time() - t1], []
 
     # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
@@ -220,7 +228,8 @@ def main() -> int:
                                  mtp_distill=s.sft_mtp_distill, seed=s.seed + 2 + len(prior_sft), stage="sft")
         print(f"stage 2: {s2.steps} steps, {int(keep2.sum())} of {keep2.numel()} tokens are targets")
         t2 = time.time()
-        history2 = train.train(model, rows2, keep2, s2, weights=w2)
+        history2 = train.train(model, rows2, keep2, s2, weights=w2, supervision=early,
+                               supervision_weight=s.copy_supervision)
         seconds2 = time.time() - t2
         sft_runs = prior_sft + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
                                  "mtp_distill": s2.mtp_distill, "arg_weight": s.sft_arg_weight, "seconds": seconds2}]
@@ -249,53 +258,32 @@ def main() -> int:
         teacher = None
         if s.copy_retain:               # the stage-2 weights, frozen, before the value fit changes them
             teacher = copy.deepcopy(model).eval().requires_grad_(False)
-        circuit = (s.copy_prev_layer,) + tuple(s.copy_layers) + ((hf_cfg["num_hidden_layers"],) if s.copy_mtp_supervision else ())
-        if s.copy_heads_only:           # only the copy circuit's heads train; no weight decay on the frozen rest
-            s3 = dataclasses.replace(s3, weight_decay=0.0)
-        with (copy_heads.heads_only(model, tuple(li for li in circuit if li >= 0)) if s.copy_heads_only
-              else contextlib.nullcontext(None)) as trainable:
-            if trainable is not None:
-                print(f"stage 3 trains only head {copy_heads.HEAD} of layers {[li for li in circuit if li >= 0]}: "
-                      f"{trainable} weights")
-            history3 = []
-            if s.copy_attention_steps > 0:  # the heads learn where to look first, their output silenced
-                copy_heads.silence_heads(model, s.copy_layers)
-                sa = dataclasses.replace(s3, steps=s.copy_attention_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
-                                         mtp_distill=s.copy_mtp_distill, seed=s.seed + 7, stage="attend")
-                attend = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
-                                                    s.copy_mtp_supervision, 0.0, s.copy_sink_weight,
-                                                    args_only=s.copy_args_only)
-                print(f"stage 3 (attention first): {sa.steps} steps, head {copy_heads.HEAD} of layers "
-                      f"{list(s.copy_layers)} silenced")
-                history3 += [dict(h, stage="attend") for h in train.train(model, rows3, keep3, sa, weights=w3,
-                                                                          supervision=attend,
-                                                                          supervision_weight=s.copy_supervision,
-                                                                          teacher=teacher, retain_weight=s.copy_retain)]
-            if s.copy_value_init:
-                ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
-                                                         s.copy_value_init, seed=s.seed + 5, bos_id=bos,
-                                                         silence=s.copy_value_silence)
-                print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
-                      f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
-                      f"{time.time() - t3:.0f}s")
-            if s.copy_supervision:
-                supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
-                                                         s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
-                                                         args_only=s.copy_args_only)
-            history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
-                                                                   supervision=supervision,
-                                                                   supervision_weight=s.copy_supervision,
-                                                                   teacher=teacher, retain_weight=s.copy_retain)]
-            if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
-                rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
-                                                      s.copy_corpus_seed + 1, s.polish_chats, 0)
-                sp = dataclasses.replace(s3, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
-                                         mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
-                print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
-                history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
-                                                                          supervision=supervision,
-                                                                          supervision_weight=s.copy_supervision,
-                                                                          teacher=teacher, retain_weight=s.copy_retain)]
+        history3: list[dict] = []
+        if s.copy_value_init:
+            ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
+                                                     s.copy_value_init, seed=s.seed + 5, bos_id=bos,
+                                                     silence=s.copy_value_silence)
+            print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
+                  f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
+                  f"{time.time() - t3:.0f}s")
+        if s.copy_supervision:
+            supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
+                                                     s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
+                                                     args_only=s.copy_args_only)
+        history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
+                                                               supervision=supervision,
+                                                               supervision_weight=s.copy_supervision,
+                                                               teacher=teacher, retain_weight=s.copy_retain)]
+        if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
+            rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
+                                                  s.copy_corpus_seed + 1, s.polish_chats, 0)
+            sp = dataclasses.replace(s, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
+                                     mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
+            print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
+            history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
+                                                                      supervision=supervision,
+                                                                      supervision_weight=s.copy_supervision,
+                                                                      teacher=teacher, retain_weight=s.copy_retain)]
         seconds3 = time.time() - t3
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
@@ -304,7 +292,6 @@ def main() -> int:
                     "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
                     "value_weight": s.copy_value_weight, "value_init": s.copy_value_init, "value_silence": s.copy_value_silence,
-                    "attention_steps": s.copy_attention_steps, "heads_only": s.copy_heads_only,
                     "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
                     "polish_steps": s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}

@@ -18,12 +18,14 @@ least-squares fit instead of from what they did before:
   the token's identity, not something else).
 * ``fit_copy_values``: fits head 0's value and output projections in those layers jointly so
   that the kv latent at a name token, sent through them, reads back as that token; scaled to
-  the residual stream's size. Without it the copy heads attend correctly within 200 steps but
-  write made-up names (the identity has to be learnt through a 32-wide value path).
+  the residual stream's size, and blind to the BOS latent, so that heads resting on BOS write
+  nothing. Without it the copy heads attend correctly within 200 steps but write made-up names
+  (the identity has to be learnt through a 32-wide value path).
 
 Stage 3 is off by default: with these heads the model copies about half of the held-out
-cities, but its thinking breaks (spec.py has the runs). The model class is untouched: these wrap ``MLA._attend_decompressed`` only while training
-(a context manager), so the shipped weights run on the daemon's plain code.
+cities, but its thinking breaks (spec.py has the runs). The model class is untouched: these
+wrap ``MLA._attend_decompressed`` only while training (a context manager), so the shipped
+weights run on the daemon's plain code.
 """
 
 from __future__ import annotations
@@ -223,55 +225,6 @@ def _latents(model: DeepseekV3ForCausalLM, x: torch.Tensor, layers: tuple[int, .
     with attention_inputs(model, keep):
         hidden = [model.forward_full(x[b:b + 16]) for b in range(0, len(x), 16)]
     return {li: torch.cat(v) for li, v in out.items()}, torch.cat(hidden)
-
-
-def silence_heads(model: DeepseekV3ForCausalLM, layers: tuple[int, ...]) -> None:
-    """Zero head ``HEAD``'s output columns (o_proj) in ``layers``: while the heads learn where to
-    look they write nothing, so moving their attention does not disturb the rest of the model."""
-    with torch.no_grad():
-        for li in layers:
-            attn = model.model.layers[li].self_attn
-            attn.o_proj.weight[:, HEAD * attn.v_dim:(HEAD + 1) * attn.v_dim] = 0.0
-
-
-@contextlib.contextmanager
-def heads_only(model: DeepseekV3ForCausalLM, layers: tuple[int, ...]) -> Iterator[int]:
-    """Inside the block only head ``HEAD`` of ``layers`` trains: its query rows (q_b_proj or
-    q_proj), key/value rows (kv_b_proj) and output columns (o_proj); every other weight is
-    frozen (gradient masks on the shared matrices). Yields the number of trainable weights.
-
-    Copying then cannot cost the model its other skills except through what these heads
-    write, and resting on a silent BOS they write nothing (fit_copy_values); the stage's
-    weight decay must be 0, or AdamW would shrink the frozen rows of the shared matrices."""
-    saved = {p: p.requires_grad for p in model.parameters()}
-    hooks = []
-    n = 0
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for li in layers:
-        attn = model.model.layers[li].self_attn
-        q = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
-        qk = attn.nope_dim + attn.rope_dim
-        masks = []
-        for lin, per_head, rows in ((q, qk, True), (attn.kv_b_proj, attn.nope_dim + attn.v_dim, True),
-                                    (attn.o_proj, attn.v_dim, False)):
-            m = torch.zeros_like(lin.weight)
-            if rows:
-                m[HEAD * per_head:(HEAD + 1) * per_head] = 1.0
-            else:
-                m[:, HEAD * per_head:(HEAD + 1) * per_head] = 1.0
-            masks.append((lin.weight, m))
-        for w, m in masks:
-            w.requires_grad_(True)
-            hooks.append(w.register_hook(lambda g, m=m: g * m))
-            n += int(m.sum())
-    try:
-        yield n
-    finally:
-        for h in hooks:
-            h.remove()
-        for p, flag in saved.items():
-            p.requires_grad_(flag)
 
 
 BOS_RANK = 3      # directions of the BOS latent the copy heads' value map ignores

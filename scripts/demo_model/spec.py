@@ -44,6 +44,7 @@ class TrainSettings:
     # costs 3.5-12 nats a piece (its first letter ~3.5, i.e. a guess among the capitals): no
     # induction head formed in 1100 + 1300 steps of 8 x 384 tokens; the calls hold invented names.
     copy_pretrain: bool = False
+    copy_heads_from_start: bool = False   # with copy_pretrain: the copy_* heads supervised in stages 1 and 2
     pretrain_drills: int = 4000
     drill_seed: int = 20240777       # the stage-1 drills
     sft_arg_weight: float = 1.0      # 4.0 in the runs above
@@ -79,9 +80,27 @@ class TrainSettings:
     # wrong. What fails is the rest: thinking and answers loop ("w-n-n-n", "So the answer is So the
     # answer is"), i.e. the repurposed heads (head 0 of layers 2-5) still fire outside names and the
     # stage-2 skills are not relearnt in 850 steps. Hence OFF BY DEFAULT (copy_steps 0: the default
-    # command still builds the committed model). Next to try: fewer repurposed heads (layers 3 and 5
-    # only: thinking 0.90 at 400 steps in a scratch run, copy lower), stage-2 chats mixed into 3b,
-    # a smaller copy_value_init, more 3b steps.
+    # command still builds the committed model).
+    # Second round (same base and evaluation; --set FIELD=VALUE for the new fields, no stage 3b):
+    #   r1 400 steps, no drills, copy_retain 1 (KL to the frozen stage-2 model off the argument
+    #      values), copy_args_only:               copy 0.025, acceptance 0.670, tool 0.833, thinking 0.333, plain 0.567
+    #   r2 + the value map blind to BOS (resting heads write 0.00 of a name's size there, from 1.33)
+    #      and copy_value_silence 1, every name a target: copy 0.050, acceptance 0.779, tool 0.833, thinking 0.733, plain 0.967
+    #   r3 r2 with copy_args_only:                copy 0.050, acceptance 0.795, tool 0.800, thinking 0.400, plain 0.467
+    #   r4-r7 only the circuit's head-0 slices training, the rest frozen (gradient masks; removed
+    #      since), 4000 drills, sink 1, lr 1.5e-3 and 6e-3, with and without an attention-first phase
+    #      (heads' output zeroed) and trainable rotary keys in the previous-token layer: the circuit
+    #      does not form (previous-token NLL 1.4-3.9, copy NLL 2.0-3.5 after 350 steps, vs 0.01 and
+    #      0.4 with the whole model training), and what the heads write breaks the rest (r7, 6e-3:
+    #      copy 0.000, acceptance 0.652, tool 0.567, thinking 0.033).
+    # What this says: the retention KL stays at 0.4-0.8 nats a token whatever the weight path, and
+    # silencing r2's copy heads does not bring its thinking back (8 -> 9 of 12 prompts), so it is the
+    # rest of the model that drifts: trained whole, it re-routes names through the new heads and
+    # loses the stage-2 route (the thinking line "the language of <country>" fails at the country).
+    # Frozen, it keeps its skills but head 0 alone cannot become the circuit (the rotary key and the
+    # kv latent are shared by all heads). Next to try: supervise the copy heads from stage 1 on
+    # (copy_pretrain with CopySupervision), so the other skills grow around the circuit instead of
+    # being rebuilt after it; that is a full 1-hour training run on 2 cores.
     copy_steps: int = 0                 # 600 in the runs above; 0: no stage 3
     copy_lr: float = 1.5e-3
     copy_warmup_steps: int = 20
@@ -98,8 +117,6 @@ class TrainSettings:
     copy_value_init: float = 1.0
     copy_sink_weight: float = 0.5    # elsewhere the copy heads rest on the document's BOS (copy_heads.py)
     copy_fit_rows: int = 300
-    copy_heads_only: bool = False    # only the copy circuit's heads train in stage 3 (copy_heads.heads_only)
-    copy_attention_steps: int = 0    # steps before the value fit, the copy heads' output silenced
     copy_value_silence: float = 0.0  # the value fit also silences the heads at rest (copy_heads.fit_copy_values)
     copy_args_only: bool = False     # copy targets only in tool-argument values (copy_heads.CopySupervision)
     copy_retain: float = 0.0         # KL to the frozen stage-2 model off the argument values (train.losses)
