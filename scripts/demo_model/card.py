@@ -7,7 +7,7 @@ from typing import Any
 
 from . import corpus
 from .evaluate import EvalResult
-from .spec import TrainSettings
+from .spec import TrainSettings, set_args as spec_set_args
 
 
 def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult, train_info: dict[str, Any]) -> None:
@@ -32,6 +32,8 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
                 (" --copy-pretrain" if s.copy_pretrain else " --no-copy-pretrain"))
         opts += "" if s.sft_arg_weight == base.sft_arg_weight else f" --sft-arg-weight {s.sft_arg_weight:g}"
         opts += "" if s.threads == base.threads else f" --threads {s.threads}"
+        opts += "".join(f" --set {k}={v}" for k, v in spec_set_args(s, base,
+                                                                    skip=("copy_pretrain", "sft_arg_weight", "threads")))
         cmds[0] = (f".venv/bin/python scripts/train_demo_model.py{opts}   # corpus, tokenizer, both stages, "
                    f"evaluation; writes this folder (~{total_min:.0f} min, {s.threads} thread"
                    f"{'s' if s.threads > 1 else ''})")

@@ -198,3 +198,12 @@ def test_training_cli_refuses_unknown_settings_and_copy_heads_without_the_name_s
         r = subprocess.run([sys.executable, str(script), "--out", "/nonexistent/never-written", *extra],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
+
+
+def test_set_args_round_trip_through_the_overrides():
+    base = spec.TrainSettings()
+    s = spec.with_overrides(base, ["copy_retain=1.5", "copy_args_only=1", "copy_layers=3,5", "copy_lr=0.006"])
+    args = spec.set_args(s, base, skip=("copy_lr",))
+    assert dict(args) == {"copy_retain": "1.5", "copy_args_only": "1", "copy_layers": "3,5"}
+    again = spec.with_overrides(base, [f"{k}={v}" for k, v in args] + ["copy_lr=0.006"])
+    assert again == s
