@@ -104,7 +104,10 @@ class TrainSettings:
     # acceptance 0.855, tool format 0.833, thinking 0.967, plain 0.933, tool args exact 0.333. The
     # other skills grow around the circuit (thinking kept), the heads attend right (copy NLL 0.18,
     # sink 0.14 at the end) but the value readout is still 0.70 nats and calls write "Obencia" for
-    # Valencia. Next to try on this path: the value fit before stage 2 (from the stage-1 latents),
+    # Valencia. A stage 3 on top of it (--copy-pretrain --stage3-from that run --copy-steps 300
+    # --copy-drills 0, copy_value_init 0, copy_retain 1, no 3b; 554 s): retention KL only
+    # 0.04-0.07 nats, but copy 0.075, acceptance 0.864, tool 0.767, thinking 0.933, plain 1.000
+    # (the value readout rose from 1.23 to 1.58 nats on the piece-name chats). Next to try on this path: the value fit before stage 2 (from the stage-1 latents),
     # piece names in the corpus (needs the tokenizer first: a two-pass corpus), more SFT steps.
     copy_steps: int = 0                 # 600 in the runs above; 0: no stage 3
     copy_lr: float = 1.5e-3
