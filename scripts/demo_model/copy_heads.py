@@ -39,6 +39,8 @@ import torch.nn.functional as F
 
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 
+from . import train
+
 HEAD = 0          # the head of each supervised layer that becomes the copy / previous-token head
 
 
@@ -168,7 +170,7 @@ class CopySupervision:
         if self.args_only:
             if weights is None:
                 raise ValueError("args_only copy supervision needs the rows' argument weights")
-            only = weights > 1.0
+            only = train.argument_values(weights)
         total = rows.new_zeros((), dtype=torch.float32)
         parts: dict[str, float] = {}
         if self.prev_layer >= 0:

@@ -166,6 +166,11 @@ def init_model(cfg: DeepseekConfig, seed: int) -> DeepseekV3ForCausalLM:
     return model
 
 
+def argument_values(weights: torch.Tensor) -> torch.Tensor:
+    """The tokens copy_value_weights weighted up: the tool-argument values (and their closing quote)."""
+    return weights > 1.0
+
+
 class Losses(NamedTuple):
     main: torch.Tensor        # CE of the main head
     mtp: torch.Tensor         # CE of the MTP head
@@ -221,7 +226,7 @@ def losses(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
         kl = F.kl_div(student, teacher_lp, log_target=True, reduction="batchmean")
     retain = mtp.new_zeros(())
     if teacher is not None:
-        sel = keep[:, 1:] if weights is None else keep[:, 1:] & (weights[:, 1:] <= 1.0)
+        sel = keep[:, 1:] if weights is None else keep[:, 1:] & ~argument_values(weights[:, 1:])
         if bool(sel.any()):
             with torch.no_grad():
                 ref = F.log_softmax(teacher.compute_logits(teacher.forward_full(x))[sel], dim=-1)
