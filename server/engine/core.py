@@ -250,12 +250,28 @@ class LLMEngine:
             outputs += self._apply(done, fut.result(), t0)
         return outputs
 
+    def poll_idle(self) -> bool:
+        """While idle: let the worker switch to graphs compiled in the background.  It
+        switches between steps, and an idle engine takes none, so without this the runtime
+        (and /v1/status) says "compiling" until the first request.  An empty step does it;
+        True when the runtime changed."""
+        if self.runtime.compile_state != "compiling" or self.has_unfinished():
+            return False
+        before = self.runtime
+        out = self.executor.execute_model(SchedulerOutput(step_id=0)).result()
+        if out.runtime_update is not None:
+            self._update_runtime(out.runtime_update)
+        return self.runtime is not before
+
+    def _update_runtime(self, update: tuple[str, float | None, str]) -> None:
+        path, seconds, state = update
+        self.runtime = dataclasses.replace(self.runtime, decode_path=path,
+                                           compile_seconds=seconds, compile_state=state)
+
     def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput, t0: float) -> list[EngineOutput]:
         """Update the scheduler with one executed step and turn it into EngineOutputs."""
         if out.runtime_update is not None:
-            path, seconds, state = out.runtime_update
-            self.runtime = dataclasses.replace(self.runtime, decode_path=path,
-                                               compile_seconds=seconds, compile_state=state)
+            self._update_runtime(out.runtime_update)
         failed = {**out.failed, **{rid: "the worker and the scheduler disagree on its stop"
                                    for rid in out.skipped}}
         emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in failed.items()

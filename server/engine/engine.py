@@ -112,7 +112,14 @@ class EngineLoop:
         while not self.stopping:
             self._drain_inbox()
             if not eng.has_unfinished():
+                try:
+                    changed = eng.poll_idle()
+                except Exception:                  # a broken worker shows on the next step
+                    log.exception("idle poll of the worker raised")
+                    changed = False
                 self.stats = eng.stats()
+                if changed:                        # the new runtime reaches /v1/status
+                    self.deliver([])
                 self.wake.wait(0.5)
                 self.wake.clear()
                 continue

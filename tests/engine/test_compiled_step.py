@@ -203,3 +203,35 @@ def test_daemon_serves_the_compiled_step_and_answers_as_the_uncompiled_one(tmp_p
         finally:
             assert d.terminate() == 0
     assert all(a == answers[0] for a in answers[1:]), answers
+
+
+def test_an_idle_engine_takes_up_the_background_outcome_without_a_request(monkeypatch):
+    """The worker switches between steps; an engine nobody calls takes none, so the loop
+    polls it while idle: /v1/status must not say "compiling" until the first request."""
+    import threading
+    import time
+
+    from server.engine import compile_step
+    from server.engine.engine import EngineLoop
+
+    def broken(self):
+        raise RuntimeError("no C++ compiler here")
+    monkeypatch.setattr(compile_step.BackgroundGraphs, "_run", broken)
+    eng = make_engine(_fresh_demo_model(), 1, compile="on", compile_wait=False,
+                      adaptive_speculation=False)
+    assert eng.runtime.compile_state == "compiling"
+    delivered: list[list] = []
+    loop = EngineLoop(eng, delivered.append, lambda *a: None, lambda *a: None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while eng.runtime.compile_state == "compiling":
+            assert time.monotonic() < deadline, "the idle engine never took up the outcome"
+            time.sleep(0.05)
+    finally:
+        loop.stop()
+        thread.join(10)
+    assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("failed", "static")
+    assert delivered and delivered[0] == []        # the change was sent on (engine_process)
+    assert eng.stats().num_requests_finished == 0
