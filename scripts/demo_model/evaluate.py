@@ -35,10 +35,10 @@ from server.text.tool_calls import DeepSeekV3ToolParser
 
 from . import corpus, render
 
-TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.90, "thinking_ok": 0.90}
-# Issue 18 item 8 asks for tool_city_copy >= 0.80 with acceptance >= 0.85, tool format and
-# thinking >= 0.95; no model meets that yet (spec.py: stage 3 reaches copy 0.525 but breaks
-# thinking), so it is not a gate here.
+TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.95, "thinking_ok": 0.95}
+# The floors issue 18 item 8 sets for any retrained demo model. It also asks for
+# tool_city_copy >= 0.80, which no model meets yet (spec.py has the runs), so that one is
+# reported but not a gate.
 
 
 @torch.no_grad()
