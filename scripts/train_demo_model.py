@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from demo_model import copy_heads, corpus, evaluate, export, render, spec, train  # noqa: E402
+from demo_model import copy_heads, copy_layers, corpus, evaluate, export, render, spec, train  # noqa: E402
 from demo_model.card import write_card  # noqa: E402
 from server.text import special_tokens as st  # noqa: E402
 
@@ -83,6 +83,18 @@ def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_c
     weights = [train.copy_value_weights(t, e.offsets, s.copy_arg_weight) for t, e in zip(texts, encs)]
     weights += [[1.0] * len(d) for d in docs[len(texts):]]
     return train.pack_rows(docs, s.seq_len, tok_id(st.PAD), seed=seed, masks=masks, weights=weights)
+
+
+def appended_copy_stage(model, hf_cfg: dict, tok, rows, keep, weights, s: spec.TrainSettings, bos: int):
+    """Stage 3 as copy_layers.py builds it: a previous-token layer and ``copy_append_layers``
+    copy layers appended to the frozen stage-2 model; returns (model, its config, history)."""
+    n_new = 1 + s.copy_append_layers
+    model, hf_cfg = copy_layers.extend(model, hf_cfg, n_new, seed=s.seed + 4)
+    t = time.time()
+    trunk = copy_layers.trunk_outputs(model, rows, hf_cfg["num_hidden_layers"] - n_new)
+    print(f"stage 3: {n_new} layers appended; the stage-2 output of {len(rows)} rows computed ({time.time() - t:.0f}s)")
+    history = copy_layers.train_copy_layers(model, rows, keep, weights, trunk, copy_heads.name_token_classes(tok), bos, s)
+    return model, hf_cfg, [dict(h, stage="copy") for h in history]
 
 
 def main() -> int:
@@ -244,8 +256,8 @@ def main() -> int:
         if s.copy_piece_names:
             corpus.use_piece_names(tok)
         t3 = time.time()
-        rows3, keep3, w3 = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
-                                           s.copy_corpus_seed, s.copy_chats, s.copy_drills)
+        prose3 = [render.prose_text(d) for d in corpus.prose_documents()][:s.copy_prose_docs or None]
+        rows3, keep3, w3 = copy_stage_data(tok, s, prose3, s.copy_corpus_seed, s.copy_chats, s.copy_drills)
         copy_targets = int(keep3.sum())
         s3 = dataclasses.replace(s, steps=s.copy_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
                                  mtp_distill=s.copy_mtp_distill, seed=s.seed + 3, stage="copy")
@@ -256,25 +268,29 @@ def main() -> int:
         classes = copy_heads.name_token_classes(tok)
         supervision = None
         teacher = None
-        if s.copy_retain:               # the stage-2 weights, frozen, before the value fit changes them
+        if s.copy_retain and not s.copy_append_layers:   # the stage-2 weights, frozen, before the value fit
             teacher = copy.deepcopy(model).eval().requires_grad_(False)
         history3: list[dict] = []
-        if s.copy_value_init:
+        if s.copy_append_layers:
+            model, hf_cfg, history3 = appended_copy_stage(model, hf_cfg, tok, rows3, keep3, w3, s, bos)
+            n_params = sum(p.numel() for p in model.parameters())
+        elif s.copy_value_init:
             ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
                                                      s.copy_value_init, seed=s.seed + 5, bos_id=bos,
                                                      silence=s.copy_value_silence)
             print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
                   f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
                   f"{time.time() - t3:.0f}s")
-        if s.copy_supervision:
+        if s.copy_supervision and not s.copy_append_layers:
             supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
                                                      s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
                                                      args_only=s.copy_args_only)
-        history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
-                                                               supervision=supervision,
-                                                               supervision_weight=s.copy_supervision,
-                                                               teacher=teacher, retain_weight=s.copy_retain)]
-        if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
+        if not s.copy_append_layers:
+            history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
+                                                                   supervision=supervision,
+                                                                   supervision_weight=s.copy_supervision,
+                                                                   teacher=teacher, retain_weight=s.copy_retain)]
+        if s.polish_steps > 0 and not s.copy_append_layers:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
             rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
                                                   s.copy_corpus_seed + 1, s.polish_chats, 0)
             sp = dataclasses.replace(s, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
@@ -293,7 +309,9 @@ def main() -> int:
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
                     "value_weight": s.copy_value_weight, "value_init": s.copy_value_init, "value_silence": s.copy_value_silence,
                     "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
-                    "polish_steps": s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
+                    "append_layers": s.copy_append_layers, "mtp_retain": s.copy_mtp_retain,
+                    "prose_docs": len(prose3),
+                    "polish_steps": 0 if s.copy_append_layers else s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}
         stage_seconds = stage_seconds + [seconds3]
         history = history + history3

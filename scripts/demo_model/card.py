@@ -42,14 +42,15 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         total_min = train_info.get("total_seconds", 0) / 60
         full_min = (sum(train_info.get("stage_seconds", [])) + train_info.get("total_seconds", 0)
                     - copy.get("seconds", 0)) / 60
-        cmds = [f".venv/bin/python scripts/train_demo_model.py --copy-steps {copy['steps']}"
+        sets = "".join(f" --set {k}={v}" for k, v in spec_set_args(s, TrainSettings(), skip=("copy_steps",)))
+        cmds = [f".venv/bin/python scripts/train_demo_model.py --copy-steps {copy['steps']}{sets}"
                 "   # corpus, tokenizer, stages 1-3, evaluation; "
                 f"writes this folder (~{full_min:.0f} min on 2 cores)"]
         if train_info.get("stage3_from"):
             cmds.append("# this folder was written by the stage-3 shortcut, from the stage-2 result of the same "
                         "command (the previous\n# committed model, model.safetensors sha256 "
                         f"{train_info.get('stage3_base_sha256', '?')[:16]}...; ~{total_min:.0f} min):\n"
-                        f".venv/bin/python scripts/train_demo_model.py --stage3-from STAGE2_FOLDER --copy-steps {copy['steps']}")
+                        f".venv/bin/python scripts/train_demo_model.py --stage3-from STAGE2_FOLDER --copy-steps {copy['steps']}{sets}")
     reproduce = "\n".join(cmds)
     arg_text = (f"; the tokens of every tool-call argument value (and the quote closing it) weigh "
                 f"{s.sft_arg_weight:g}x in the loss" if s.sft_arg_weight != 1.0 else "")
@@ -74,7 +75,30 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         piece_text = (f"; {copy['piece_names']} of the pool's names are spelt from the vocabulary's own pieces "
                       "(`corpus.piece_names`: a capitalised piece and one to three lowercase ones, each lowercase "
                       "piece dealt about equally often), so that every piece a name may need has been copied")
-    if copy:
+    if copy and copy.get("append_layers"):
+        n_new = 1 + copy["append_layers"]
+        n2 = cfg["num_hidden_layers"] - n_new
+        copy_text = f"""
+3. copy stage (`scripts/demo_model/copy_layers.py`): the stage-2 model stays as it is, frozen, and
+   {n_new} decoder layers of the same kind are appended after its {n2} (layers {n2}-{n2 + n_new - 1}; the MTP layer
+   moves to index {n2 + n_new}). Heads 0-1 of layer {n2} are supervised to attend to the previous token; heads 0-1
+   of layers {n2 + 1}-{n2 + n_new - 1} to an earlier occurrence of the tool-argument piece to be written next, and
+   to the document's BOS everywhere else (weight {copy.get('sink_weight', 0):g}). `lm_head` trains too (a piece
+   read back through the stage-2 head is told from the others poorly), the MTP layer keeps the stage-2
+   head; the new layers' MLPs stay zero. Tokenizer rule of this stage: a space before a capital letter is
+   a token of its own, so a name is the same token sequence in the prompt, the call and the result (same
+   vocabulary). Data: {copy['chats']} new chats (corpus seed {copy['corpus_seed']}), the stage-2 mix plus 30% more
+   weather / time requests over a pool of {len(corpus.copy_city_pool())} city names (never an evaluation
+   city){piece_text}, and {copy.get('prose_docs', 0)} prose documents; {copy['rows']} rows. Loss: cross-entropy of the
+   tool-argument values (and the quote closing them), KL to the stage-2 model of the main logits
+   (weight {copy.get('retain', 0):g}) at every other position and of the MTP logits (weight {copy.get('mtp_retain', 0):g}),
+   the attention terms (weight {copy.get('supervision', 0):g}) and a readout term (what the copy heads would
+   write at a name piece reads back as that piece, weight {copy.get('value_weight', 0):g}). {copy['steps']} steps at peak
+   lr {copy['lr']:g} ({copy['warmup_steps']} warm-up, {copy['seconds'] / 60:.1f} min), cosine to {s.min_lr_ratio} x peak
+   (final: argument values {last.get('args', float('nan')):.3f}, retention {last.get('retain', float('nan')):.3f},
+   MTP retention {last.get('mtp_retain', float('nan')):.3f}).
+"""
+    elif copy:
         copy_text = f"""
 3. copy stage, from the stage-2 weights with a fresh optimizer and the stage-3 tokenizer rule (a space
    before a capital letter is a token of its own, so a name is the same token sequence in the prompt,

@@ -13,9 +13,10 @@ from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 
 def state_dict_hf(model: DeepseekV3ForCausalLM, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor under its HF name; the MTP layer carries copies of the shared embedding and
-    head (``model.layers.{N}.embed_tokens`` / ``shared_head.head``), as the official release does.
-    Router weights and the correction bias stay float32."""
+    """Every tensor under its HF name; the MTP layer carries a copy of the shared embedding
+    (``model.layers.{N}.embed_tokens``) and its ``shared_head.head`` (tied to ``lm_head`` while
+    training, as the official release has them; its own after copy_layers.extend), as the
+    official release does. Router weights and the correction bias stay float32."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict(keep_vars=False).items():
@@ -25,7 +26,6 @@ def state_dict_hf(model: DeepseekV3ForCausalLM, dtype: torch.dtype = torch.float
     for j in range(model.num_mtp_layers):
         prefix = f"model.layers.{cfg.num_hidden_layers + j}."
         out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
-        out[prefix + "shared_head.head.weight"] = out["lm_head.weight"].clone()
     return out
 
 

@@ -109,6 +109,21 @@ class TrainSettings:
     # 0.04-0.07 nats, but copy 0.075, acceptance 0.864, tool 0.767, thinking 0.933, plain 1.000
     # (the value readout rose from 1.23 to 1.58 nats on the piece-name chats). Next to try on this path: the value fit before stage 2 (from the stage-1 latents),
     # piece names in the corpus (needs the tokenizer first: a two-pass corpus), more SFT steps.
+    # Appended copy layers (copy_layers.py; copy_append_layers > 0): the stage-2 model frozen, a
+    # previous-token layer and copy_append_layers copy layers appended, lm_head trained, the MTP
+    # head kept; no drills, copy_prose_docs prose documents for the retention terms. Pilot runs
+    # from the committed stage-2 model (3000 chats, 300 prose docs, 2202 rows, the stage-2 output
+    # computed once; eval-n 5, copy-eval-n 20, so coarse):
+    #   1 copy layer, no previous-token layer, frozen head, 300 steps: argument CE 7.0 -> 4.6, copy 0.00
+    #   + the previous-token layer, 400 steps: attention right (copy NLL 0.45) but argument CE 4.4, the
+    #     readout (what the copy heads write, read through the frozen head) 1.8 nats; copy 0.00
+    #   3 copy layers, 800 steps at 5e-3: readout 1.7, argument CE 2.7, copy 0.10, thinking 0.60
+    #   2 copy layers, lm_head training too, retention 2, sink 1, 800 steps: readout 0.40, argument CE
+    #     1.1, copy 0.40, acceptance 0.772, tool 1.00, thinking 1.00 (the MTP head was still tied to
+    #     lm_head and fed the new hidden states: hence the untied head and the MTP retention term)
+    copy_append_layers: int = 0
+    copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py)
+    copy_prose_docs: int = 0         # 0: all of them
     copy_steps: int = 0                 # 600 in the runs above; 0: no stage 3
     copy_lr: float = 1.5e-3
     copy_warmup_steps: int = 20
