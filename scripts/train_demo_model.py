@@ -97,6 +97,43 @@ def appended_copy_stage(model, hf_cfg: dict, tok, rows, keep, weights, s: spec.T
     return model, hf_cfg, [dict(h, stage="copy") for h in history]
 
 
+def heads_copy_stage(model, tok, rows3, keep3, w3, s: spec.TrainSettings, s3: spec.TrainSettings, bos: int,
+                     t3: float) -> list[dict]:
+    """Stage 3 with copy heads inside the stage-2 layers (copy_heads.py; spec.py has why it is
+    off): the value fit, head supervision, optional retention and the 3b pass; returns history."""
+    classes = copy_heads.name_token_classes(tok)
+    supervision = None
+    teacher = None
+    if s.copy_retain:               # the stage-2 weights, frozen, before the value fit changes them
+        teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    if s.copy_value_init:
+        ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
+                                                 s.copy_value_init, seed=s.seed + 5, bos_id=bos,
+                                                 silence=s.copy_value_silence)
+        print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
+              f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
+              f"{time.time() - t3:.0f}s")
+    if s.copy_supervision:
+        supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
+                                                 s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
+                                                 args_only=s.copy_args_only)
+    history = [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
+                                                          supervision=supervision,
+                                                          supervision_weight=s.copy_supervision,
+                                                          teacher=teacher, retain_weight=s.copy_retain)]
+    if s.polish_steps > 0:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
+        rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
+                                              s.copy_corpus_seed + 1, s.polish_chats, 0)
+        sp = dataclasses.replace(s, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
+                                 mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
+        print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
+        history += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
+                                                                 supervision=supervision,
+                                                                 supervision_weight=s.copy_supervision,
+                                                                 teacher=teacher, retain_weight=s.copy_retain)]
+    return history
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -265,41 +302,11 @@ def main() -> int:
               f"({int((w3 > 1).sum())} argument-value tokens at weight {s.copy_arg_weight:g}); "
               f"data {time.time() - t3:.0f}s")
         t3 = time.time()
-        classes = copy_heads.name_token_classes(tok)
-        supervision = None
-        teacher = None
-        if s.copy_retain and not s.copy_append_layers:   # the stage-2 weights, frozen, before the value fit
-            teacher = copy.deepcopy(model).eval().requires_grad_(False)
-        history3: list[dict] = []
         if s.copy_append_layers:
             model, hf_cfg, history3 = appended_copy_stage(model, hf_cfg, tok, rows3, keep3, w3, s, bos)
             n_params = sum(p.numel() for p in model.parameters())
-        elif s.copy_value_init:
-            ce, at_rest = copy_heads.fit_copy_values(model, rows3[:s.copy_fit_rows], classes, s.copy_layers,
-                                                     s.copy_value_init, seed=s.seed + 5, bos_id=bos,
-                                                     silence=s.copy_value_silence)
-            print(f"copy heads: value path of head {copy_heads.HEAD} in layers {list(s.copy_layers)} fitted "
-                  f"(readout CE {ce:.3f}, {at_rest:.2f} of a name's size at rest) on {s.copy_fit_rows} rows; "
-                  f"{time.time() - t3:.0f}s")
-        if s.copy_supervision and not s.copy_append_layers:
-            supervision = copy_heads.CopySupervision(model, classes, bos, s.copy_prev_layer, s.copy_layers,
-                                                     s.copy_mtp_supervision, s.copy_value_weight, s.copy_sink_weight,
-                                                     args_only=s.copy_args_only)
-        if not s.copy_append_layers:
-            history3 += [dict(h, stage="copy") for h in train.train(model, rows3, keep3, s3, weights=w3,
-                                                                   supervision=supervision,
-                                                                   supervision_weight=s.copy_supervision,
-                                                                   teacher=teacher, retain_weight=s.copy_retain)]
-        if s.polish_steps > 0 and not s.copy_append_layers:          # stage 3b: new copy chats, no drills, a low rate, supervision kept
-            rows_p, keep_p, w_p = copy_stage_data(tok, s, [render.prose_text(d) for d in corpus.prose_documents()],
-                                                  s.copy_corpus_seed + 1, s.polish_chats, 0)
-            sp = dataclasses.replace(s, steps=s.polish_steps, lr=s.polish_lr, warmup_steps=s.polish_warmup_steps,
-                                     mtp_distill=s.copy_mtp_distill, seed=s.seed + 6, stage="polish")
-            print(f"stage 3b: {sp.steps} steps, {len(rows_p)} rows (no drills), lr {sp.lr:g}")
-            history3 += [dict(h, stage="polish") for h in train.train(model, rows_p, keep_p, sp, weights=w_p,
-                                                                      supervision=supervision,
-                                                                      supervision_weight=s.copy_supervision,
-                                                                      teacher=teacher, retain_weight=s.copy_retain)]
+        else:
+            history3 = heads_copy_stage(model, tok, rows3, keep3, w3, s, s3, bos, t3)
         seconds3 = time.time() - t3
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
