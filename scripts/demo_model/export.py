@@ -14,9 +14,9 @@ from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 def state_dict_hf(model: DeepseekV3ForCausalLM, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor under its HF name; the MTP layer carries a copy of the shared embedding
-    (``model.layers.{N}.embed_tokens``) and its ``shared_head.head`` (tied to ``lm_head`` while
-    training, as the official release has them; its own after copy_layers.extend), as the
-    official release does. Router weights and the correction bias stay float32."""
+    (``model.layers.{N}.embed_tokens``), as the official release does, and its own
+    ``shared_head.head`` (equal to ``lm_head`` where training tied them; kept apart after
+    copy_layers.extend). Router weights and the correction bias stay float32."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict(keep_vars=False).items():

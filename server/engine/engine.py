@@ -74,6 +74,7 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.stopping = False
+        self._poll_idle = True                  # cleared if polling the idle worker raises
         self.stats = engine.stats()
 
     def put(self, kind: str, arg: Any) -> None:
@@ -112,11 +113,13 @@ class EngineLoop:
         while not self.stopping:
             self._drain_inbox()
             if not eng.has_unfinished():
-                try:
-                    changed = eng.poll_idle()
-                except Exception:                  # a broken worker shows on the next step
-                    log.exception("idle poll of the worker raised")
-                    changed = False
+                changed = False
+                if self._poll_idle:
+                    try:
+                        changed = eng.poll_idle()
+                    except Exception:              # a broken worker shows on the next step
+                        log.exception("idle poll of the worker raised; not polling again")
+                        self._poll_idle = False
                 self.stats = eng.stats()
                 if changed:                        # the new runtime reaches /v1/status
                     self.deliver([])
