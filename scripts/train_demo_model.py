@@ -93,7 +93,8 @@ def appended_copy_stage(model, hf_cfg: dict, tok, rows, keep, weights, s: spec.T
     t = time.time()
     trunk = copy_layers.trunk_outputs(model, rows, hf_cfg["num_hidden_layers"] - n_new)
     print(f"stage 3: {n_new} layers appended; the stage-2 output of {len(rows)} rows computed ({time.time() - t:.0f}s)")
-    history = copy_layers.train_copy_layers(model, rows, keep, weights, trunk, copy_heads.name_token_classes(tok), bos, s)
+    history = copy_layers.train_copy_layers(model, rows, keep, weights, trunk, copy_heads.name_token_classes(tok), bos,
+                                            tok.token_to_id(st.ASSISTANT), s)
     return model, hf_cfg, [dict(h, stage="copy") for h in history]
 
 
@@ -317,6 +318,7 @@ def main() -> int:
                     "value_weight": s.copy_value_weight, "value_init": s.copy_value_init, "value_silence": s.copy_value_silence,
                     "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
                     "append_layers": s.copy_append_layers, "mtp_retain": s.copy_mtp_retain,
+                    "chat_ce": s.copy_chat_ce, "mtp_train": s.copy_mtp_train, "mtp_lr": s.copy_mtp_lr,
                     "prose_docs": len(prose3),
                     "polish_steps": 0 if s.copy_append_layers else s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}

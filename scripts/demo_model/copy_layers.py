@@ -78,8 +78,9 @@ def appended(model: DeepseekV3ForCausalLM, n_new: int) -> list[torch.nn.Module]:
     return [model.model.layers[i] for i in range(n - n_new, n)]
 
 
-def trainable(model: DeepseekV3ForCausalLM, n_new: int) -> list[torch.nn.Parameter]:
-    """Freeze all but the new layers' attention and norms, and ``lm_head``; return those."""
+def trainable(model: DeepseekV3ForCausalLM, n_new: int, mtp: bool = False) -> list[torch.nn.Parameter]:
+    """Freeze all but the new layers' attention and norms, and ``lm_head`` (with ``mtp``, the
+    MTP layer as well); return those."""
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in appended(model, n_new):
@@ -87,7 +88,24 @@ def trainable(model: DeepseekV3ForCausalLM, n_new: int) -> list[torch.nn.Paramet
             if name.startswith("self_attn") or "layernorm" in name:
                 p.requires_grad_(True)
     model.lm_head.weight.requires_grad_(True)
+    if mtp:
+        mtp_layers(model).requires_grad_(True)
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def mtp_layers(model: DeepseekV3ForCausalLM) -> torch.nn.ModuleList:
+    n = model.config.num_hidden_layers
+    return torch.nn.ModuleList(model.model.layers[n:n + model.num_mtp_layers])
+
+
+def chat_positions(x: torch.Tensor, bos_id: int, assistant_id: int) -> torch.Tensor:
+    """[B, L] bool: positions of packed rows ``x`` inside a document that holds an assistant
+    turn (a chat, not prose; documents start at BOS)."""
+    doc = (x == bos_id).cumsum(1)
+    n_docs = int(doc.max()) + 1
+    has = torch.zeros(x.shape[0], n_docs, dtype=torch.long)
+    has.scatter_reduce_(1, doc, (x == assistant_id).long(), reduce="amax")
+    return has.gather(1, doc).bool()
 
 
 @torch.no_grad()
@@ -124,16 +142,20 @@ def _layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 
 def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
-                      weights: torch.Tensor, trunk: torch.Tensor, classes, bos_id: int, s: TrainSettings,
-                      log: Callable[[str], None] = print) -> list[dict]:
+                      weights: torch.Tensor, trunk: torch.Tensor, classes, bos_id: int, assistant_id: int,
+                      s: TrainSettings, log: Callable[[str], None] = print) -> list[dict]:
     """Stage 3's loop over packed rows (argument values are ``weights`` above 1) with the
     frozen stage-2 output ``trunk``; returns the loss history (every 20 steps)."""
     n_new = 1 + s.copy_append_layers
-    n_trunk = model.config.num_hidden_layers - n_new
-    params = trainable(model, n_new)
+    params = trainable(model, n_new, mtp=s.copy_mtp_train)
     layers = appended(model, n_new)
+    mtp = mtp_layers(model)[0]
+    mtp_params = {id(p) for p in mtp.parameters()} if s.copy_mtp_train else set()
     stage2_head = model.lm_head.weight.detach().clone()
-    opt = torch.optim.AdamW(params, lr=s.copy_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    groups = [{"params": [p for p in params if id(p) not in mtp_params], "scale": 1.0}]
+    if mtp_params:                     # the MTP layer is trained already: a gentler rate
+        groups.append({"params": [p for p in params if id(p) in mtp_params], "scale": s.copy_mtp_lr / s.copy_lr})
+    opt = torch.optim.AdamW(groups, lr=s.copy_lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(s.seed + 3)
     order, cursor = torch.randperm(len(rows), generator=g), 0
     cos, sin = model._cos_sin_full(rows.shape[1] - 1, rows.device)
@@ -149,9 +171,9 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
         lr = s.copy_lr * min(1.0, (step + 1) / s.copy_warmup_steps) * (
             s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * step / s.copy_steps)))
         for group in opt.param_groups:
-            group["lr"] = lr
-        h, r, w = trunk[idx], rows[idx], weights[idx]
-        y, args = r[:, 1:], train.argument_values(w[:, 1:]) & keep[idx, 1:]
+            group["lr"] = lr * group["scale"]
+        h, r, w, k = trunk[idx], rows[idx], weights[idx], keep[idx]
+        y, args = r[:, 1:], train.argument_values(w[:, 1:]) & k[:, 1:]
         x, prev_logp, _ = _layer(layers[0], h, cos, sin)
         copy_logp, reads = [], 0
         for layer in layers[1:]:
@@ -161,14 +183,33 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
         logits = model.compute_logits(model.model.norm(x))
         with torch.no_grad():
             ref = F.log_softmax((model.model.norm(h) @ stage2_head.T).float(), -1)
-            mtp_ref = F.log_softmax(model.mtp_compute_logits(model.mtp_forward_full(r[:, 1:], model.model.norm(h))), -1)
-        mtp_lp = F.log_softmax(model.mtp_compute_logits(model.mtp_forward_full(r[:, 1:], model.model.norm(x))), -1)
+        x_mtp, mtp_logp, _ = _layer(mtp, mtp.combine(model.model.embed_tokens(r[:, 1:]), model.model.norm(x)), cos, sin)
+        mtp_lp = F.log_softmax(model.mtp_compute_logits(x_mtp), -1)
+        chat = chat_positions(r[:, :-1], bos_id, assistant_id) & k[:, 1:] & ~args
         parts = {
             "args": F.cross_entropy(logits[args], y[args]) if bool(args.any()) else logits.sum() * 0,
+            "chat": F.cross_entropy(logits[chat], y[chat]) if bool(chat.any()) else logits.sum() * 0,
             "retain": F.kl_div(F.log_softmax(logits[~args], -1), ref[~args], log_target=True, reduction="batchmean"),
-            "mtp_retain": F.kl_div(mtp_lp.flatten(0, 1), mtp_ref.flatten(0, 1), log_target=True, reduction="batchmean"),
             "prev": -torch.diagonal(prev_logp[:, list(COPY_HEADS)], offset=-1, dim1=-2, dim2=-1).mean(),
         }
+        if s.copy_mtp_train:
+            # Self-distillation (train.losses): the MTP logits at i against the new main model's
+            # at i+1, which predict the same token; so the drafts follow the copying main model.
+            sel = k[:, 2:]
+            teacher = F.log_softmax(logits[:, 1:][sel].detach(), -1)
+            parts["mtp_distill"] = F.kl_div(mtp_lp[:, :-1][sel], teacher, log_target=True, reduction="batchmean")
+            # Head 0 of the MTP layer attends where the main copy heads do (an earlier x[j] equal
+            # to its input token x[i+1]); the MTP stream there holds x[j+1], the piece after next.
+            shifted = F.pad(copy_heads.copy_targets(r[:, 1:], classes, bos_id, train.argument_values(w[:, 1:])),
+                            (0, 1, 0, 1))
+            msel = shifted.any(-1)
+            parts["mtp_copy"] = (-torch.logsumexp(mtp_logp[:, 0].masked_fill(~shifted, float("-inf")), -1)[msel].mean()
+                                 if bool(msel.any()) else logits.sum() * 0)
+        else:
+            with torch.no_grad():
+                mtp_ref = F.log_softmax(model.mtp_compute_logits(model.mtp_forward_full(r[:, 1:], model.model.norm(h))), -1)
+            parts["mtp_retain"] = F.kl_div(mtp_lp.flatten(0, 1), mtp_ref.flatten(0, 1), log_target=True,
+                                           reduction="batchmean")
         targets = copy_heads.copy_targets(r, classes, bos_id, train.argument_values(w))
         sel = targets.any(-1)
         copy_term = sink = h.new_zeros(())
@@ -182,9 +223,13 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
         parts["copy"], parts["sink"] = copy_term / n_heads, sink / n_heads
         names = copy_heads.name_positions(r[:, :-1], classes)
         parts["readout"] = F.cross_entropy(model.compute_logits(model.model.norm(reads[names])), r[:, :-1][names])
-        loss = (parts["args"] + s.copy_retain * parts["retain"] + s.copy_mtp_retain * parts["mtp_retain"]
+        loss = (parts["args"] + s.copy_chat_ce * parts["chat"] + s.copy_retain * parts["retain"]
                 + s.copy_supervision * (parts["prev"] + parts["copy"] + s.copy_sink_weight * parts["sink"])
                 + s.copy_value_weight * parts["readout"])
+        if s.copy_mtp_train:
+            loss = loss + s.copy_mtp_distill * parts["mtp_distill"] + s.copy_supervision * parts["mtp_copy"]
+        else:
+            loss = loss + s.copy_mtp_retain * parts["mtp_retain"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)

@@ -134,7 +134,10 @@ class TrainSettings:
     # Next: cross-entropy (not KL) on the function-name tokens of the copy chats, more steps (the
     # argument CE was still falling), and the MTP layer's attention trained in this stage.
     copy_append_layers: int = 0
-    copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py)
+    copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py; MTP frozen)
+    copy_chat_ce: float = 0.0        # CE on the chats' other assistant tokens (function names), next to the KL
+    copy_mtp_train: bool = False     # the MTP layer trains: self-distillation (copy_mtp_distill) + a copy head
+    copy_mtp_lr: float = 1.0e-3
     copy_prose_docs: int = 0         # 0: all of them
     copy_steps: int = 0                 # 600 in the runs above; 0: no stage 3
     copy_lr: float = 1.5e-3

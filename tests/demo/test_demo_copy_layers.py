@@ -79,9 +79,9 @@ def test_training_moves_only_the_new_attention_and_the_head_and_the_export_keeps
                            batch_size=2, copy_retain=1.0, copy_sink_weight=1.0)
     trunk = copy_layers.trunk_outputs(new, rows, 2)
     hist = copy_layers.train_copy_layers(new, rows, keep, weights, trunk,
-                                         copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50)), 0, s,
+                                         copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50)), 0, ID["?"], s,
                                          log=lambda _m: None)
-    assert hist and {"args", "retain", "mtp_retain", "prev", "copy", "sink", "readout"} <= set(hist[-1])
+    assert hist and {"args", "chat", "retain", "mtp_retain", "prev", "copy", "sink", "readout"} <= set(hist[-1])
     after = new.state_dict()
     moved = {k for k in after if not torch.equal(after[k], before[k])}
     assert "lm_head.weight" in moved
@@ -97,6 +97,37 @@ def test_training_moves_only_the_new_attention_and_the_head_and_the_export_keeps
     x = rows[:, :-1]
     for a, b in zip(_logits(new, x), _logits(loaded, x)):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_with_the_mtp_layer_training_it_moves_and_learns_to_follow_the_main_model():
+    model, hf = _stage2()
+    new, _ = copy_layers.extend(model, hf, 2, seed=5)
+    before = {k: v.clone() for k, v in new.state_dict().items()}
+    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
+    rows = torch.tensor([seq + [ID["x"]] * (17 - len(seq))] * 4)
+    keep = torch.ones_like(rows, dtype=torch.bool)
+    weights = torch.ones(rows.shape)
+    weights[:, 9:12] = 6.0
+    s = spec.TrainSettings(copy_steps=60, copy_append_layers=1, copy_lr=1e-2, copy_mtp_lr=1e-2, copy_warmup_steps=1,
+                           batch_size=4, copy_mtp_train=True, copy_chat_ce=1.0)
+    trunk = copy_layers.trunk_outputs(new, rows, 2)
+    hist = copy_layers.train_copy_layers(new, rows, keep, weights, trunk,
+                                         copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50)), 0, ID["?"], s,
+                                         log=lambda _m: None)
+    assert {"mtp_distill", "mtp_copy", "chat"} <= set(hist[-1]) and "mtp_retain" not in hist[-1]
+    moved = {k for k, v in new.state_dict().items() if not torch.equal(v, before[k])}
+    assert any(k.startswith("model.layers.4.self_attn") for k in moved)
+    assert any(k.startswith("model.layers.4.eh_proj") for k in moved)
+    assert not any(k.startswith(("model.layers.0.", "model.layers.1.", "model.embed_tokens")) for k in moved)
+    assert hist[-1]["mtp_copy"] < hist[0]["mtp_copy"], hist
+
+
+def test_chat_positions_mark_documents_with_an_assistant_turn():
+    bos, asst = 0, 9
+    x = torch.tensor([[0, 5, 9, 6, 0, 7, 7, 0, 9, 3], [4, 4, 0, 9, 2, 2, 0, 5, 5, 5]])
+    got = copy_layers.chat_positions(x, bos, asst)
+    want = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(got, want)
 
 
 def test_card_of_an_appended_layer_run_reproduces_its_settings(tmp_path):
