@@ -210,7 +210,7 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
                 mtp_ref = F.log_softmax(model.mtp_compute_logits(model.mtp_forward_full(r[:, 1:], model.model.norm(h))), -1)
             parts["mtp_retain"] = F.kl_div(mtp_lp.flatten(0, 1), mtp_ref.flatten(0, 1), log_target=True,
                                            reduction="batchmean")
-        targets = copy_heads.copy_targets(r, classes, bos_id, train.argument_values(w))
+        targets = copy_heads.copy_targets(r, classes, bos_id, None if s.copy_all_names else train.argument_values(w))
         sel = targets.any(-1)
         copy_term = sink = h.new_zeros(())
         if bool(sel.any()):

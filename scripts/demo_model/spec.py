@@ -131,13 +131,26 @@ class TrainSettings:
     # ("Time in Bergen?", "What time is it now in Nagoya?" -> get_weather), which this stage cannot
     # change (retention KL on every token but the argument values); some pieces are read back wrong
     # (Valencia -> "Valpaia", Halifax -> "Halific"); the MTP layer drafts the copied pieces badly.
-    # Next: cross-entropy (not KL) on the function-name tokens of the copy chats, more steps (the
-    # argument CE was still falling), and the MTP layer's attention trained in this stage.
+    # Next tried, same base and command (1 thread each, two runs side by side, --eval-n 20
+    # --copy-eval-n 40; copy_chat_ce: CE on the chats' other assistant tokens next to the KL;
+    # copy_mtp_train: the MTP layer trains at copy_mtp_lr, distilled from the new main model, its
+    # head 0 supervised as a copy head):
+    #   A chat_ce 1, retain 2, mtp_train, 1200 steps, 3000 chats:        copy 0.475, acceptance 0.782, tool 1.00, thinking 0.55
+    #   B chat_ce 2, retain 1, mtp_train (lr 2e-3), same:                copy 0.475, acceptance 0.812, tool 0.90, thinking 0.85
+    #   C chat_ce 0.5, retain 2, mtp_train, 1500 steps, 10000 chats:      copy 0.525, acceptance 0.820, tool 1.00, thinking 0.75
+    #   D as C with the MTP layer frozen (mtp_retain 1):                  copy 0.575, acceptance 0.708, tool 1.00, thinking 0.65
+    # So training the MTP layer is worth ~0.11 of acceptance (C vs D); the chat CE fixes some of the
+    # function choices (A: 7 of 40 held-out requests pick no call or the wrong function, from ~12)
+    # but not "Time in <city>?" (-> get_weather); the copies still misread a piece or miss where a
+    # name ends (Valencia -> "Valpia", Adelaide -> "Adelaidede", Gdansk -> "Gdansket"). Thinking
+    # loops where a name is due ("The capital of  The capital of ...", "Spained"): the copy heads
+    # were only ever supervised on argument values, so elsewhere what they do is untrained.
     copy_append_layers: int = 0
     copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py; MTP frozen)
     copy_chat_ce: float = 0.0        # CE on the chats' other assistant tokens (function names), next to the KL
     copy_mtp_train: bool = False     # the MTP layer trains: self-distillation (copy_mtp_distill) + a copy head
     copy_mtp_lr: float = 1.0e-3
+    copy_all_names: bool = False     # the copy heads' targets: every repeated name piece, not only argument values
     copy_prose_docs: int = 0         # 0: all of them
     copy_steps: int = 0                 # 600 in the runs above; 0: no stage 3
     copy_lr: float = 1.5e-3

@@ -109,7 +109,7 @@ def test_with_the_mtp_layer_training_it_moves_and_learns_to_follow_the_main_mode
     weights = torch.ones(rows.shape)
     weights[:, 9:12] = 6.0
     s = spec.TrainSettings(copy_steps=60, copy_append_layers=1, copy_lr=1e-2, copy_mtp_lr=1e-2, copy_warmup_steps=1,
-                           batch_size=4, copy_mtp_train=True, copy_chat_ce=1.0)
+                           batch_size=4, copy_mtp_train=True, copy_chat_ce=1.0, copy_all_names=True)
     trunk = copy_layers.trunk_outputs(new, rows, 2)
     hist = copy_layers.train_copy_layers(new, rows, keep, weights, trunk,
                                          copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50)), 0, ID["?"], s,
