@@ -141,6 +141,19 @@ def _layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return x + layer.mlp(layer.post_attention_layernorm(x)), logp, writes
 
 
+def _ce_on(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean CE over the ``mask`` positions; a zero that keeps the graph when there are none."""
+    return F.cross_entropy(logits[mask], y[mask]) if bool(mask.any()) else logits.sum() * 0
+
+
+def _attention_nll(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean NLL of attending to any of ``targets`` [B, L, L], over the queries that have one."""
+    sel = targets.any(-1)
+    if not bool(sel.any()):
+        return logp.sum() * 0
+    return -torch.logsumexp(logp.masked_fill(~targets, float("-inf")), -1)[sel].mean()
+
+
 def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: torch.Tensor,
                       weights: torch.Tensor, trunk: torch.Tensor, classes, bos_id: int, assistant_id: int,
                       s: TrainSettings, log: Callable[[str], None] = print) -> list[dict]:
@@ -187,8 +200,8 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
         mtp_lp = F.log_softmax(model.mtp_compute_logits(x_mtp), -1)
         chat = chat_positions(r[:, :-1], bos_id, assistant_id) & k[:, 1:] & ~args
         parts = {
-            "args": F.cross_entropy(logits[args], y[args]) if bool(args.any()) else logits.sum() * 0,
-            "chat": F.cross_entropy(logits[chat], y[chat]) if bool(chat.any()) else logits.sum() * 0,
+            "args": _ce_on(logits, y, args),
+            "chat": _ce_on(logits, y, chat),
             "retain": F.kl_div(F.log_softmax(logits[~args], -1), ref[~args], log_target=True, reduction="batchmean"),
             "prev": -torch.diagonal(prev_logp[:, list(COPY_HEADS)], offset=-1, dim1=-2, dim2=-1).mean(),
         }
@@ -202,9 +215,7 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
             # to its input token x[i+1]); the MTP stream there holds x[j+1], the piece after next.
             shifted = F.pad(copy_heads.copy_targets(r[:, 1:], classes, bos_id, train.argument_values(w[:, 1:])),
                             (0, 1, 0, 1))
-            msel = shifted.any(-1)
-            parts["mtp_copy"] = (-torch.logsumexp(mtp_logp[:, 0].masked_fill(~shifted, float("-inf")), -1)[msel].mean()
-                                 if bool(msel.any()) else logits.sum() * 0)
+            parts["mtp_copy"] = _attention_nll(mtp_logp[:, 0], shifted)
         else:
             with torch.no_grad():
                 mtp_ref = F.log_softmax(model.mtp_compute_logits(model.mtp_forward_full(r[:, 1:], model.model.norm(h))), -1)
@@ -217,7 +228,7 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
             for logp in copy_logp:
                 for head in COPY_HEADS:
                     lp = logp[:, head]
-                    copy_term = copy_term - torch.logsumexp(lp.masked_fill(~targets, float("-inf")), -1)[sel].mean()
+                    copy_term = copy_term + _attention_nll(lp, targets)
                     sink = sink + copy_heads._sink_term(lp, r[:, :-1], sel, bos_id)
         n_heads = len(copy_logp) * len(COPY_HEADS)
         parts["copy"], parts["sink"] = copy_term / n_heads, sink / n_heads
@@ -234,8 +245,8 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
-        for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + v.item()
+        for name, v in parts.items():
+            sums[name] = sums.get(name, 0.0) + v.item()
         if (step + 1) % 20 == 0 or step == s.copy_steps - 1:
             n = 20 if (step + 1) % 20 == 0 else (step + 1) % 20
             rec = {"step": step + 1, "lr": lr, "elapsed_s": time.time() - t0, **{k: v / n for k, v in sums.items()}}
