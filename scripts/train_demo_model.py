@@ -65,22 +65,35 @@ def run_eval(out: Path, s: spec.TrainSettings, n: int, n_copy: int = 40) -> eval
     return res
 
 
-def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_chats: int, n_drills: int):
+def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_chats: int, n_drills: int,
+                    base_tok=None):
     """Stage 3's rows: ``n_chats`` copy-stage chats (corpus.make_copy_chat), ``n_drills`` copying
     drills and ``prose``, with the name-splitting tokenizer ``tok``; loss on what the assistant
-    writes (on every drill and prose token), tool-argument values weighted up."""
+    writes (on every drill and prose token), tool-argument values weighted up. With ``base_tok``
+    (copy_mixed_tokens) the assistant's own text but for the argument values, and the prose, are
+    in ``base_tok``'s pieces (train.encode_mixed)."""
     import random
 
     rng = random.Random(seed)
     texts = [render.render_chat(corpus.make_copy_chat(rng)) for _ in range(n_chats)]
     prose = prose + [render.prose_text(corpus.copy_drill(rng)) for _ in range(n_drills)]
-    encs = tok.encode_batch(texts + prose)
-    docs = [e.ids for e in encs]
     tok_id = tok.token_to_id
-    masks = [train.assistant_mask(d, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
-                                  tok_id("\u010a"), tok_id(st.EOS)) for d in docs[:len(texts)]]
+
+    def mask_of(ids: list[int]) -> list[bool]:
+        return train.assistant_mask(ids, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
+                                    tok_id("\u010a"), tok_id(st.EOS))
+
+    if base_tok is not None:
+        mixed = [train.encode_mixed(t, tok, base_tok, mask_of, s.copy_arg_weight) for t in texts]
+        docs = [m[0] for m in mixed] + [e.ids for e in base_tok.encode_batch(prose)]
+        masks = [m[1] for m in mixed]
+        weights = [m[2] for m in mixed]
+    else:
+        encs = tok.encode_batch(texts + prose)
+        docs = [e.ids for e in encs]
+        masks = [mask_of(d) for d in docs[:len(texts)]]
+        weights = [train.copy_value_weights(t, e.offsets, s.copy_arg_weight) for t, e in zip(texts, encs)]
     masks += [[True] * len(d) for d in docs[len(texts):]]
-    weights = [train.copy_value_weights(t, e.offsets, s.copy_arg_weight) for t, e in zip(texts, encs)]
     weights += [[1.0] * len(d) for d in docs[len(texts):]]
     return train.pack_rows(docs, s.seq_len, tok_id(st.PAD), seed=seed, masks=masks, weights=weights)
 
@@ -290,12 +303,14 @@ def main() -> int:
     copy_run = None
     copy_targets = 0
     if s.copy_steps > 0:
+        base_tok = tok if s.copy_mixed_tokens else None
         tok = render.with_name_split(tok)
         if s.copy_piece_names:
             corpus.use_piece_names(tok)
         t3 = time.time()
         prose3 = [render.prose_text(d) for d in corpus.prose_documents()][:s.copy_prose_docs or None]
-        rows3, keep3, w3 = copy_stage_data(tok, s, prose3, s.copy_corpus_seed, s.copy_chats, s.copy_drills)
+        rows3, keep3, w3 = copy_stage_data(tok, s, prose3, s.copy_corpus_seed, s.copy_chats, s.copy_drills,
+                                              base_tok)
         copy_targets = int(keep3.sum())
         s3 = dataclasses.replace(s, steps=s.copy_steps, lr=s.copy_lr, warmup_steps=s.copy_warmup_steps,
                                  mtp_distill=s.copy_mtp_distill, seed=s.seed + 3, stage="copy")
@@ -319,7 +334,7 @@ def main() -> int:
                     "sink_weight": s.copy_sink_weight, "retain": s.copy_retain, "args_only": s.copy_args_only,
                     "append_layers": s.copy_append_layers, "mtp_retain": s.copy_mtp_retain,
                     "chat_ce": s.copy_chat_ce, "mtp_train": s.copy_mtp_train, "mtp_lr": s.copy_mtp_lr,
-                    "all_names": s.copy_all_names,
+                    "all_names": s.copy_all_names, "mixed_tokens": s.copy_mixed_tokens,
                     "prose_docs": len(prose3),
                     "polish_steps": 0 if s.copy_append_layers else s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}

@@ -76,6 +76,69 @@ def assistant_mask(ids: list[int], assistant: int, outputs_end: int, think: int,
     return mask
 
 
+def argument_value_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of the string argument values of the tool calls in ``text`` (quotes excluded)."""
+    spans = []
+    for block in re.finditer(re.escape(st.TOOL_CALL_BEGIN) + r".*?" + re.escape(st.TOOL_CALL_END), text, re.S):
+        for v in re.finditer(r'": "((?:[^"\\]|\\.)*)"', block.group(0)):
+            spans.append((block.start() + v.start(1), block.start() + v.end(1)))
+    return spans
+
+
+def encode_mixed(text: str, split_tok, base_tok, mask_of: Callable[[list[int]], list[bool]],
+                 arg_weight: float) -> tuple[list[int], list[bool], list[float]]:
+    """(ids, assistant mask, weights) of ``text`` with what the assistant writes encoded by
+    ``base_tok`` but for its tool-argument values, and the rest (the context, the values) by
+    ``split_tok`` (the name-splitting tokenizer).
+
+    The stage-2 model was trained on ``base_tok``'s pieces (``ĠIreland``); trained on the split
+    ones (``Ġ`` + ``Ireland``) in its own text, it learns to write a bare space where a name is
+    due, a state its frozen layers never saw (spec.py: the thinking loops). Only what a call
+    copies must be in the prompt's pieces. Values (and the token after each, which closes it)
+    are weighted ``arg_weight``."""
+    enc = split_tok.encode(text)
+    mask = mask_of(enc.ids)
+    runs: list[list[int]] = []                 # assistant-written character runs
+    for k, on in enumerate(mask):
+        a, b = enc.offsets[k]
+        if on and runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        elif on:
+            runs.append([a, b])
+    values = argument_value_spans(text)
+    cuts: list[tuple[int, int, str]] = []      # (start, end, kind): context / assistant / value
+    pos = 0
+    for a, b in runs:
+        if pos < a:
+            cuts.append((pos, a, "context"))
+        inner = sorted((max(a, va), min(b, vb)) for va, vb in values if va < b and vb > a)
+        for va, vb in inner:
+            if a < va:
+                cuts.append((a, va, "assistant"))
+            if va < vb:
+                cuts.append((va, vb, "value"))
+            a = vb
+        if a < b:
+            cuts.append((a, b, "assistant"))
+        pos = b
+    if pos < len(text):
+        cuts.append((pos, len(text), "context"))
+    ids: list[int] = []
+    out_mask: list[bool] = []
+    weights: list[float] = []
+    closing = False
+    for a, b, kind in cuts:
+        piece = (base_tok if kind == "assistant" else split_tok).encode(text[a:b]).ids
+        ids += piece
+        out_mask += [kind != "context"] * len(piece)
+        w = [arg_weight if kind == "value" else 1.0] * len(piece)
+        if closing and piece:
+            w[0] = arg_weight
+        closing = kind == "value"
+        weights += w
+    return ids, out_mask, weights
+
+
 def copy_value_weights(text: str, offsets: list[tuple[int, int]], weight: float) -> list[float]:
     """Per-token loss weights: ``weight`` on the string argument values of the tool calls in
     ``text`` (and on the token closing each value), 1 elsewhere.
@@ -83,10 +146,7 @@ def copy_value_weights(text: str, offsets: list[tuple[int, int]], weight: float)
     These are the tokens a call must copy from the prompt (a city, a search query); the copy
     stage weights them up so that copying, not a memorised favourite, is what lowers the loss.
     """
-    spans = []
-    for block in re.finditer(re.escape(st.TOOL_CALL_BEGIN) + r".*?" + re.escape(st.TOOL_CALL_END), text, re.S):
-        for v in re.finditer(r'": "((?:[^"\\]|\\.)*)"', block.group(0)):
-            spans.append((block.start() + v.start(1), block.start() + v.end(1) + 1))   # + the closing quote
+    spans = [(a, b + 1) for a, b in argument_value_spans(text)]     # + the closing quote
     out = [1.0] * len(offsets)
     for k, (a, b) in enumerate(offsets):
         if b > a and any(a < e and b > s for s, e in spans):

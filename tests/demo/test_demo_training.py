@@ -152,6 +152,58 @@ def test_copy_weights_mark_the_argument_values_and_names_tokenize_alike():
     assert sum(x == 4.0 for x in w) == len(tok.encode(city).ids) + 1
 
 
+@pytest.mark.demo                       # the bundled model's tokenizer
+def test_mixed_encoding_keeps_stage2_pieces_but_for_the_copied_values():
+    """copy_mixed_tokens: the assistant's own text stays in the pieces the frozen layers were
+    trained on (``ĠRome``, never a bare ``Ġ`` before a name), the context and the argument values
+    are in the name-split pieces (so the value is the prompt's pieces), the mask is the
+    assistant's, and the weights cover the value plus the token that closes it."""
+    import random
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from demo_model import corpus, render
+    from server.text import special_tokens as st
+
+    base = HFTokenizer.from_file(str(ROOT / "models" / "deepseek-v3-tiny-mtp" / "tokenizer.json"))
+    tok = render.with_name_split(base)
+    tid = tok.token_to_id
+
+    def mask_of(ids):
+        return train.assistant_mask(ids, tid(st.ASSISTANT), tid(st.TOOL_OUTPUTS_END), tid(st.THINK_START),
+                                    tid("\u010a"), tid(st.EOS))
+
+    rng = random.Random(3)
+    while True:                     # a city whose pieces differ with and without the split rule
+        chat = corpus.make_tool_chat(rng, "copy", corpus.CITY_KINDS)
+        text = render.render_chat(chat)
+        if base.encode(" " + chat.expect_args["city"]).ids != tok.encode(" " + chat.expect_args["city"]).ids:
+            break
+    ids, mask, w = train.encode_mixed(text, tok, base, mask_of, 4.0)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert len(ids) == len(mask) == len(w)
+    split_enc = tok.encode(text)
+    assert sum(mask_of(split_enc.ids)) > 0 and mask[:5] == [False] * 5
+    city = chat.expect_args["city"]
+    pieces = tok.encode(city).ids
+    marked = [i for i, x in zip(ids, w) if x == 4.0]
+    assert marked == pieces + [tid('"}')]
+    n_ctx = mask.index(True)                       # the context: the split tokenizer's pieces
+    assert ids[:n_ctx] == split_enc.ids[:n_ctx]
+    # The assistant's answer after the tool result names the city in stage 2's pieces.
+    written = [i for i, m in zip(ids, mask) if m]
+    answer = written[len(written) - written[::-1].index(tid(st.EOS), 1):-1]     # the last turn, EOS off
+    answer_text = tok.decode(answer, skip_special_tokens=False)
+    assert city in answer_text and answer == base.encode(answer_text).ids != tok.encode(answer_text).ids
+    # Other chats (thinking, plain answers) decode back to their text, their mask is the assistant's.
+    for seed in range(8):
+        other = render.render_chat(corpus.make_chat(random.Random(seed), "copy"))
+        ids2, mask2, _ = train.encode_mixed(other, tok, base, mask_of, 4.0)
+        assert tok.decode(ids2, skip_special_tokens=False) == other
+        assert tok.decode([i for i, m in zip(ids2, mask2) if m], skip_special_tokens=False) == tok.decode(
+            [i for i, m in zip(tok.encode(other).ids, mask_of(tok.encode(other).ids)) if m], skip_special_tokens=False)
+
+
 def test_retention_kl_is_zero_against_itself_and_skips_the_argument_values():
     """The copy stage keeps the model's other skills by a KL to the frozen starting model on
     every target except the argument values; were those included the KL would pull the calls
