@@ -151,6 +151,17 @@ class TrainSettings:
     # partly: with the stage-2 layers frozen, thinking is lost in free generation (exposure to the
     # new layers' small teacher-forced deviations, KL 0.08-0.14 a token). Still open: function
     # choice on held-out phrasings ("Time in <city>?") is the frozen trunk's; acceptance 0.82.
+    # Why thinking broke: the name-split rule also re-tokenized the assistant's own text, so stage 3
+    # taught the model to write a bare "Ġ" before every capitalised word (stage 2 writes "ĠIreland"),
+    # a state the frozen layers never saw and where their reference is garbage ("The capital of
+    # Ġ" -> "The", the loop). The committed model with the split rule on its prompts alone keeps
+    # thinking 1.00 and acceptance 0.921 (eval-n 20). copy_mixed_tokens encodes what the assistant
+    # writes with stage 2's pieces and only the context and the argument values name-split:
+    #   G as C with copy_mixed_tokens:               copy 0.525, acceptance 0.837, tool 1.00, thinking 0.95, plain 0.95
+    #   H as G with chat_ce 1:                       copy 0.525, acceptance 0.813, tool 1.00, thinking 1.00, plain 0.80
+    # Thinking is back; what fails now is mostly the pieces after the first (Florence -> "Florend",
+    # Salzburg -> "Salzeazea", Sapporo -> "Sanb": 15 of G's 19 misses), and 4 calls of the wrong
+    # function or none ("Time in Calgary?").
     copy_append_layers: int = 0
     copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py; MTP frozen)
     copy_chat_ce: float = 0.0        # CE on the chats' other assistant tokens (function names), next to the KL
