@@ -162,6 +162,13 @@ class TrainSettings:
     # Thinking is back; what fails now is mostly the pieces after the first (Florence -> "Florend",
     # Salzburg -> "Salzeazea", Sapporo -> "Sanb": 15 of G's 19 misses), and 4 calls of the wrong
     # function or none ("Time in Calgary?").
+    # Longer (3000 steps), the MTP layer at copy_mtp_lr 2e-3, otherwise as G (3177 s / 3545 s of stage 3):
+    #   I copy_value_weight 2 (19.0 MB):             copy 0.600, acceptance 0.872, tool 1.00, thinking 1.00, plain 0.90
+    #   J copy_append_layers 3 (20.2 MB):            copy 0.600, acceptance 0.900, tool 1.00, thinking 0.90, plain 0.90
+    # I meets the acceptance, tool and thinking floors; copy is short of 0.8. Of I's 16 misses, 11
+    # misread the pieces after the first, always of the same cities (Florence -> "Florage",
+    # Valencia -> "Valfia", Salzburg, Nagoya, Sapporo, Lucknow, Bergen: rare pieces read back
+    # wrong), and 5 short held-out requests ("Time in Bergen?") get no call.
     copy_append_layers: int = 0
     copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py; MTP frozen)
     copy_chat_ce: float = 0.0        # CE on the chats' other assistant tokens (function names), next to the KL
