@@ -71,12 +71,12 @@ def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_c
     drills and ``prose``, with the name-splitting tokenizer ``tok``; loss on what the assistant
     writes (on every drill and prose token), tool-argument values weighted up. With ``base_tok``
     (copy_mixed_tokens) the assistant's own text but for the argument values, and the prose, are
-    in ``base_tok``'s pieces (train.encode_mixed)."""
+    in ``base_tok``'s pieces (train.encode_mixed); the drills, which are copying, stay name-split."""
     import random
 
     rng = random.Random(seed)
     texts = [render.render_chat(corpus.make_copy_chat(rng)) for _ in range(n_chats)]
-    prose = prose + [render.prose_text(corpus.copy_drill(rng)) for _ in range(n_drills)]
+    drills = [render.prose_text(corpus.copy_drill(rng)) for _ in range(n_drills)]
     tok_id = tok.token_to_id
 
     def mask_of(ids: list[int]) -> list[bool]:
@@ -85,11 +85,11 @@ def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_c
 
     if base_tok is not None:
         mixed = [train.encode_mixed(t, tok, base_tok, mask_of, s.copy_arg_weight) for t in texts]
-        docs = [m[0] for m in mixed] + [e.ids for e in base_tok.encode_batch(prose)]
+        docs = [m[0] for m in mixed] + [e.ids for e in base_tok.encode_batch(prose) + tok.encode_batch(drills)]
         masks = [m[1] for m in mixed]
         weights = [m[2] for m in mixed]
     else:
-        encs = tok.encode_batch(texts + prose)
+        encs = tok.encode_batch(texts + prose + drills)
         docs = [e.ids for e in encs]
         masks = [mask_of(d) for d in docs[:len(texts)]]
         weights = [train.copy_value_weights(t, e.offsets, s.copy_arg_weight) for t, e in zip(texts, encs)]
