@@ -77,12 +77,7 @@ def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_c
     rng = random.Random(seed)
     texts = [render.render_chat(corpus.make_copy_chat(rng)) for _ in range(n_chats)]
     drills = [render.prose_text(corpus.copy_drill(rng)) for _ in range(n_drills)]
-    tok_id = tok.token_to_id
-
-    def mask_of(ids: list[int]) -> list[bool]:
-        return train.assistant_mask(ids, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
-                                    tok_id("\u010a"), tok_id(st.EOS))
-
+    mask_of = train.assistant_masker(tok)
     if base_tok is not None:
         mixed = [train.encode_mixed(t, tok, base_tok, mask_of, s.copy_arg_weight) for t in texts]
         docs = [m[0] for m in mixed] + [e.ids for e in base_tok.encode_batch(prose) + tok.encode_batch(drills)]
@@ -95,7 +90,7 @@ def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_c
         weights = [train.copy_value_weights(t, e.offsets, s.copy_arg_weight) for t, e in zip(texts, encs)]
     masks += [[True] * len(d) for d in docs[len(texts):]]
     weights += [[1.0] * len(d) for d in docs[len(texts):]]
-    return train.pack_rows(docs, s.seq_len, tok_id(st.PAD), seed=seed, masks=masks, weights=weights)
+    return train.pack_rows(docs, s.seq_len, tok.token_to_id(st.PAD), seed=seed, masks=masks, weights=weights)
 
 
 def appended_copy_stage(model, hf_cfg: dict, tok, rows, keep, weights, s: spec.TrainSettings, bos: int):
@@ -269,9 +264,8 @@ def main() -> int:
         prior_stage_s, prior_sft = [time.time() - t1], []
 
     # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
-    tok_id = tok.token_to_id
-    masks = [train.assistant_mask(d, tok_id(st.ASSISTANT), tok_id(st.TOOL_OUTPUTS_END), tok_id(st.THINK_START),
-                                  tok_id("\u010a"), eos) for d in docs[:len(chats)]]
+    mask_of = train.assistant_masker(tok)
+    masks = [mask_of(d) for d in docs[:len(chats)]]
     masks += [[True] * len(d) for d in docs[len(chats):]]
     weights2 = None
     if s.sft_arg_weight != 1.0:        # tool-argument values (what a call copies from the prompt) weighted up

@@ -76,6 +76,12 @@ def assistant_mask(ids: list[int], assistant: int, outputs_end: int, think: int,
     return mask
 
 
+def assistant_masker(tok) -> Callable[[list[int]], list[bool]]:
+    """assistant_mask with ``tok``'s ids of the chat markers filled in."""
+    ids = [tok.token_to_id(t) for t in (st.ASSISTANT, st.TOOL_OUTPUTS_END, st.THINK_START, "\u010a", st.EOS)]
+    return lambda doc: assistant_mask(doc, *ids)
+
+
 def argument_value_spans(text: str) -> list[tuple[int, int]]:
     """Character spans of the string argument values of the tool calls in ``text`` (quotes excluded)."""
     spans = []

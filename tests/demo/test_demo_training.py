@@ -168,10 +168,7 @@ def test_mixed_encoding_keeps_stage2_pieces_but_for_the_copied_values():
     base = HFTokenizer.from_file(str(ROOT / "models" / "deepseek-v3-tiny-mtp" / "tokenizer.json"))
     tok = render.with_name_split(base)
     tid = tok.token_to_id
-
-    def mask_of(ids):
-        return train.assistant_mask(ids, tid(st.ASSISTANT), tid(st.TOOL_OUTPUTS_END), tid(st.THINK_START),
-                                    tid("\u010a"), tid(st.EOS))
+    mask_of = train.assistant_masker(tok)
 
     rng = random.Random(3)
     while True:                     # a city whose pieces differ with and without the split rule
