@@ -329,6 +329,7 @@ def main() -> int:
                     "append_layers": s.copy_append_layers, "mtp_retain": s.copy_mtp_retain,
                     "chat_ce": s.copy_chat_ce, "mtp_train": s.copy_mtp_train, "mtp_lr": s.copy_mtp_lr,
                     "all_names": s.copy_all_names, "mixed_tokens": s.copy_mixed_tokens,
+                    "train_mlp": s.copy_train_mlp,
                     "prose_docs": len(prose3),
                     "polish_steps": 0 if s.copy_append_layers else s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}

@@ -78,14 +78,16 @@ def appended(model: DeepseekV3ForCausalLM, n_new: int) -> list[torch.nn.Module]:
     return [model.model.layers[i] for i in range(n - n_new, n)]
 
 
-def trainable(model: DeepseekV3ForCausalLM, n_new: int, mtp: bool = False) -> list[torch.nn.Parameter]:
-    """Freeze all but the new layers' attention and norms, and ``lm_head`` (with ``mtp``, the
-    MTP layer as well); return those."""
+def trainable(model: DeepseekV3ForCausalLM, n_new: int, mtp: bool = False,
+              mlp: bool = False) -> list[torch.nn.Parameter]:
+    """Freeze all but the new layers' attention and norms (with ``mlp``, their MLPs too), and
+    ``lm_head`` (with ``mtp``, the MTP layer as well); return those."""
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in appended(model, n_new):
         for name, p in layer.named_parameters():
-            if name.startswith("self_attn") or "layernorm" in name:
+            mlp_weight = mlp and name.startswith("mlp") and not name.endswith("e_score_correction_bias")
+            if name.startswith("self_attn") or "layernorm" in name or mlp_weight:
                 p.requires_grad_(True)
     model.lm_head.weight.requires_grad_(True)
     if mtp:
@@ -160,7 +162,7 @@ def train_copy_layers(model: DeepseekV3ForCausalLM, rows: torch.Tensor, keep: to
     """Stage 3's loop over packed rows (argument values are ``weights`` above 1) with the
     frozen stage-2 output ``trunk``; returns the loss history (every 20 steps)."""
     n_new = 1 + s.copy_append_layers
-    params = trainable(model, n_new, mtp=s.copy_mtp_train)
+    params = trainable(model, n_new, mtp=s.copy_mtp_train, mlp=s.copy_train_mlp)
     layers = appended(model, n_new)
     mtp = mtp_layers(model)[0]
     mtp_params = {id(p) for p in mtp.parameters()} if s.copy_mtp_train else set()

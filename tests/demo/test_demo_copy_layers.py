@@ -122,6 +122,28 @@ def test_with_the_mtp_layer_training_it_moves_and_learns_to_follow_the_main_mode
     assert hist[-1]["mtp_copy"] < hist[0]["mtp_copy"], hist
 
 
+def test_with_copy_train_mlp_the_new_mlps_move_and_nothing_of_the_trunk_does():
+    model, hf = _stage2()
+    new, _ = copy_layers.extend(model, hf, 2, seed=5)
+    before = {k: v.clone() for k, v in new.state_dict().items()}
+    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
+    rows = torch.tensor([seq + [ID["x"]] * (17 - len(seq))] * 4)
+    weights = torch.ones(rows.shape)
+    weights[:, 9:12] = 6.0
+    s = spec.TrainSettings(copy_steps=4, copy_append_layers=1, copy_lr=1e-2, copy_warmup_steps=1,
+                           batch_size=2, copy_train_mlp=True)
+    trunk = copy_layers.trunk_outputs(new, rows, 2)
+    copy_layers.train_copy_layers(new, rows, torch.ones_like(rows, dtype=torch.bool), weights, trunk,
+                                  copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50)), 0, ID["?"], s,
+                                  log=lambda _m: None)
+    moved = {k for k, v in new.state_dict().items() if not torch.equal(v, before[k])}
+    for i in (2, 3):                                     # both new layers: shared expert's output and the router
+        assert f"model.layers.{i}.mlp.shared_experts.down_proj.weight" in moved, sorted(moved)
+        assert f"model.layers.{i}.mlp.gate.weight" in moved, sorted(moved)
+        assert f"model.layers.{i}.mlp.gate.e_score_correction_bias" not in moved
+    assert all(k.startswith(("lm_head.weight", "model.layers.2.", "model.layers.3.")) for k in moved), sorted(moved)
+
+
 def test_chat_positions_mark_documents_with_an_assistant_turn():
     bos, asst = 0, 9
     x = torch.tensor([[0, 5, 9, 6, 0, 7, 7, 0, 9, 3], [4, 4, 0, 9, 2, 2, 0, 5, 5, 5]])
