@@ -76,28 +76,7 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
                       "(`corpus.piece_names`: a capitalised piece and one to three lowercase ones, each lowercase "
                       "piece dealt about equally often), so that every piece a name may need has been copied")
     if copy and copy.get("append_layers"):
-        n_new = 1 + copy["append_layers"]
-        n2 = cfg["num_hidden_layers"] - n_new
-        copy_text = f"""
-3. copy stage (`scripts/demo_model/copy_layers.py`): the stage-2 model stays as it is, frozen, and
-   {n_new} decoder layers of the same kind are appended after its {n2} (layers {n2}-{n2 + n_new - 1}; the MTP layer
-   moves to index {n2 + n_new}). Heads 0-1 of layer {n2} are supervised to attend to the previous token; heads 0-1
-   of layers {n2 + 1}-{n2 + n_new - 1} to an earlier occurrence of the tool-argument piece to be written next, and
-   to the document's BOS everywhere else (weight {copy.get('sink_weight', 0):g}). `lm_head` trains too (a piece
-   read back through the stage-2 head is told from the others poorly), the MTP layer keeps the stage-2
-   head; the new layers' MLPs stay zero. Tokenizer rule of this stage: a space before a capital letter is
-   a token of its own, so a name is the same token sequence in the prompt, the call and the result (same
-   vocabulary). Data: {copy['chats']} new chats (corpus seed {copy['corpus_seed']}), the stage-2 mix plus 30% more
-   weather / time requests over a pool of {len(corpus.copy_city_pool())} city names (never an evaluation
-   city){piece_text}, and {copy.get('prose_docs', 0)} prose documents; {copy['rows']} rows. Loss: cross-entropy of the
-   tool-argument values (and the quote closing them), KL to the stage-2 model of the main logits
-   (weight {copy.get('retain', 0):g}) at every other position and of the MTP logits (weight {copy.get('mtp_retain', 0):g}),
-   the attention terms (weight {copy.get('supervision', 0):g}) and a readout term (what the copy heads would
-   write at a name piece reads back as that piece, weight {copy.get('value_weight', 0):g}). {copy['steps']} steps at peak
-   lr {copy['lr']:g} ({copy['warmup_steps']} warm-up, {copy['seconds'] / 60:.1f} min), cosine to {s.min_lr_ratio} x peak
-   (final: argument values {last.get('args', float('nan')):.3f}, retention {last.get('retain', float('nan')):.3f},
-   MTP retention {last.get('mtp_retain', float('nan')):.3f}).
-"""
+        copy_text = _appended_layers_text(copy, cfg, last, piece_text, s.min_lr_ratio)
     elif copy:
         copy_text = f"""
 3. copy stage, from the stage-2 weights with a fresh optimizer and the stage-3 tokenizer rule (a space
@@ -242,3 +221,46 @@ training chats, invents facts outside its tables, and cannot do arithmetic beyon
 memorised. Prompts longer than {cfg['max_position_embeddings']} tokens are out of range.
 """
     (out / "README.md").write_text(text, encoding="utf-8")
+
+
+def _appended_layers_text(copy: dict, cfg: dict, last: dict, piece_text: str, min_lr_ratio: float) -> str:
+    """Stage 3 as copy_layers.py ran it, in the words of the run's own settings (copy_run)."""
+    n_new = 1 + copy["append_layers"]
+    n2 = cfg["num_hidden_layers"] - n_new
+    nan = float("nan")
+    mlp = ("the new layers' MLPs start silent (output projections zero) and train as well"
+           if copy.get("train_mlp") else "the new layers' MLPs stay zero")
+    if copy.get("mtp_train"):
+        mtp = (f"the MTP layer, its own head included, trains at peak lr {copy['mtp_lr']:g}: distilled from the new "
+               f"main model (weight {copy.get('mtp_distill', 0):g}, as in stage 2), its head 0 supervised to attend "
+               "where the copy heads do")
+        mtp_loss = ""
+        mtp_final = f"MTP distillation {last.get('mtp_distill', nan):.3f}"
+    else:
+        mtp = "the MTP layer keeps the stage-2 weights and head"
+        mtp_loss = f" and of the MTP logits (weight {copy.get('mtp_retain', 0):g})"
+        mtp_final = f"MTP retention {last.get('mtp_retain', nan):.3f}"
+    mixed = (" Only the prompt, the tool results and the argument values are encoded with this rule; what the "
+             "assistant writes outside the values keeps stage 2's pieces (`train.encode_mixed`), so the frozen "
+             "layers see their own tokens there." if copy.get("mixed_tokens") else "")
+    chat = (f", cross-entropy of the chats' other assistant tokens (weight {copy['chat_ce']:g})"
+            if copy.get("chat_ce") else "")
+    return f"""
+3. copy stage (`scripts/demo_model/copy_layers.py`): the stage-2 model stays as it is, frozen, and
+   {n_new} decoder layers of the same kind are appended after its {n2} (layers {n2}-{n2 + n_new - 1}; the MTP layer
+   moves to index {n2 + n_new}). Heads 0-1 of layer {n2} are supervised to attend to the previous token; heads 0-1
+   of layers {n2 + 1}-{n2 + n_new - 1} to an earlier occurrence of the tool-argument piece to be written next, and
+   to the document's BOS everywhere else (weight {copy.get('sink_weight', 0):g}). `lm_head` trains too (a piece
+   read back through the stage-2 head is told from the others poorly); {mlp}; {mtp}.
+   Tokenizer rule of this stage: a space before a capital letter is a token of its own, so a name is the
+   same token sequence in the prompt, the call and the result (same vocabulary).{mixed} Data: {copy['chats']} new
+   chats (corpus seed {copy['corpus_seed']}), the stage-2 mix plus 30% more weather / time requests over a pool of
+   {len(corpus.copy_city_pool())} city names (never an evaluation city){piece_text}, and {copy.get('prose_docs', 0)}
+   prose documents; {copy['rows']} rows. Loss: cross-entropy of the tool-argument values (and the quote closing
+   them, weight {copy['arg_weight']:g}){chat}, KL to the stage-2 model of the main logits (weight
+   {copy.get('retain', 0):g}) at every other position{mtp_loss}, the attention terms (weight
+   {copy.get('supervision', 0):g}) and a readout term (what the copy heads would write at a name piece reads back as
+   that piece, weight {copy.get('value_weight', 0):g}). {copy['steps']} steps at peak lr {copy['lr']:g}
+   ({copy['warmup_steps']} warm-up, {copy['seconds'] / 60:.1f} min), cosine to {min_lr_ratio} x peak (final:
+   argument values {last.get('args', nan):.3f}, retention {last.get('retain', nan):.3f}, {mtp_final}).
+"""
