@@ -297,6 +297,7 @@ def main() -> int:
     copy_run = None
     copy_targets = 0
     if s.copy_steps > 0:
+        torch.set_num_threads(s.copy_threads)
         base_tok = tok if s.copy_mixed_tokens else None
         tok = render.with_name_split(tok)
         if s.copy_piece_names:
@@ -334,6 +335,7 @@ def main() -> int:
                     "polish_steps": 0 if s.copy_append_layers else s.polish_steps, "polish_lr": s.polish_lr, "polish_chats": s.polish_chats,
                     "seconds": seconds3}
         stage_seconds = stage_seconds + [seconds3]
+        torch.set_num_threads(s.threads)
         history = history + history3
     train_seconds = sum(stage_seconds)
     render.write_tokenizer_files(tok, out, model_max_length=1024)

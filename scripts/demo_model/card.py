@@ -185,7 +185,7 @@ while training, as DeepSeek-V3 shares it):
    {distill_text}{copy_text}
 
 AdamW (betas 0.9/0.95, weight decay {s.weight_decay} on matrices), grad clip {s.grad_clip}, {s.threads} CPU
-thread{"s" if s.threads > 1 else ""}, seeds: model and data order {s.seed} (stage 2: {s.seed + 2}), corpus {s.corpus_seed},
+thread{"s" if s.threads > 1 else ""}{f" ({s.copy_threads} in stage 3)" if copy and s.copy_threads != s.threads else ""}, seeds: model and data order {s.seed} (stage 2: {s.seed + 2}), corpus {s.corpus_seed},
 evaluation {s.eval_seed}; `torch.use_deterministic_algorithms(True)`. Training took
 {train_info.get('train_seconds', 0) / 60:.1f} minutes ({train_info.get('total_seconds', 0) / 60:.1f} minutes for the whole script,
 corpus and evaluation included) on a shared 2-core CPU machine ({cpu}). The full per-20-step loss

@@ -178,6 +178,7 @@ class TrainSettings:
     copy_prose_docs: int = 0         # 0: all of them
     copy_train_mlp: bool = False     # the appended layers' MLPs train too (they start silent: down_proj 0)
     copy_mixed_tokens: bool = False  # the assistant's own text in stage 2's pieces, but for argument values (train.encode_mixed)
+    copy_threads: int = 1            # stage 3's torch threads (its runs used 1; the thread count moves the last bits)
     copy_steps: int = 0                 # 600 in the runs above; 0: no stage 3
     copy_lr: float = 1.5e-3
     copy_warmup_steps: int = 20
