@@ -75,7 +75,7 @@ def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_c
     import random
 
     rng = random.Random(seed)
-    texts = [render.render_chat(corpus.make_copy_chat(rng)) for _ in range(n_chats)]
+    texts = [render.render_chat(corpus.make_copy_chat(rng, s.copy_city_share)) for _ in range(n_chats)]
     drills = [render.prose_text(corpus.copy_drill(rng)) for _ in range(n_drills)]
     mask_of = train.assistant_masker(tok)
     if base_tok is not None:
@@ -301,7 +301,7 @@ def main() -> int:
         base_tok = tok if s.copy_mixed_tokens else None
         tok = render.with_name_split(tok)
         if s.copy_piece_names:
-            corpus.use_piece_names(tok)
+            corpus.use_piece_names(tok, s.copy_piece_name_count)
         t3 = time.time()
         prose3 = [render.prose_text(d) for d in corpus.prose_documents()][:s.copy_prose_docs or None]
         rows3, keep3, w3 = copy_stage_data(tok, s, prose3, s.copy_corpus_seed, s.copy_chats, s.copy_drills,
@@ -322,7 +322,8 @@ def main() -> int:
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
                     "corpus_seed": s.copy_corpus_seed, "rows": len(rows3), "drills": s.copy_drills,
-                    "piece_names": len(corpus.piece_names(tok)) if s.copy_piece_names else 0,
+                    "piece_names": len(corpus.piece_names(tok, n=s.copy_piece_name_count)) if s.copy_piece_names else 0,
+                    "city_share": s.copy_city_share,
                     "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,
                     "value_weight": s.copy_value_weight, "value_init": s.copy_value_init, "value_silence": s.copy_value_silence,

@@ -316,11 +316,11 @@ def piece_names(tok, seed: int = COPY_NAME_SEED + 2, n: int = PIECE_NAME_COUNT) 
 _PIECE_NAMES: list[str] = []
 
 
-def use_piece_names(tok) -> None:
-    """Add ``piece_names(tok)`` to the copy stage's city pool (they depend on the vocabulary,
+def use_piece_names(tok, n: int = PIECE_NAME_COUNT) -> None:
+    """Add ``piece_names(tok, n=n)`` to the copy stage's city pool (they depend on the vocabulary,
     which the corpus does not know by itself); call before the first copy chat is made."""
-    if not _PIECE_NAMES:
-        _PIECE_NAMES.extend(piece_names(tok))
+    if len(_PIECE_NAMES) != n:
+        _PIECE_NAMES[:] = piece_names(tok, n=n)
         _COPY_POOL.clear()
 
 
@@ -460,10 +460,10 @@ CITY_KINDS: list[tuple[Callable[[random.Random, str], ToolTask], float]] = [(t_w
 COPY_CITY_SHARE = 0.3        # copy-stage chats that are a weather / time request (on top of make_chat's own)
 
 
-def make_copy_chat(rng: random.Random) -> Chat:
+def make_copy_chat(rng: random.Random, city_share: float = COPY_CITY_SHARE) -> Chat:
     """One copy-stage chat: the usual mix, over the large city pool and the extra phrasings,
-    with more weather / time requests."""
-    if rng.random() < COPY_CITY_SHARE:
+    with ``city_share`` of them extra weather / time requests."""
+    if rng.random() < city_share:
         chat = make_tool_chat(rng, "copy", CITY_KINDS)
         if rng.random() < 0.3:
             chat.messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + chat.messages

@@ -187,6 +187,8 @@ class TrainSettings:
     copy_arg_weight: float = 6.0
     copy_drills: int = 4000          # plain-text copying drills (corpus.copy_drill) among the stage-3 documents
     copy_piece_names: bool = True
+    copy_piece_name_count: int = 6000  # corpus.piece_names in the pool (each lowercase piece in about n/600 of them)
+    copy_city_share: float = 0.3     # copy chats that are an extra weather / time request (corpus.make_copy_chat)
     copy_prev_layer: int = 1
     copy_layers: tuple[int, ...] = (2, 3, 4, 5)
     copy_mtp_supervision: bool = True
