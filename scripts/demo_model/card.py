@@ -42,7 +42,8 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         total_min = train_info.get("total_seconds", 0) / 60
         full_min = (sum(train_info.get("stage_seconds", [])) + train_info.get("total_seconds", 0)
                     - copy.get("seconds", 0)) / 60
-        sets = "".join(f" --set {k}={v}" for k, v in spec_set_args(s, TrainSettings(), skip=("copy_steps",)))
+        # stage 3 runs at copy_threads whatever --threads says, so the thread count is left out
+        sets = "".join(f" --set {k}={v}" for k, v in spec_set_args(s, TrainSettings(), skip=("copy_steps", "threads")))
         cmds = [f".venv/bin/python scripts/train_demo_model.py --copy-steps {copy['steps']}{sets}"
                 "   # corpus, tokenizer, stages 1-3, evaluation; "
                 f"writes this folder (~{full_min:.0f} min on 2 cores)"]

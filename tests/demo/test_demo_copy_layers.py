@@ -157,11 +157,13 @@ def test_card_of_an_appended_layer_run_reproduces_its_settings(tmp_path):
     from demo_model.card import write_card
     from demo_model.evaluate import EvalResult
 
-    s = spec.with_overrides(spec.TrainSettings(), ["copy_steps=1200", "copy_append_layers=2", "copy_retain=2"])
+    s = spec.with_overrides(spec.TrainSettings(), ["copy_steps=1200", "copy_append_layers=2", "copy_retain=2",
+                                                   "threads=1"])
     hf = dict(spec.hf_config(2048, 0, 1), num_hidden_layers=11)
     copy_run = {"steps": 1200, "lr": 5e-3, "warmup_steps": 20, "seed": 1, "chats": 3000, "corpus_seed": 7,
                 "rows": 10, "append_layers": 2, "retain": 2.0, "mtp_retain": 1.0, "supervision": 1.0,
-                "sink_weight": 1.0, "value_weight": 1.0, "prose_docs": 300, "seconds": 60.0, "arg_weight": 6.0}
+                "sink_weight": 1.0, "value_weight": 1.0, "prose_docs": 300, "seconds": 60.0, "arg_weight": 6.0,
+                "train_mlp": True, "mixed_tokens": True}
     res = EvalResult(figures={"mtp_acceptance_k1": 0.9, "tool_city_copy": 0.5},
                      counts={"n_copy": 40, "n_plain": 30, "n_think": 30, "n_tool": 30, "drafted": 100})
     write_card(tmp_path, s, hf, res, {"copy_run": copy_run, "history": [{"stage": "copy", "args": 0.5}],
@@ -169,3 +171,5 @@ def test_card_of_an_appended_layer_run_reproduces_its_settings(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "--copy-steps 1200 --set copy_append_layers=2 --set copy_retain=2.0" in card
     assert "3 decoder layers of the same kind are appended after its 8" in card
+    # stage 3 runs at copy_threads: --threads (stages 1-2) stays at the default that built the stage-2 base
+    assert "threads=1" not in card and "MLPs start silent" in card and "train.encode_mixed" in card
