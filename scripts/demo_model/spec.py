@@ -174,9 +174,15 @@ class TrainSettings:
     # and only for pieces the data seldom copies ("gen", "ago", "burg", "enc": 3-10 times as a
     # city piece in the 10,000 chats; "r", "e": ~210). The new layers' MLPs, frozen at zero, left
     # the readout one linear path through a 64-wide latent:
-    #   K as I with copy_train_mlp (3165 s):          copy 0.700, acceptance 0.907, tool 0.90, thinking 1.00, plain 0.90
+    #   K as I with copy_train_mlp (3165 s):         copy 0.700, acceptance 0.907, tool 0.90, thinking 1.00, plain 0.90
     # K's misses: 10 of 12 are the same rare pieces misread, 1 no call ("Time in Calgary?");
     # tool: "search for solar eclipses" -> get_time, one search query left unclosed.
+    # More copying of exactly those pieces: 20,000 chats, copy_piece_name_count 18000 and
+    # copy_city_share 0.7 put "gen", "ago", "burg" in 20-30 city calls each (3-10 before):
+    #   M as K with that data (17,232 rows, 3896 s): copy 0.725, acceptance 0.902, tool 1.00, thinking 1.00, plain 0.85
+    # Yet the probe of M still finds the heads on the right piece and "gen", "burg", "ago" read back
+    # at p 0.00-0.04: not rarity alone. And the heavier weather / time share moved the frozen
+    # trunk's function choice: 6 of M's 11 misses are "Time in <city>?" answered with get_weather.
     copy_append_layers: int = 0
     copy_mtp_retain: float = 1.0     # KL of the MTP layer's logits to stage 2's (copy_layers.py; MTP frozen)
     copy_chat_ce: float = 0.0        # CE on the chats' other assistant tokens (function names), next to the KL
