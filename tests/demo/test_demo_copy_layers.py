@@ -34,6 +34,16 @@ def _logits(model, x):
     return model.compute_logits(hidden), model.mtp_compute_logits(model.mtp_forward_full(nxt, hidden))
 
 
+def _city_rows():
+    """Four rows of a request naming Bergen and a call copying it: (rows, keep, weights), the
+    argument value and its closing quote weighted 6."""
+    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
+    rows = torch.tensor([seq + [ID["x"]] * (17 - len(seq))] * 4)
+    weights = torch.ones(rows.shape)
+    weights[:, 9:12] = 6.0
+    return rows, torch.ones_like(rows, dtype=torch.bool), weights
+
+
 @torch.no_grad()
 def test_extended_model_with_silent_layers_is_the_stage2_model():
     model, hf = _stage2()
@@ -70,11 +80,7 @@ def test_training_moves_only_the_new_attention_and_the_head_and_the_export_keeps
     model, hf = _stage2()
     new, hf2 = copy_layers.extend(model, hf, 2, seed=5)
     before = {k: v.clone() for k, v in new.state_dict().items()}
-    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
-    rows = torch.tensor([seq + [ID["x"]] * (17 - len(seq))] * 4)
-    keep = torch.ones_like(rows, dtype=torch.bool)
-    weights = torch.ones(rows.shape)
-    weights[:, 9:12] = 6.0                               # the argument value and its closing quote
+    rows, keep, weights = _city_rows()
     s = spec.TrainSettings(copy_steps=3, copy_append_layers=1, copy_lr=1e-2, copy_warmup_steps=1,
                            batch_size=2, copy_retain=1.0, copy_sink_weight=1.0)
     trunk = copy_layers.trunk_outputs(new, rows, 2)
@@ -103,11 +109,7 @@ def test_with_the_mtp_layer_training_it_moves_and_learns_to_follow_the_main_mode
     model, hf = _stage2()
     new, _ = copy_layers.extend(model, hf, 2, seed=5)
     before = {k: v.clone() for k, v in new.state_dict().items()}
-    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
-    rows = torch.tensor([seq + [ID["x"]] * (17 - len(seq))] * 4)
-    keep = torch.ones_like(rows, dtype=torch.bool)
-    weights = torch.ones(rows.shape)
-    weights[:, 9:12] = 6.0
+    rows, keep, weights = _city_rows()
     s = spec.TrainSettings(copy_steps=60, copy_append_layers=1, copy_lr=1e-2, copy_mtp_lr=1e-2, copy_warmup_steps=1,
                            batch_size=4, copy_mtp_train=True, copy_chat_ce=1.0, copy_all_names=True)
     trunk = copy_layers.trunk_outputs(new, rows, 2)
@@ -126,14 +128,11 @@ def test_with_copy_train_mlp_the_new_mlps_move_and_nothing_of_the_trunk_does():
     model, hf = _stage2()
     new, _ = copy_layers.extend(model, hf, 2, seed=5)
     before = {k: v.clone() for k, v in new.state_dict().items()}
-    seq = _ids("<bos>", "in", "Ġ", "Ber", "gen", "?", '"', "city", '"', "Ber", "gen", '"')
-    rows = torch.tensor([seq + [ID["x"]] * (17 - len(seq))] * 4)
-    weights = torch.ones(rows.shape)
-    weights[:, 9:12] = 6.0
+    rows, keep, weights = _city_rows()
     s = spec.TrainSettings(copy_steps=4, copy_append_layers=1, copy_lr=1e-2, copy_warmup_steps=1,
                            batch_size=2, copy_train_mlp=True)
     trunk = copy_layers.trunk_outputs(new, rows, 2)
-    copy_layers.train_copy_layers(new, rows, torch.ones_like(rows, dtype=torch.bool), weights, trunk,
+    copy_layers.train_copy_layers(new, rows, keep, weights, trunk,
                                   copy_heads.name_token_classes(_Vocab(PIECES + ["x"] * 50)), 0, ID["?"], s,
                                   log=lambda _m: None)
     moved = {k for k, v in new.state_dict().items() if not torch.equal(v, before[k])}
