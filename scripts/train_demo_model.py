@@ -300,8 +300,7 @@ def main() -> int:
         torch.set_num_threads(s.copy_threads)
         base_tok = tok if s.copy_mixed_tokens else None
         tok = render.with_name_split(tok)
-        if s.copy_piece_names:
-            corpus.use_piece_names(tok, s.copy_piece_name_count)
+        n_piece_names = corpus.use_piece_names(tok, s.copy_piece_name_count) if s.copy_piece_names else 0
         t3 = time.time()
         prose3 = [render.prose_text(d) for d in corpus.prose_documents()][:s.copy_prose_docs or None]
         rows3, keep3, w3 = copy_stage_data(tok, s, prose3, s.copy_corpus_seed, s.copy_chats, s.copy_drills,
@@ -322,7 +321,7 @@ def main() -> int:
         copy_run = {"steps": s3.steps, "lr": s3.lr, "warmup_steps": s3.warmup_steps, "seed": s3.seed,
                     "mtp_distill": s3.mtp_distill, "arg_weight": s.copy_arg_weight, "chats": s.copy_chats,
                     "corpus_seed": s.copy_corpus_seed, "rows": len(rows3), "drills": s.copy_drills,
-                    "piece_names": len(corpus.piece_names(tok, n=s.copy_piece_name_count)) if s.copy_piece_names else 0,
+                    "piece_names": n_piece_names,
                     "city_share": s.copy_city_share,
                     "prev_layer": s.copy_prev_layer, "copy_layers": list(s.copy_layers),
                     "mtp_supervision": s.copy_mtp_supervision, "supervision": s.copy_supervision,

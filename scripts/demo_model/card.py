@@ -83,7 +83,7 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
 3. copy stage, from the stage-2 weights with a fresh optimizer and the stage-3 tokenizer rule (a space
    before a capital letter is a token of its own, so a name is the same token sequence in the prompt,
    the tool call and the tool result; same vocabulary): {copy['chats']} new chats (corpus seed
-   {copy['corpus_seed']}), the stage-2 mix plus {copy.get('city_share', 0.3):.0%} more weather / time requests, over a pool of
+   {copy['corpus_seed']}), the stage-2 mix plus {copy.get('city_share', corpus.COPY_CITY_SHARE):.0%} more weather / time requests, over a pool of
    {len(corpus.copy_city_pool())} city names (the training cities, other real ones, made-up ones from syllables,
    capitalised words and vocabulary pieces; never an evaluation city) and {len(corpus.COPY_WEATHER_PHRASINGS)} weather /
    {len(corpus.COPY_TIME_PHRASINGS)} time phrasings, plus the prose and {copy.get('drills', 0)} copying drills
@@ -255,7 +255,7 @@ def _appended_layers_text(copy: dict, cfg: dict, last: dict, piece_text: str, mi
    read back through the stage-2 head is told from the others poorly); {mlp}; {mtp}.
    Tokenizer rule of this stage: a space before a capital letter is a token of its own, so a name is the
    same token sequence in the prompt, the call and the result (same vocabulary).{mixed} Data: {copy['chats']} new
-   chats (corpus seed {copy['corpus_seed']}), the stage-2 mix plus {copy.get('city_share', 0.3):.0%} more weather / time requests over a pool of
+   chats (corpus seed {copy['corpus_seed']}), the stage-2 mix plus {copy.get('city_share', corpus.COPY_CITY_SHARE):.0%} more weather / time requests over a pool of
    {len(corpus.copy_city_pool())} city names (never an evaluation city){piece_text}, and {copy.get('prose_docs', 0)}
    prose documents; {copy['rows']} rows. Loss: cross-entropy of the tool-argument values (and the quote closing
    them, weight {copy['arg_weight']:g}){chat}, KL to the stage-2 model of the main logits (weight

@@ -314,14 +314,18 @@ def piece_names(tok, seed: int = COPY_NAME_SEED + 2, n: int = PIECE_NAME_COUNT) 
 
 
 _PIECE_NAMES: list[str] = []
+_PIECE_NAMES_ASKED: list[int] = []      # the n that _PIECE_NAMES was made for (a small vocabulary gives fewer)
 
 
-def use_piece_names(tok, n: int = PIECE_NAME_COUNT) -> None:
+def use_piece_names(tok, n: int = PIECE_NAME_COUNT) -> int:
     """Add ``piece_names(tok, n=n)`` to the copy stage's city pool (they depend on the vocabulary,
-    which the corpus does not know by itself); call before the first copy chat is made."""
-    if len(_PIECE_NAMES) != n:
+    which the corpus does not know by itself); call before the first copy chat is made. Returns
+    how many there are."""
+    if _PIECE_NAMES_ASKED != [n]:
         _PIECE_NAMES[:] = piece_names(tok, n=n)
+        _PIECE_NAMES_ASKED[:] = [n]
         _COPY_POOL.clear()
+    return len(_PIECE_NAMES)
 
 
 def copy_city_pool() -> list[str]:
