@@ -208,8 +208,12 @@ def main() -> int:
         if render.has_name_split(tok) != s.copy_pretrain:
             raise SystemExit(f"{prior}'s tokenizer {'has' if render.has_name_split(tok) else 'lacks'} the name-split "
                              f"rule; copy_pretrain is {s.copy_pretrain} (a stage-3 output, or the other corpus?)")
+        if render.has_spelt_names(tok) != s.spell_names:
+            raise SystemExit(f"{prior}'s tokenizer {'spells' if render.has_spelt_names(tok) else 'does not spell'} "
+                             f"names; spell_names is {s.spell_names}")
     else:
-        tok = render.train_tokenizer(chats + prose, s.vocab_size, name_split=s.copy_pretrain)
+        tok = render.train_tokenizer(chats + prose, s.vocab_size, name_split=s.copy_pretrain,
+                                     spell_names=s.spell_names)
     ids = {k: tok.token_to_id(v) for k, v in spec.SPECIALS.items()}
     bos, eos, pad = ids["bos"], ids["eos"], ids["pad"]
     encs = tok.encode_batch(chats + prose)
@@ -230,7 +234,7 @@ def main() -> int:
     if s.copy_heads_from_start:
         early = copy_heads.CopySupervision(model, copy_heads.name_token_classes(tok), bos, s.copy_prev_layer,
                                            s.copy_layers, s.copy_mtp_supervision, s.copy_value_weight,
-                                           s.copy_sink_weight)
+                                           s.copy_sink_weight, aligned=s.copy_aligned)
     if prior:
         from safetensors.torch import load_file
 

@@ -80,6 +80,45 @@ def copy_targets(rows: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor],
             & next_inside[:, :, None] & inside[:, None, :-1])
 
 
+def aligned_copy_targets(rows: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor], bos_id: int,
+                         only: torch.Tensor | None = None, min_len: int = 2) -> torch.Tensor:
+    """[B, L, L] bool for packed rows [B, L+1]: at query i, where x[i+1] is letter k of a name
+    (a start piece and the continuation pieces glued to it, at least ``min_len`` pieces) that
+    the same document named before, the positions of letter k in each of those earlier mentions.
+
+    copy_targets accepts any earlier position holding the token to write, which pins the
+    source down when names are a few rare pieces; spelt one letter a piece (render.SPELL_NAMES)
+    every "e" of the prompt would do, so the target is the letter in the same place of the same
+    name. With ``only`` [B, L+1] bool, just the queries whose x[i+1] is marked there."""
+    length = rows.shape[1] - 1
+    inside = name_positions(rows, classes).tolist()
+    starts = classes[0][rows].tolist()
+    out = torch.zeros(rows.shape[0], length, length, dtype=torch.bool)
+    marked = None if only is None else only.tolist()
+    for b, ids in enumerate(rows.tolist()):
+        seen: dict[tuple[int, ...], list[int]] = {}
+        p = 0
+        while p < len(ids):
+            if ids[p] == bos_id:
+                seen = {}
+            if not (starts[b][p] and inside[b][p]):
+                p += 1
+                continue
+            e = p + 1
+            while e < len(ids) and inside[b][e] and not starts[b][e]:
+                e += 1
+            name = tuple(ids[p:e])
+            if len(name) >= min_len:
+                for s0 in seen.get(name, ()):
+                    for k in range(e - p):
+                        q = p + k - 1
+                        if 0 <= q < length and s0 + k < q and (marked is None or marked[b][p + k]):
+                            out[b, q, s0 + k] = True
+                seen.setdefault(name, []).append(p)
+            p = e
+    return out
+
+
 def sink_positions(x: torch.Tensor, bos_id: int) -> torch.Tensor:
     """[B, L] the position of the BOS that opens each position's document (0 if the row starts
     inside one): where a copy head rests when there is nothing to copy."""
@@ -129,8 +168,9 @@ class CopySupervision:
 
     def __init__(self, model: DeepseekV3ForCausalLM, classes, bos_id: int, prev_layer: int,
                  copy_layers: tuple[int, ...], mtp: bool, value_weight: float, sink_weight: float = 0.0,
-                 args_only: bool = False) -> None:
+                 args_only: bool = False, aligned: bool = False) -> None:
         self.model, self.classes, self.bos_id = model, classes, bos_id
+        self.targets = aligned_copy_targets if aligned else copy_targets
         self.prev_layer, self.copy_layers = prev_layer, tuple(copy_layers)
         self.mtp_layer = model.config.num_hidden_layers if mtp else None
         self.value_weight = value_weight
@@ -179,7 +219,7 @@ class CopySupervision:
             term = -lp.gather(2, idx).mean()
             parts["prev"] = term.item()
             total = total + term
-        targets = copy_targets(rows, self.classes, self.bos_id, only)
+        targets = self.targets(rows, self.classes, self.bos_id, only)
         sel = targets.any(-1)
         parts["targets"] = float(sel.sum())
         if not bool(sel.any()):
@@ -200,7 +240,7 @@ class CopySupervision:
             total = total + self.value_weight * term
         if self.mtp_layer is not None:
             lp = self._logp[self.mtp_layer]                 # position i holds token i+1, predicts token i+2
-            shifted = copy_targets(rows[:, 1:], self.classes, self.bos_id, None if only is None else only[:, 1:])
+            shifted = self.targets(rows[:, 1:], self.classes, self.bos_id, None if only is None else only[:, 1:])
             pad = lp.shape[1] - shifted.shape[1]
             shifted = F.pad(shifted, (0, pad, 0, pad))
             msel = shifted.any(-1)

@@ -238,6 +238,51 @@ HELDOUT_TIME_PHRASINGS = [
     "Time in {c}?",
 ]
 
+
+
+def _normal(phrasing: str) -> str:
+    """A phrasing with case, punctuation and filler words ("please", "today", "now") dropped: two
+    phrasings equal here say the same thing, so one held out must keep the other out of training."""
+    import re
+
+    words = re.findall(r"[a-z{}']+", phrasing.lower())
+    return " ".join(w for w in words if w not in {"please", "today", "now", "right", "me", "for"})
+
+
+def _composed(asks: list[str], nouns: list[str], terse: list[str], questions: list[str],
+              held_out: list[str]) -> list[str]:
+    """Requests put together from parts (an opener, what is asked for, a preposition, an ending),
+    terse forms ("Forecast for {c}?") and yes/no questions; none equal to a held-out phrasing
+    once normalised (_normal)."""
+    out = [f"{a} {n} {p} {{c}}{e}" for a in asks for n in nouns for p in ("in", "for")
+           for e in (".", "?", ", please.", " today.", " right now.")]
+    out += [f"{t} {p} {{c}}{e}" for t in terse for p in ("in", "for") for e in ("?", ".", ", please.")]
+    out += questions
+    banned = {_normal(h) for h in held_out}
+    return sorted({p for p in out if _normal(p) not in banned})
+
+
+ASKS = ["Tell me", "Give me", "Show me", "Check", "Find", "Get", "Please check", "Can you check",
+        "Can you get", "Would you check", "I want to know", "I'd like to know", "Let me know",
+        "Fetch", "Report"]
+COMPOSED_WEATHER_PHRASINGS = _composed(
+    ASKS, ["the weather", "the current weather", "today's weather", "the forecast", "the weather forecast",
+           "the temperature", "the current temperature", "the weather conditions"],
+    ["Weather", "Forecast", "Temperature", "The weather", "Current weather", "Weather report"],
+    [f"Is it {w} in {{c}}{e}" for w in ("raining", "sunny", "cold", "warm", "windy", "cloudy", "foggy", "humid",
+                                        "freezing", "nice out") for e in ("?", " today?", " at the moment?")]
+    + [f"{q} in {{c}}?" for q in ("How is the weather", "What's it like outside", "How cold is it", "How warm is it",
+                                  "Will it rain", "Do I need a jacket", "What's the temperature")],
+    HELDOUT_WEATHER_PHRASINGS)
+COMPOSED_TIME_PHRASINGS = _composed(
+    ASKS, ["the time", "the current time", "the local time", "the time of day", "the current local time",
+           "the hour", "the clock time"],
+    ["Local time", "Current time", "The time", "Clock", "The local time", "Hour"],
+    [f"{q} in {{c}}{e}" for q in ("What time is it", "What's the time", "What hour is it", "How late is it",
+                                  "Is it morning", "Is it night", "Is it late")
+     for e in ("?", " at the moment?", " currently?")],
+    HELDOUT_TIME_PHRASINGS)
+
 _COPY_POOL: list[str] = []
 
 
@@ -336,12 +381,26 @@ def copy_city_pool() -> list[str]:
     return _COPY_POOL
 
 
+_COMPOSED: list[bool] = [False]
+
+
+def use_composed_phrasings(on: bool = True) -> None:
+    """With ``on`` the copy split's weather / time requests also draw on COMPOSED_*_PHRASINGS (call
+    before the first chat is made): a call must pick its function from what is asked, and twenty
+    fixed phrasings teach it the phrasings rather than the words ("Time in X?" -> get_weather)."""
+    _COMPOSED[0] = on
+
+
 def _weather_phrasings(split: str) -> list[str]:
-    return COPY_WEATHER_PHRASINGS if split == "copy" else WEATHER_PHRASINGS
+    if split != "copy":
+        return WEATHER_PHRASINGS
+    return COPY_WEATHER_PHRASINGS + COMPOSED_WEATHER_PHRASINGS if _COMPOSED[0] else COPY_WEATHER_PHRASINGS
 
 
 def _time_phrasings(split: str) -> list[str]:
-    return COPY_TIME_PHRASINGS if split == "copy" else TIME_PHRASINGS
+    if split != "copy":
+        return TIME_PHRASINGS
+    return COPY_TIME_PHRASINGS + COMPOSED_TIME_PHRASINGS if _COMPOSED[0] else COPY_TIME_PHRASINGS
 
 
 def _topics(split: str) -> list[str]:

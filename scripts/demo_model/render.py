@@ -61,29 +61,35 @@ def prose_text(doc: str) -> str:
 # Tokenizer
 
 NAME_SPLIT = r" (?=\p{Lu})"      # a space before a capital letter is a piece of its own
+# Each letter of a capitalised word is a piece of its own: a capital, then (\G: right where the
+# last match ended) each lowercase letter glued to it. Lowercase words are untouched.
+SPELL_NAMES = r"\p{Lu}|(?<=\p{L})\G\p{Ll}"
 
 
-def _pre_tokenizer(name_split: bool):
+def _pre_tokenizer(name_split: bool, spell_names: bool = False):
     from tokenizers import Regex, pre_tokenizers
 
     rules = [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")]
     if name_split:
         rules.append(pre_tokenizers.Split(Regex(NAME_SPLIT), behavior="isolated"))
+    if spell_names:
+        rules.append(pre_tokenizers.Split(Regex(SPELL_NAMES), behavior="isolated"))
     rules.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     return pre_tokenizers.Sequence(rules)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, name_split: bool = False):
+def train_tokenizer(texts: Iterable[str], vocab_size: int, name_split: bool = False, spell_names: bool = False):
     """Byte-level BPE with DeepSeek's special tokens as single, unsplittable entries.
 
     Digits are split one per token (as small models learn arithmetic better that way). With
     ``name_split`` the space before a capital letter is a piece of its own (see with_name_split)
-    from the start, so the vocabulary is learnt on those pieces.
+    from the start, so the vocabulary is learnt on those pieces. With ``spell_names`` a
+    capitalised word is spelt one letter a piece (see has_spelt_names).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = _pre_tokenizer(name_split)
+    tok.pre_tokenizer = _pre_tokenizer(name_split, spell_names)
     tok.decoder = decoders.ByteLevel()
     specials = list(st.DEEPSEEK_SPECIAL_TOKENS)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2,
@@ -114,9 +120,24 @@ def with_name_split(tok):
     return tok
 
 
-def has_name_split(tok) -> bool:
+def _has_rule(tok, pattern: str) -> bool:
     pre = json.loads(tok.to_str()).get("pre_tokenizer") or {}
-    return any(p.get("pattern", {}).get("Regex") == NAME_SPLIT for p in pre.get("pretokenizers", []))
+    return any(p.get("pattern", {}).get("Regex") == pattern for p in pre.get("pretokenizers", []))
+
+
+def has_name_split(tok) -> bool:
+    return _has_rule(tok, NAME_SPLIT)
+
+
+def has_spelt_names(tok) -> bool:
+    """True when ``tok`` spells capitalised words one letter a piece.
+
+    A name the model has never seen is then a run of letters it has seen millions of times, so
+    copying it from the prompt needs only to find the right letter, never to read back a rare
+    piece ("gen", "burg") through a narrow latent: the readout every earlier copy stage failed
+    at (spec.py). The space before the name is a piece of its own too, so the name is the same
+    ids in the prompt, the call's JSON and the tool result."""
+    return _has_rule(tok, SPELL_NAMES)
 
 
 def write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:

@@ -44,6 +44,12 @@ class TrainSettings:
     # costs 3.5-12 nats a piece (its first letter ~3.5, i.e. a guess among the capitals): no
     # induction head formed in 1100 + 1300 steps of 8 x 384 tokens; the calls hold invented names.
     copy_pretrain: bool = False
+    # Names spelt one letter a piece (render.SPELL_NAMES) in the tokenizer trained in stage 1,
+    # and, with copy_heads_from_start, copy heads supervised to the same letter of an earlier
+    # mention of the same name (copy_aligned; copy_heads.aligned_copy_targets).
+    spell_names: bool = False
+    copy_aligned: bool = False
+    composed_phrasings: bool = False   # with copy_pretrain: corpus.use_composed_phrasings
     copy_heads_from_start: bool = False   # with copy_pretrain: the copy_* heads supervised in stages 1 and 2
     pretrain_drills: int = 4000
     drill_seed: int = 20240777       # the stage-1 drills

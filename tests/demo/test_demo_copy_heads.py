@@ -71,6 +71,50 @@ def test_copy_targets_stay_inside_a_document():
     assert not tg.any()           # the only earlier "Ber" is in the previous document
 
 
+LETTERS = ["<bos>", "Ġ", "Ġin", "?", '"', "B", "e", "r", "g", "n", "T", "h", "x", "O", "K"]
+LID = {p: i for i, p in enumerate(LETTERS)}
+
+
+def _letters(text: str) -> list[int]:
+    """Ids of a spelt-out sequence: space-separated entries of LETTERS, a word spelt letter by letter."""
+    out: list[int] = []
+    for w in text.split(" "):
+        out += [LID[w]] if w in LID else [LID[c] for c in w]
+    return out
+
+
+def test_aligned_targets_point_at_the_same_letter_of_the_earlier_mention():
+    """Spelt one letter a piece, "Bergen" holds two "e"s: the source of each letter written is
+    the letter in the same place of the earlier "Bergen", never just any "e"."""
+    classes = copy_heads.name_token_classes(_Vocab(LETTERS))
+    seq = _letters('<bos> Ġin Ġ Bergen ? " Bergen "')
+    #               0     1   2 3....8 9 10 11..16 17
+    tg = copy_heads.aligned_copy_targets(torch.tensor([seq]), classes, bos_id=LID["<bos>"])
+    hits = {int(i): tg[0, i].nonzero().flatten().tolist() for i in tg[0].any(-1).nonzero().flatten()}
+    # at the quote (10) the next letter is "B", held at 3; at "B" (11) the next is "e" at 4; ...
+    assert hits == {10: [3], 11: [4], 12: [5], 13: [6], 14: [7], 15: [8]}
+    anywhere = copy_heads.copy_targets(torch.tensor([seq]), classes, bos_id=LID["<bos>"])
+    assert anywhere[0, 14].nonzero().flatten().tolist() == [4, 7, 12]   # what the piece-level targets allow
+
+
+def test_aligned_targets_need_the_same_name_in_the_same_document_and_two_letters():
+    classes = copy_heads.name_token_classes(_Vocab(LETTERS))
+    bos = LID["<bos>"]
+    other_doc = _letters('<bos> Ġ Bergen <bos> " Bergen "')
+    assert not copy_heads.aligned_copy_targets(torch.tensor([other_doc]), classes, bos).any()
+    other_name = _letters('<bos> Ġ Berg " Bergen "')          # a prefix is not the same name
+    assert not copy_heads.aligned_copy_targets(torch.tensor([other_name]), classes, bos).any()
+    acronym = _letters('<bos> Ġ OK Ġ OK Ġ B Ġ B')              # capitals are names of one letter each
+    assert not copy_heads.aligned_copy_targets(torch.tensor([acronym]), classes, bos).any()
+    twice = _letters('<bos> Ġ The Ġ The Ġ The')
+    tg = copy_heads.aligned_copy_targets(torch.tensor([twice]), classes, bos)
+    assert tg[0, 9].nonzero().flatten().tolist() == [2, 6]     # "T" of the third: both earlier ones
+    only = torch.zeros(1, len(twice), dtype=torch.bool)
+    only[0, 12] = True                                           # just the third mention's last letter
+    tg = copy_heads.aligned_copy_targets(torch.tensor([twice]), classes, bos, only=only)
+    assert tg.any(-1).nonzero().tolist() == [[0, 11]]
+
+
 def _tiny_model(seed: int = 0):
     hf = spec.hf_config(vocab_size=len(PIECES) + 50, bos_id=0, eos_id=1, max_len=64)
     hf.update(num_hidden_layers=3, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

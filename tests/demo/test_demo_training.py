@@ -152,6 +152,32 @@ def test_copy_weights_mark_the_argument_values_and_names_tokenize_alike():
     assert sum(x == 4.0 for x in w) == len(tok.encode(city).ids) + 1
 
 
+def test_spelt_names_are_the_same_letters_in_the_prompt_the_call_and_the_result():
+    """render.SPELL_NAMES: a capitalised word is one letter a piece wherever it stands, lowercase
+    words keep their merges, and decoding gives the text back byte for byte."""
+    from demo_model import render
+
+    texts = ["What is the weather in Bergen today? The weather in Bergen is sunny.",
+             'get_weather {"city": "Bergen"} the weather in Paris', "Überlingen and ÉCOLE, 12 pm."] * 40
+    tok = render.train_tokenizer(texts, 400, name_split=True, spell_names=True)
+    assert render.has_spelt_names(tok) and render.has_name_split(tok)
+    plain = render.train_tokenizer(texts, 400, name_split=True)
+    assert not render.has_spelt_names(plain)
+    assert plain.encode("Bergen").tokens == ["Bergen"]           # BPE alone learns the name whole
+    for city in ("Bergen", "Valencia", "Salzburg", "Sapporo", "McKinley"):
+        pieces = tok.encode(city).tokens
+        assert pieces == list(city)
+        in_prompt = tok.encode(f"What time is it now in {city}?").tokens
+        in_json = tok.encode(f'{{"city": "{city}"}}').tokens
+        in_result = tok.encode(f'{{"city": "{city}", "time": "10:00"}}').tokens
+        assert in_prompt[in_prompt.index("Ġ", in_prompt.index("Ġin")) + 1:][:len(pieces)] == pieces
+        assert in_json[in_json.index('Ġ"') + 1:][:len(pieces)] == pieces
+        assert in_result[in_result.index('Ġ"') + 1:][:len(pieces)] == pieces
+    assert "Ġweather" in tok.encode("the weather").tokens        # lowercase words are untouched
+    for text in texts[:3] + ["iPhone x McDonald's  Ab\n\nZ", "The Über-Café"]:
+        assert tok.decode(tok.encode(text).ids) == text
+
+
 @pytest.mark.demo                       # the bundled model's tokenizer
 def test_mixed_encoding_keeps_stage2_pieces_but_for_the_copied_values():
     """copy_mixed_tokens: the assistant's own text stays in the pieces the frozen layers were
