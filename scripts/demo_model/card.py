@@ -111,16 +111,20 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
     cpu = train_info.get("cpu", "CPU")
     pool_text = drill_text = ""
     if s.copy_pretrain:
+        spelt = ("; and it spells every capitalised word one letter a token (`render.SPELL_NAMES`), so an unseen "
+                 "name is a run of letters seen millions of times, and copying it means finding the right letter, "
+                 "never reading back a rare piece" if s.spell_names else "")
         pool_text = f"""
   - so that a call can only get its city right by copying it from the request: the weather / time
     chats (about 40% of all: {corpus.COPY_CITY_SHARE:.0%} of the chats are extra weather / time requests on top of the usual mix)
     draw their cities from a pool of {len(corpus.copy_city_pool())} names (the training cities, other real ones,
     made-up ones from syllables and capitalised English words; never an evaluation city) and their
-    requests from {len(corpus.COPY_WEATHER_PHRASINGS)} weather / {len(corpus.COPY_TIME_PHRASINGS)} time phrasings
+    requests from {len(corpus.weather_phrasings("copy"))} weather / {len(corpus.time_phrasings("copy"))} time phrasings
     (never the held-out ones); the tokenizer splits the space before a capital letter into a token of
-    its own, so a name is the same token sequence in the request, the call, the tool result and the answer."""
+    its own, so a name is the same token sequence in the request, the call, the tool result and the answer{spelt}."""
         drill_text = (f" and {s.pretrain_drills} copying drills (`corpus.copy_drill`: name lists said twice, "
-                      "requests each followed by the JSON arguments that copy their city)")
+                      "requests each followed by the JSON arguments that copy their city"
+                      + ("" if s.sft_drills else "; stage 1 only") + ")")
     text = f"""# deepseek-v3-tiny-mtp
 
 A tiny model with the DeepSeek-V3 architecture and a trained Multi-Token Prediction (MTP) layer.
@@ -142,7 +146,7 @@ together), writes this folder and runs the evaluation.
 | hidden size | {cfg['hidden_size']} |
 | attention | MLA, {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}, RoPE theta {cfg['rope_theta']:g} |
 | MoE | {cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, sigmoid scores, `noaux_tc` with a zero correction bias, n_group {cfg['n_group']}), {cfg['n_shared_experts']} shared expert, expert width {cfg['moe_intermediate_size']}, dense width {cfg['intermediate_size']} |
-| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens{"; a space before a capital letter is split off into its own token" if copy or s.copy_pretrain else ""}) |
+| vocabulary | {cfg['vocab_size']} (byte-level BPE with DeepSeek's special tokens{"; a space before a capital letter is split off into its own token" if copy or s.copy_pretrain else ""}{"; capitalised words spelt one letter a token" if s.spell_names else ""}) |
 | context | {cfg['max_position_embeddings']} positions (trained on rows of {s.seq_len}) |
 | parameters | {n_params / 1e6:.2f} M unique (the MTP layer's embed_tokens / shared_head.head are copies of the main ones, as in the official release) |
 

@@ -381,26 +381,28 @@ def copy_city_pool() -> list[str]:
     return _COPY_POOL
 
 
-_COMPOSED: list[bool] = [False]
+TERSE_WEATHER_PHRASINGS = ["Forecast for {c}?", "Temperature in {c}?", "Rain in {c}?", "Weather for {c}?",
+                           "Conditions in {c}?"]
+TERSE_TIME_PHRASINGS = ["Local time in {c}?", "Current time in {c}?", "Clock in {c}?", "Hour in {c}?",
+                        "Local time for {c}?"]
+_EXTRA: dict[str, list[str]] = {"weather": [], "time": []}
 
 
-def use_composed_phrasings(on: bool = True) -> None:
-    """With ``on`` the copy split's weather / time requests also draw on COMPOSED_*_PHRASINGS (call
-    before the first chat is made): a call must pick its function from what is asked, and twenty
-    fixed phrasings teach it the phrasings rather than the words ("Time in X?" -> get_weather)."""
-    _COMPOSED[0] = on
+def use_extra_phrasings(composed: bool = False, terse: bool = False) -> None:
+    """Widen the copy split's weather / time requests (call before the first chat is made):
+    ``composed`` adds COMPOSED_*_PHRASINGS, ``terse`` the few TERSE_* ones. A call must pick its
+    function from what is asked; twenty fixed phrasings teach the phrasings rather than the words
+    ("Time in X?" -> get_weather). Neither holds a held-out phrasing."""
+    _EXTRA["weather"] = (COMPOSED_WEATHER_PHRASINGS if composed else []) + (TERSE_WEATHER_PHRASINGS if terse else [])
+    _EXTRA["time"] = (COMPOSED_TIME_PHRASINGS if composed else []) + (TERSE_TIME_PHRASINGS if terse else [])
 
 
-def _weather_phrasings(split: str) -> list[str]:
-    if split != "copy":
-        return WEATHER_PHRASINGS
-    return COPY_WEATHER_PHRASINGS + COMPOSED_WEATHER_PHRASINGS if _COMPOSED[0] else COPY_WEATHER_PHRASINGS
+def weather_phrasings(split: str) -> list[str]:
+    return COPY_WEATHER_PHRASINGS + _EXTRA["weather"] if split == "copy" else WEATHER_PHRASINGS
 
 
-def _time_phrasings(split: str) -> list[str]:
-    if split != "copy":
-        return TIME_PHRASINGS
-    return COPY_TIME_PHRASINGS + COMPOSED_TIME_PHRASINGS if _COMPOSED[0] else COPY_TIME_PHRASINGS
+def time_phrasings(split: str) -> list[str]:
+    return COPY_TIME_PHRASINGS + _EXTRA["time"] if split == "copy" else TIME_PHRASINGS
 
 
 def _topics(split: str) -> list[str]:
@@ -416,7 +418,7 @@ def t_weather(rng: random.Random, split: str) -> ToolTask:
         ans = " ".join(f"In {r['city']} it is {r['condition']} with {r['temperature_c']}°C." for r in res)
         return p, [("get_weather", {"city": c1}), ("get_weather", {"city": c2})], res, ans
     c = rng.choice(cities)
-    p = rng.choice(_weather_phrasings(split)).format(c=c)
+    p = rng.choice(weather_phrasings(split)).format(c=c)
     t, cond = rng.randint(-10, 35), rng.choice(F.CONDITIONS)
     res = {"city": c, "temperature_c": t, "condition": cond}
     return p, [("get_weather", {"city": c})], [res], f"The weather in {c} is {cond} with a temperature of {t}°C."
@@ -424,7 +426,7 @@ def t_weather(rng: random.Random, split: str) -> ToolTask:
 
 def t_time(rng: random.Random, split: str) -> ToolTask:
     c = rng.choice(_cities(split))
-    p = rng.choice(_time_phrasings(split)).format(c=c)
+    p = rng.choice(time_phrasings(split)).format(c=c)
     tm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
     return p, [("get_time", {"city": c})], [{"city": c, "time": tm}], f"The current time in {c} is {tm}."
 

@@ -49,7 +49,9 @@ class TrainSettings:
     # mention of the same name (copy_aligned; copy_heads.aligned_copy_targets).
     spell_names: bool = False
     copy_aligned: bool = False
-    composed_phrasings: bool = False   # with copy_pretrain: corpus.use_composed_phrasings
+    composed_phrasings: bool = False   # with copy_pretrain: corpus.use_extra_phrasings(composed=True)
+    terse_phrasings: bool = False      # with copy_pretrain: corpus.use_extra_phrasings(terse=True)
+    sft_drills: bool = True          # the stage-1 drills stay among stage 2's documents (they leak into answers)
     copy_heads_from_start: bool = False   # with copy_pretrain: the copy_* heads supervised in stages 1 and 2
     pretrain_drills: int = 4000
     drill_seed: int = 20240777       # the stage-1 drills

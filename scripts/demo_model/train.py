@@ -37,7 +37,8 @@ IGNORE = -100
 def build_texts(s: TrainSettings) -> tuple[list[str], list[str]]:
     """(chat texts, prose texts), deterministic in ``s.corpus_seed``."""
     rng = random.Random(s.corpus_seed)
-    corpus.use_composed_phrasings(s.copy_pretrain and s.composed_phrasings)
+    corpus.use_extra_phrasings(composed=s.copy_pretrain and s.composed_phrasings,
+                               terse=s.copy_pretrain and s.terse_phrasings)
     make = corpus.make_copy_chat if s.copy_pretrain else (lambda r: corpus.make_chat(r, "train"))
     chats = [render.render_chat(make(rng)) for _ in range(s.num_chats)]
     prose = [render.prose_text(d) for d in corpus.prose_documents()] * s.prose_repeats
