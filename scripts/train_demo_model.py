@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Build the bundled demo model: corpus, tokenizer, joint main + MTP training, evaluation.
 
-    .venv/bin/python scripts/train_demo_model.py                 # full run, writes models/deepseek-v3-tiny-mtp
+    .venv/bin/python scripts/train_demo_model.py                 # full run (~70 min, 1 thread), writes models/deepseek-v3-tiny-mtp
     .venv/bin/python scripts/train_demo_model.py --eval-only     # re-run the evaluation on the committed model
-    .venv/bin/python scripts/train_demo_model.py --stage3-from DIR --copy-steps 600   # EXPERIMENTAL: only stage 3 (copy), from a stage-2 output
-    .venv/bin/python scripts/train_demo_model.py --copy-pretrain --out DIR   # EXPERIMENTAL: copying from stage 1 on
+    .venv/bin/python scripts/train_demo_model.py --no-copy-pretrain --stage3-from DIR --copy-steps 600   # EXPERIMENTAL: only stage 3 (copy), from an older stage-2 output
 
 Everything is offline and seeded (see scripts/demo_model/spec.py); modules in scripts/demo_model/.
 """

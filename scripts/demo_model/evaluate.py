@@ -35,10 +35,9 @@ from server.text.tool_calls import DeepSeekV3ToolParser
 
 from . import corpus, render
 
-TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.95, "thinking_ok": 0.95}
-# The floors issue 18 item 8 sets for any retrained demo model. It also asks for
-# tool_city_copy >= 0.80, which no model meets yet (spec.py has the runs), so that one is
-# reported but not a gate.
+TARGETS = {"mtp_acceptance_k1": 0.85, "tool_call_ok": 0.95, "thinking_ok": 0.95, "tool_city_copy": 0.80}
+# The floors a retrained demo model must keep (acceptance, tool format, thinking) and the one
+# it must reach (copying the held-out city into the call, issue 18 item 8).
 
 
 @torch.no_grad()

@@ -73,8 +73,6 @@ COPY_ASKS = [("What is the weather in Paris?", "get_weather", "Paris"),
              ("Time in Gdansk?", "get_time", "Gdansk")]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 item 8: the demo model does not copy the city yet "
-                   "(strict: drop the mark once a model that does is committed)")
 def test_tool_call_arguments_copy_the_city_from_the_prompt(client):
     """The demo model used to fill in a memorised city (Lima, Barcelona, Boston) whatever
     the prompt named; a call is only useful with the prompt's own city."""

@@ -2,8 +2,9 @@
 
 Why: a tool call is only useful when its arguments come from the request. The model used to
 answer "What is the weather in Paris?" with get_weather for Lima, Barcelona or Boston
-(whichever city it had memorised for the phrasing); an experimental copy stage exists
-(scripts/demo_model, stage 3, off by default) but has not produced such a model yet. These prompts name evaluation-only cities (facts.EVAL_CITIES)
+(whichever city it had memorised for the phrasing). The model trained since spells capitalised
+words one letter a token (render.SPELL_NAMES), so copying a name means copying letters it has
+seen millions of times. These prompts name evaluation-only cities (facts.EVAL_CITIES)
 in evaluation-only phrasings (corpus.HELDOUT_*_PHRASINGS), neither of which is ever trained,
 so only copying gets them right. Greedy, through the daemon's own model code.
 """
@@ -25,10 +26,7 @@ from server.model.loader import load_checkpoint  # noqa: E402
 from server.text.tokenizer import Tokenizer  # noqa: E402
 from server.text.tool_calls import DeepSeekV3ToolParser  # noqa: E402
 
-# Known bug (issue 18 item 8): the committed model ignores the prompt's city. strict: these
-# start failing the suite (XPASS) once a model that copies is committed; then drop the mark.
-pytestmark = [pytest.mark.demo, pytest.mark.slow,
-              pytest.mark.xfail(strict=True, reason="issue 18 item 8: demo model does not copy the city yet")]
+pytestmark = [pytest.mark.demo, pytest.mark.slow]
 
 TOOLS = [corpus.TOOLS["get_weather"], corpus.TOOLS["get_time"]]
 
