@@ -67,6 +67,8 @@ def test_heldout_cities_and_phrasings_are_copied(model_tok):
         got = _call(model_tok, chat.messages[:-1], chat.tools)
         if got == (chat.expect_tool, chat.expect_args):
             good += 1
+            if good >= 16:                    # the floor is reached; the rest cannot change the verdict
+                break
         else:
             bad.append((prompt, got))
             if len(bad) > 4:                  # 16 of 20 can no longer be reached

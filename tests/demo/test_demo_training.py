@@ -269,7 +269,7 @@ def test_training_cli_refuses_unknown_settings_and_copy_heads_without_the_name_s
 
     script = ROOT / "scripts" / "train_demo_model.py"
     for extra, message in ((["--set", "nope=1"], "TrainSettings' fields"),
-                           (["--set", "copy_heads_from_start=1"], "needs --copy-pretrain")):
+                           (["--no-copy-pretrain", "--set", "copy_heads_from_start=1"], "needs --copy-pretrain")):
         r = subprocess.run([sys.executable, str(script), "--out", "/nonexistent/never-written", *extra],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
