@@ -267,7 +267,7 @@ def main() -> int:
         prior_stage_s, prior_sft = [time.time() - t1], []
 
     # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
-    n_drills = s.pretrain_drills if s.copy_pretrain else 0
+    n_drills = train.drill_count(s)
     if n_drills and not s.sft_drills:      # the drills are build_texts' last documents
         docs, encs = docs[:len(docs) - n_drills], encs[:len(encs) - n_drills]
     mask_of = train.assistant_masker(tok)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -239,12 +240,9 @@ HELDOUT_TIME_PHRASINGS = [
 ]
 
 
-
 def _normal(phrasing: str) -> str:
     """A phrasing with case, punctuation and filler words ("please", "today", "now") dropped: two
     phrasings equal here say the same thing, so one held out must keep the other out of training."""
-    import re
-
     words = re.findall(r"[a-z{}']+", phrasing.lower())
     return " ".join(w for w in words if w not in {"please", "today", "now", "right", "me", "for"})
 
@@ -313,8 +311,6 @@ COPY_WORD_COUNT = 3000
 def copy_words(seed: int = COPY_NAME_SEED + 1, n: int = COPY_WORD_COUNT) -> list[str]:
     """``n`` capitalised English words from the prose (seeded pick), as more made-up place names:
     their pieces are those of real words, which syllable names alone do not cover."""
-    import re
-
     words = sorted({w for d in prose_documents() for w in re.findall(r"\b[a-z]{4,10}\b", d)})
     known = {c.lower() for c in F.TRAIN_CITIES + F.COPY_CITIES + F.EVAL_CITIES}
     words = [w for w in words if w not in known and not any(v in w for v in _EVAL_VALUES)]

@@ -34,17 +34,23 @@ IGNORE = -100
 # --------------------------------------------------------------------------------------
 # Data
 
+def drill_count(s: TrainSettings) -> int:
+    """How many copying drills build_texts puts at the end of the prose (stage 1's documents)."""
+    return s.pretrain_drills if s.copy_pretrain else 0
+
+
 def build_texts(s: TrainSettings) -> tuple[list[str], list[str]]:
-    """(chat texts, prose texts), deterministic in ``s.corpus_seed``."""
+    """(chat texts, prose texts), deterministic in ``s.corpus_seed``; the prose ends with the
+    drill_count(s) copying drills."""
     rng = random.Random(s.corpus_seed)
     corpus.use_extra_phrasings(composed=s.copy_pretrain and s.composed_phrasings,
                                terse=s.copy_pretrain and s.terse_phrasings)
     make = corpus.make_copy_chat if s.copy_pretrain else (lambda r: corpus.make_chat(r, "train"))
     chats = [render.render_chat(make(rng)) for _ in range(s.num_chats)]
     prose = [render.prose_text(d) for d in corpus.prose_documents()] * s.prose_repeats
-    if s.copy_pretrain and s.pretrain_drills:
+    if drill_count(s):
         drng = random.Random(s.drill_seed)
-        prose += [render.prose_text(corpus.copy_drill(drng)) for _ in range(s.pretrain_drills)]
+        prose += [render.prose_text(corpus.copy_drill(drng)) for _ in range(drill_count(s))]
     return chats, prose
 
 
