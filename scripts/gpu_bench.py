@@ -19,6 +19,7 @@ mismatch there says "look", the float32 tests (tests/gpu) are the strict check.
 Usage:
   scripts/gpu_bench.py --size big --dtype bf16 --compile off --json out.json   # on a GPU
   scripts/gpu_bench.py --size small --device cpu                               # anywhere
+  scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1
 """
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", choices=("big", "small"), default="big")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="time this checkpoint folder instead (e.g. models/deepseek-v3-tiny-mtp); "
+                         "its own MTP layer, no acceptance edit")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                     help="default bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--compile", choices=("on", "off"), default="off",
@@ -153,9 +157,15 @@ def main() -> int:
         args.alpha = 0.02 if args.size == "big" else 0.1
     t_start = time.perf_counter()
 
-    cfg = big_config() if args.size == "big" else big_config(**SMALL)
     t0 = time.perf_counter()
-    model = make_high_acceptance(build_model(cfg, device, dtype, args.seed), args.alpha)
+    if args.model is not None:
+        from server.model.loader import load_checkpoint
+        model, _info = load_checkpoint(args.model, dtype=dtype, device=device)
+        cfg = model.config
+        args.size, args.alpha = f"checkpoint {args.model.name}", None
+    else:
+        cfg = big_config() if args.size == "big" else big_config(**SMALL)
+        model = make_high_acceptance(build_model(cfg, device, dtype, args.seed), args.alpha)
     _sync(device)
     build_s = time.perf_counter() - t0
     params = num_parameters(model)
@@ -167,7 +177,8 @@ def main() -> int:
           f"(cuda {meta['cuda']})", flush=True)
     print(f"# size {args.size}: {params / 1e9:.2f}B parameters ({params:,}), dtype {dtype_name}, "
           f"compile {args.compile}, built in {build_s:.1f}s; prompt {PROMPT_LEN}, "
-          f"max_tokens {args.max_tokens}, greedy, alpha {args.alpha}", flush=True)
+          f"max_tokens {args.max_tokens}, greedy" + (f", alpha {args.alpha}" if args.alpha is not None else ""),
+          flush=True)
 
     max_batch = max(batches)
     engines = {}
@@ -213,7 +224,9 @@ def main() -> int:
                       "k2_tok_s_over_off": k2["tok_s"] / off["tok_s"]}
         s = summary[b]
         print(f"# batch {b}: k=1 step / off step {s['k1_step_over_off_step']:.2f}; tokens/s "
-              f"k=1 / off {s['k1_tok_s_over_off']:.2f}, k=2 / off {s['k2_tok_s_over_off']:.2f}")
+              f"k=1 / off {s['k1_tok_s_over_off']:.2f}, k=2 / off {s['k2_tok_s_over_off']:.2f}; "
+              f"k=1 / off at acceptance a is (1 + a) / {s['k1_step_over_off_step']:.2f} "
+              f"(1.6x needs a >= {1.6 * s['k1_step_over_off_step'] - 1:.2f})")
 
     # ---- lossless ----
     mismatches = []

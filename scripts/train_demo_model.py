@@ -64,6 +64,27 @@ def run_eval(out: Path, s: spec.TrainSettings, n: int, n_copy: int = 40) -> eval
     return res
 
 
+def sft_data(tok, s: spec.TrainSettings, chats: list[str], encs) -> tuple:
+    """Stage 2's rows from build_texts' chats and the encodings of chats + prose: loss only on
+    what the assistant writes (and the prose), tool-argument values weighted sft_arg_weight;
+    the copying drills (build_texts' last documents) dropped unless sft_drills."""
+    pad = tok.token_to_id(st.PAD)
+    docs = [e.ids for e in encs]
+    n_drills = train.drill_count(s)
+    if n_drills and not s.sft_drills:
+        docs, encs = docs[:len(docs) - n_drills], encs[:len(encs) - n_drills]
+    mask_of = train.assistant_masker(tok)
+    masks = [mask_of(d) for d in docs[:len(chats)]]
+    masks += [[True] * len(d) for d in docs[len(chats):]]
+    if s.sft_arg_weight == 1.0:
+        rows, keep = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
+        return rows, keep, None
+    # tool-argument values (what a call copies from the prompt) weighted up
+    weights = [train.copy_value_weights(t, e.offsets, s.sft_arg_weight) for t, e in zip(chats, encs)]
+    weights += [[1.0] * len(d) for d in docs[len(chats):]]
+    return train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks, weights=weights)
+
+
 def copy_stage_data(tok, s: spec.TrainSettings, prose: list[str], seed: int, n_chats: int, n_drills: int,
                     base_tok=None):
     """Stage 3's rows: ``n_chats`` copy-stage chats (corpus.make_copy_chat), ``n_drills`` copying
@@ -267,21 +288,8 @@ def main() -> int:
         prior_stage_s, prior_sft = [time.time() - t1], []
 
     # Stage 2: loss only on assistant-written tokens (and prose), fresh optimizer.
-    n_drills = train.drill_count(s)
-    if n_drills and not s.sft_drills:      # the drills are build_texts' last documents
-        docs, encs = docs[:len(docs) - n_drills], encs[:len(encs) - n_drills]
-    mask_of = train.assistant_masker(tok)
-    masks = [mask_of(d) for d in docs[:len(chats)]]
-    masks += [[True] * len(d) for d in docs[len(chats):]]
-    weights2 = None
-    if s.sft_arg_weight != 1.0:        # tool-argument values (what a call copies from the prompt) weighted up
-        weights2 = [train.copy_value_weights(t, e.offsets, s.sft_arg_weight) for t, e in zip(chats, encs)]
-        weights2 += [[1.0] * len(d) for d in docs[len(chats):]]
-        rows2, keep2, w2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks, weights=weights2)
-    else:
-        rows2, keep2 = train.pack_rows(docs, s.seq_len, pad, seed=s.seed + 2, masks=masks)
-        w2 = None
-    del encs, weights2
+    rows2, keep2, w2 = sft_data(tok, s, chats, encs)
+    del encs, docs
     if args.stage3_from:
         stage_seconds, sft_runs = list(prior_stage_s), prior_sft
         history = history_prev
@@ -298,6 +306,25 @@ def main() -> int:
                                  "mtp_distill": s2.mtp_distill, "arg_weight": s.sft_arg_weight, "seconds": seconds2}]
         stage_seconds = list(prior_stage_s) + [seconds2]
         history = history_prev + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
+        if s.refresh_steps and not s.wide_topics:
+            # Stage 2b: a second SFT run on the corpus rebuilt with wide search topics (spec.py),
+            # exactly what --stage2-from <stage-2 output> --set wide_topics=1 runs.
+            sr = dataclasses.replace(s, wide_topics=True)
+            chats_r, prose_r = train.build_texts(sr)
+            rows_r, keep_r, w_r = sft_data(tok, sr, chats_r, tok.encode_batch(chats_r + prose_r))
+            del chats_r, prose_r
+            s2 = dataclasses.replace(s2, steps=s.refresh_steps, lr=s.refresh_lr, seed=s.seed + 2 + len(sft_runs))
+            print(f"stage 2b: {s2.steps} steps, {int(keep_r.sum())} of {keep_r.numel()} tokens are targets "
+                  "(search requests over wide topics)")
+            t2 = time.time()
+            history2 = train.train(model, rows_r, keep_r, s2, weights=w_r, supervision=early,
+                                   supervision_weight=s.copy_supervision)
+            seconds2 = time.time() - t2
+            sft_runs = sft_runs + [{"steps": s2.steps, "lr": s2.lr, "warmup_steps": s2.warmup_steps, "seed": s2.seed,
+                                    "mtp_distill": s2.mtp_distill, "arg_weight": s.sft_arg_weight,
+                                    "wide_topics": True, "refresh": True, "seconds": seconds2}]
+            stage_seconds = stage_seconds + [seconds2]
+            history = history + [dict(h, stage=f"sft{len(sft_runs)}") for h in history2]
 
     # Stage 3: copy the city from the prompt (name-splitting tokenizer, weighted argument values).
     copy_run = None

@@ -21,11 +21,12 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
     cmds = [".venv/bin/python scripts/train_demo_model.py --out /tmp/demo-run1"
              + ("" if not runs or runs[0]["steps"] == s.sft_steps else f" --sft-steps {runs[0]['steps']}")
              + "   # corpus, tokenizer, stage 1, first SFT run, evaluation"]
-    for i, r in enumerate(runs[1:], 2):
-        dest = "models/deepseek-v3-tiny-mtp" if i == len(runs) else f"/tmp/demo-run{i}"
+    chained = [r for r in runs[1:] if not r.get("refresh")]      # a refresh run is part of the one command
+    for i, r in enumerate(chained, 2):
+        dest = "models/deepseek-v3-tiny-mtp" if i == len(chained) + 1 else f"/tmp/demo-run{i}"
         cmds.append(f".venv/bin/python scripts/train_demo_model.py --stage2-from /tmp/demo-run{i - 1} --out {dest} "
                     f"--sft-steps {r['steps']} --sft-lr {r['lr']:g}   # SFT run {i} from the previous result")
-    if len(runs) <= 1:
+    if not chained:
         total_min = train_info.get("total_seconds", 0) / 60
         base = TrainSettings()
         opts = ("" if s.copy_pretrain == base.copy_pretrain else
@@ -34,7 +35,7 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         opts += "" if s.threads == base.threads else f" --threads {s.threads}"
         opts += "".join(f" --set {k}={v}" for k, v in spec_set_args(s, base,
                                                                     skip=("copy_pretrain", "sft_arg_weight", "threads")))
-        cmds[0] = (f".venv/bin/python scripts/train_demo_model.py{opts}   # corpus, tokenizer, both stages, "
+        cmds[0] = (f".venv/bin/python scripts/train_demo_model.py{opts}   # corpus, tokenizer, all stages, "
                    f"evaluation; writes this folder (~{total_min:.0f} min, {s.threads} thread"
                    f"{'s' if s.threads > 1 else ''})")
     copy = train_info.get("copy_run")
@@ -58,6 +59,9 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
     sft_text = ", then ".join(
         f"{r['steps']} steps at peak lr {r['lr']:g} ({r['warmup_steps']} warm-up, seed {r['seed']}, {r['seconds'] / 60:.1f} min)"
         + ("" if i == 0 else " continuing from the previous result with a fresh optimizer")
+        + (f" on the corpus rebuilt with its search requests over {corpus.WIDE_TOPIC_COUNT} more made-up topics "
+           "(`corpus.wide_topics`, stage 2b: with a few dozen fixed topics the model took a search for an unseen "
+           "topic for a weather request on the request's spelt first word)" if r.get("wide_topics") else "")
         for i, r in enumerate(runs)) + f", each cosine to {s.min_lr_ratio} x peak" + arg_text
     distill = train_info.get("sft_distill", 0.0)
     distill_text = (

@@ -401,8 +401,32 @@ def time_phrasings(split: str) -> list[str]:
     return COPY_TIME_PHRASINGS + _EXTRA["time"] if split == "copy" else TIME_PHRASINGS
 
 
+WIDE_TOPIC_COUNT = 1500
+_WIDE_TOPICS: list[str] = []
+
+
+def wide_topics(seed: int = COPY_NAME_SEED + 3, n: int = WIDE_TOPIC_COUNT) -> list[str]:
+    """``n`` made-up search topics: one to three lowercase words of the prose (seeded), none
+    holding an evaluation value. With a few dozen fixed topics the model learns the topics,
+    not the request: "Look up <unseen topic>" became a weather call on the spelt opener."""
+    words = sorted({w for d in prose_documents() for w in re.findall(r"\b[a-z]{4,10}\b", d)})
+    rng = random.Random(seed)
+    out: dict[str, None] = {}
+    while len(out) < n:
+        topic = " ".join(rng.sample(words, rng.choice((1, 2, 2, 3))))
+        if not any(v in topic for v in _EVAL_VALUES):
+            out[topic] = None
+    return list(out)
+
+
+def use_wide_topics(on: bool) -> None:
+    """Search requests of the training splits draw from ``wide_topics()`` as well as the fixed
+    training topics (call before the first chat is made)."""
+    _WIDE_TOPICS[:] = wide_topics() if on else []
+
+
 def _topics(split: str) -> list[str]:
-    return F.EVAL_TOPICS if split == "eval" else F.TRAIN_TOPICS
+    return F.EVAL_TOPICS if split == "eval" else F.TRAIN_TOPICS + _WIDE_TOPICS
 
 
 def t_weather(rng: random.Random, split: str) -> ToolTask:

@@ -69,6 +69,7 @@ class TrainSettings:
     copy_aligned: bool = False
     composed_phrasings: bool = False   # with copy_pretrain: corpus.use_extra_phrasings(composed=True)
     terse_phrasings: bool = False      # with copy_pretrain: corpus.use_extra_phrasings(terse=True)
+    wide_topics: bool = False        # search requests over corpus.wide_topics() too, not only the fixed topics
     sft_drills: bool = False         # True: the stage-1 drills stay among stage 2's documents (they leak into answers)
     copy_heads_from_start: bool = False   # with copy_pretrain: the copy_* heads supervised in stages 1 and 2
     pretrain_drills: int = 4000
@@ -79,6 +80,18 @@ class TrainSettings:
     sft_lr: float = 1.5e-3
     sft_warmup_steps: int = 20
     sft_mtp_distill: float = 3.0
+    # Stage 2b (refresh; skipped when wide_topics is already on): a second SFT run from the stage-2
+    # weights, fresh optimizer, on the corpus rebuilt with wide_topics. With the spelt names the
+    # stage-2 model took "Look up <unseen topic>" / "Search the web for <unseen topic>" for a
+    # weather request on the spelt opener (get_weather {"city": "Lookjen"}, {"city": "Search"}):
+    # its 4 tool-format misses of 60, all search requests over the held-out topics. Runs from the
+    # stage-2 result (--stage2-from, --set wide_topics=1; eval-n 60, copy-eval-n 80, 1 thread):
+    #   no refresh (stage 2 alone): acceptance 0.927, tool 0.933, thinking 0.967, plain 0.967, copy 0.838
+    #   300 steps at 5e-4:          acceptance 0.935, tool 0.967, thinking 0.967, plain 1.000, copy 0.825
+    #   500 steps at 5e-4:          acceptance 0.926, tool 1.000, thinking 0.950, plain 1.000, copy 0.838
+    # 300 keeps every floor with a prompt to spare (500 leaves thinking at its floor).
+    refresh_steps: int = 300
+    refresh_lr: float = 5.0e-4
     # Stage 3 (copy; issue 18 item 8), from the stage-2 weights: the name-splitting pre-tokenizer
     # (render.with_name_split, same vocabulary), chats over a large city pool (corpus.make_copy_chat,
     # with corpus.piece_names: names spelt from every lowercase piece of the vocabulary), copying

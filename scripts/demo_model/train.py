@@ -45,6 +45,7 @@ def build_texts(s: TrainSettings) -> tuple[list[str], list[str]]:
     rng = random.Random(s.corpus_seed)
     corpus.use_extra_phrasings(composed=s.copy_pretrain and s.composed_phrasings,
                                terse=s.copy_pretrain and s.terse_phrasings)
+    corpus.use_wide_topics(s.wide_topics)
     make = corpus.make_copy_chat if s.copy_pretrain else (lambda r: corpus.make_chat(r, "train"))
     chats = [render.render_chat(make(rng)) for _ in range(s.num_chats)]
     prose = [render.prose_text(d) for d in corpus.prose_documents()] * s.prose_repeats

@@ -243,6 +243,32 @@ def test_extra_phrasings_never_train_a_held_out_phrasing():
     assert corpus.time_phrasings("train") == corpus.TIME_PHRASINGS
 
 
+def test_wide_topics_widen_training_searches_and_never_touch_the_held_out_ones():
+    """Stage 2b's search topics (corpus.wide_topics) must hold no evaluation value, reach the
+    training searches only while switched on, and leave the evaluation prompts as they were."""
+    import random
+    wide = corpus.wide_topics()
+    assert len(set(wide)) == corpus.WIDE_TOPIC_COUNT == len(wide)
+    assert not [t for t in wide if any(v in t for v in corpus._EVAL_VALUES)]
+    assert not set(wide) & {t.lower() for t in corpus.F.EVAL_TOPICS}
+
+    def queries(split: str) -> set[str]:
+        rng = random.Random(5)
+        return {corpus.t_search(rng, split)[1][0][1]["query"] for _ in range(300)}
+
+    before_eval = corpus.eval_prompts(7, n_chat=3, n_tool=20, n_think=3)
+    assert queries("train") <= set(corpus.F.TRAIN_TOPICS)
+    try:
+        corpus.use_wide_topics(True)
+        widened = queries("train")
+        assert len(widened - set(corpus.F.TRAIN_TOPICS)) > 200 and widened <= set(corpus.F.TRAIN_TOPICS + wide)
+        assert queries("eval") <= set(corpus.F.EVAL_TOPICS)
+        assert corpus.eval_prompts(7, n_chat=3, n_tool=20, n_think=3) == before_eval
+    finally:
+        corpus.use_wide_topics(False)
+    assert queries("train") <= set(corpus.F.TRAIN_TOPICS)
+
+
 def test_sink_is_the_bos_that_opens_each_document():
     x = torch.tensor([_ids("x", "x", "<bos>", "x", "x", "<bos>", "x")])
     assert copy_heads.sink_positions(x, ID["<bos>"])[0].tolist() == [0, 0, 2, 2, 2, 5, 5]
