@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build the bundled demo model: corpus, tokenizer, joint main + MTP training, evaluation.
 
-    .venv/bin/python scripts/train_demo_model.py                 # full run (~70 min, 1 thread), writes models/deepseek-v3-tiny-mtp
+    .venv/bin/python scripts/train_demo_model.py                 # full run (~80 min, 1 thread), writes models/deepseek-v3-tiny-mtp
     .venv/bin/python scripts/train_demo_model.py --eval-only     # re-run the evaluation on the committed model
     .venv/bin/python scripts/train_demo_model.py --no-copy-pretrain --stage3-from DIR --copy-steps 600   # EXPERIMENTAL: only stage 3 (copy), from an older stage-2 output
 
@@ -167,8 +167,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--eval-only", action="store_true", help="evaluate the model in --out and exit")
-    ap.add_argument("--eval-n", type=int, default=30, help="prompts per evaluation set")
-    ap.add_argument("--copy-eval-n", type=int, default=40, help="held-out city-copy prompts")
+    ap.add_argument("--eval-n", type=int, default=60, help="prompts per evaluation set (the card's figures)")
+    ap.add_argument("--copy-eval-n", type=int, default=80, help="held-out city-copy prompts (the card's figures)")
     ap.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     ap.add_argument("--num-chats", type=int, default=None, help="override the number of synthetic chats")
     ap.add_argument("--sft-steps", type=int, default=None, help="override the number of stage-2 steps")

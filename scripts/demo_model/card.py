@@ -217,7 +217,7 @@ DeepSeek-V3 tool call to the right function with the schema's keys as JSON. `thi
 
 ```
 {reproduce}
-.venv/bin/python scripts/train_demo_model.py --eval-only   # evaluation of the committed model (~{res.seconds / 60:.0f} min)
+.venv/bin/python scripts/train_demo_model.py --eval-only   # evaluation of the committed model (~{res.seconds / 60:.0f} min; {res.counts.get('n_tool', 0)} prompts a set, {res.counts.get('n_copy', 0)} copy prompts)
 ```
 
 Re-running the training reproduces the figures within noise (same seeds; floating-point

@@ -55,9 +55,10 @@ class TrainSettings:
     #   C + composed_phrasings, pretrain_drills 0: copy 0.500, acceptance 0.927, tool 0.75, thinking 0.95, plain 1.00
     #   E + sft_drills 0 (stage 1 = A's):        copy 0.825, acceptance 0.942, tool 1.00, thinking 1.00, plain 1.00
     #   F E + terse_phrasings:                    copy 0.625, acceptance 0.910, tool 0.80, thinking 0.90, plain 1.00
-    # E is the committed model (these defaults; 1805 + 2253 s, 1 thread). At eval-n 30 it scores tool 0.933
-    # (2 of 30 search follow-ups answered with an invented get_weather call), at eval-n 60 / copy-eval-n 80
-    # see the model card. E's copy misses are the function, not the name: "Time in X?" -> get_weather.
+    # E is stages 1 and 2 of the committed model (these defaults; 1805 + 2253 s, 1 thread; stage 2b below
+    # follows). At eval-n 60 it scores tool 0.933: its 4 misses are search requests over held-out topics
+    # taken for weather requests on the spelt opener, hence stage 2b. E's copy misses are the function,
+    # not the name: "Time in X?" -> get_weather.
     # Spelt names are what made copying work (every earlier recipe: copy 0.00 from stage 1 on):
     # teacher-forced, A reads 271 of 274 held-out city letters right (37 of 40 whole names). A's
     # 11 free-run misses: 8 pick the wrong function on a held-out phrasing ("Time in X?",
