@@ -308,10 +308,15 @@ def copy_names(seed: int = COPY_NAME_SEED, n: int = COPY_NAME_COUNT) -> list[str
 COPY_WORD_COUNT = 3000
 
 
+def _prose_words() -> list[str]:
+    """The prose's lowercase words of 4-10 letters, sorted: the stock made-up names and topics draw from."""
+    return sorted({w for d in prose_documents() for w in re.findall(r"\b[a-z]{4,10}\b", d)})
+
+
 def copy_words(seed: int = COPY_NAME_SEED + 1, n: int = COPY_WORD_COUNT) -> list[str]:
     """``n`` capitalised English words from the prose (seeded pick), as more made-up place names:
     their pieces are those of real words, which syllable names alone do not cover."""
-    words = sorted({w for d in prose_documents() for w in re.findall(r"\b[a-z]{4,10}\b", d)})
+    words = _prose_words()
     known = {c.lower() for c in F.TRAIN_CITIES + F.COPY_CITIES + F.EVAL_CITIES}
     words = [w for w in words if w not in known and not any(v in w for v in _EVAL_VALUES)]
     return [w.capitalize() for w in random.Random(seed).sample(words, min(n, len(words)))]
@@ -409,7 +414,7 @@ def wide_topics(seed: int = COPY_NAME_SEED + 3, n: int = WIDE_TOPIC_COUNT) -> li
     """``n`` made-up search topics: one to three lowercase words of the prose (seeded), none
     holding an evaluation value. With a few dozen fixed topics the model learns the topics,
     not the request: "Look up <unseen topic>" became a weather call on the spelt opener."""
-    words = sorted({w for d in prose_documents() for w in re.findall(r"\b[a-z]{4,10}\b", d)})
+    words = _prose_words()
     rng = random.Random(seed)
     out: dict[str, None] = {}
     while len(out) < n:
