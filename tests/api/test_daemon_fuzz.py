@@ -20,7 +20,7 @@ from tests.api.daemon_proc import Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 
-MAX_EXAMPLES = 12
+MAX_EXAMPLES = 8
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 
@@ -161,7 +161,7 @@ def test_property_no_server_error_on_any_body(daemon):
 
     seen: dict[int, int] = {}
     with httpx.Client(base_url=daemon.base, timeout=30) as client:
-        @settings(max_examples=800, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=500, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(_bodies())
         def run(case):
@@ -175,4 +175,4 @@ def test_property_no_server_error_on_any_body(daemon):
 
         run()
     print("status counts:", seen)
-    assert sum(seen.values()) >= 800 and seen.get(200, 0) > 80 and seen.get(400, 0) > 320, seen
+    assert sum(seen.values()) >= 500 and seen.get(200, 0) > 50 and seen.get(400, 0) > 200, seen
