@@ -90,31 +90,45 @@ def cache_dir(model, device: torch.device) -> Path:
     return root / h.hexdigest()[:24]
 
 
-def graph_plan(model) -> list[tuple[str, int, bool, bool]]:
-    """(kind, a layer index of that kind, several tokens per sequence?, lone sequence?) of
-    every graph the model's static decoder uses."""
-    return [(kind, index, many, lone) for kind, index in model.static_decoder.layer_kinds().items()
-            for many in (False, True) for lone in (False, True)]
+def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]]:
+    """(kind, a layer index of that kind, window, lone sequence?) of every graph the
+    model's static decoder uses.  Windows: "one" / "many" (one token per sequence, or a
+    symbolic number of them) and, for a lone sequence, "q1" .. "q<max_query_len>" (exactly
+    that many tokens: every size static but the context and the KV pool)."""
+    plan = []
+    for kind, index in model.static_decoder.layer_kinds().items():
+        plan += [(kind, index, "one", False), (kind, index, "many", False), (kind, index, "many", True)]
+        plan += [(kind, index, f"q{q}", True) for q in range(1, max_query_len + 1)]
+    return plan
 
 
-def _file(kind: str, many: bool, lone: bool) -> str:
-    return f"{kind}-{'many' if many else 'one'}{'-lone' if lone else ''}.bin"
+def _file(kind: str, window: str, lone: bool) -> str:
+    return f"{kind}-{window}{'-lone' if lone else ''}.bin"
 
 
-def _example(model, index: int, q: int, lone: bool, block_size: int, device: torch.device) -> tuple:
+def _example(model, index: int, q: int, lone: bool, block_size: int, device: torch.device,
+             static: bool = False) -> tuple:
     """Call arguments of the layer function for layer ``index``: 1 (``lone``) or 2
-    sequences x q tokens on a scratch cache (nothing the engine owns)."""
+    sequences x q tokens on a scratch cache (nothing the engine owns).  ``static``: mark
+    the only sizes a static graph keeps symbolic, the context (block-table width) and the
+    pool (cache blocks and block size: one file serves every engine)."""
     dtype = next(model.parameters()).dtype
     starts, tables = ([1], [[1, 2]]) if lone else ([1, 2], [[1, 2], [3, 0]])
     meta = DecodeMetadata.build(starts, q, tables, block_size, device)
     cos, sin = model.rope.cos_sin(meta.positions)
     x = torch.zeros(len(starts) * q, model.config.hidden_size, dtype=dtype, device=device)
     scratch = torch.zeros(4, block_size, model.kv_cache_dim, dtype=dtype, device=device)
+    if static:
+        torch._dynamo.mark_dynamic(meta.block_tables, 1)
+        torch._dynamo.mark_dynamic(scratch, 0)
+        torch._dynamo.mark_dynamic(scratch, 1)
     return model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch)
 
 
-def _load_or_compile(fn, args: tuple, path: Path, device: torch.device) -> tuple[object, bool]:
-    """(compiled function, loaded from disk?)."""
+def _load_or_compile(fn, args: tuple, path: Path, device: torch.device,
+                     static: bool = False) -> tuple[object, bool]:
+    """(compiled function, loaded from disk?).  ``static``: sizes are constants except
+    those ``_example`` marked dynamic."""
     if path.is_file():
         try:
             with open(path, "rb") as f:
@@ -124,40 +138,43 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device) -> tuple
     # On CPU the generated wrapper in C++ calls the kernels ~20% faster than the Python
     # one (a layer call at batch 2: 259 vs 394 us), for ~9 s more compile per graph.
     options = {"cpp_wrapper": True} if device.type == "cpu" else {}
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options).aot_compile((args, {}))
+    compiled = torch.compile(fn, dynamic=not static, fullgraph=True, options=options).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     compiled.save_compiled_function(str(path))
     return compiled, False
 
 
-def _prepare(model, block_size: int, device: torch.device, folder: Path,
+def _prepare(model, block_size: int, device: torch.device, folder: Path, max_query_len: int,
              only: list[str] | None = None) -> tuple[dict, int]:
     """The graphs of ``graph_plan`` (those named in ``only``, if given), loaded from
-    ``folder`` or compiled into it: ({(kind, many, lone): graph}, number loaded from disk)."""
+    ``folder`` or compiled into it: ({(kind, window, lone): graph}, number loaded from disk)."""
     _configure()
     graphs, loaded = {}, 0
     with torch.inference_mode():
-        for kind, index, many, lone in graph_plan(model):
-            path = folder / _file(kind, many, lone)
+        for kind, index, window, lone in graph_plan(model, max_query_len):
+            path = folder / _file(kind, window, lone)
             if only is not None and path.name not in only:
                 continue
-            args = _example(model, index, 2 if many else 1, lone, block_size, device)
-            fn, hit = _load_or_compile(model.static_decoder.function(kind), args, path, device)
+            static = window.startswith("q")
+            q = int(window[1:]) if static else 2 if window == "many" else 1
+            args = _example(model, index, q, lone, block_size, device, static)
+            fn, hit = _load_or_compile(model.static_decoder.function(kind), args, path, device, static)
             # Guards were checked when the graph was made; the calls the decoder makes
             # differ only in sizes the graph keeps symbolic (one-block tables are padded),
             # so skip re-checking ~30 weights per call.
             fn.disable_guard_check()
-            graphs[(kind, many, lone)] = fn
+            graphs[(kind, window, lone)] = fn
             loaded += hit
     return graphs, loaded
 
 
-def compile_static_decoder(model, block_size: int, device: torch.device) -> float:
-    """Load (or compile and save) every graph ``model.static_decoder`` needs and switch it
-    to them, before returning; returns the seconds it took."""
+def compile_static_decoder(model, block_size: int, device: torch.device, max_query_len: int = 1) -> float:
+    """Load (or compile and save) every graph ``model.static_decoder`` needs for windows of
+    up to ``max_query_len`` tokens (1 + the most drafts a step verifies) and switch it to
+    them, before returning; returns the seconds it took."""
     t0 = time.perf_counter()
     folder = cache_dir(model, device)
-    graphs, loaded = _prepare(model, block_size, device, folder)
+    graphs, loaded = _prepare(model, block_size, device, folder, max_query_len)
     model.static_decoder.use_graphs(graphs)
     seconds = time.perf_counter() - t0
     log.info("static decode step: %d compiled graphs (%d loaded from %s) in %.1f s",
@@ -170,9 +187,10 @@ class BackgroundGraphs:
     docstring): ``poll()`` between steps returns them once ready (None before; raises if
     compiling failed)."""
 
-    def __init__(self, model, block_size: int, device: torch.device) -> None:
+    def __init__(self, model, block_size: int, device: torch.device, max_query_len: int = 1) -> None:
         self.model = model
         self.block_size = block_size
+        self.max_query_len = max_query_len
         self.device = device
         self.folder = cache_dir(model, device)
         self.seconds: float | None = None
@@ -188,8 +206,9 @@ class BackgroundGraphs:
             self._future.set_exception(exc)
 
     def _missing(self) -> list[str]:
-        return [_file(kind, many, lone) for kind, _i, many, lone in graph_plan(self.model)
-                if not (self.folder / _file(kind, many, lone)).is_file()]
+        names = [_file(kind, window, lone)
+                 for kind, _i, window, lone in graph_plan(self.model, self.max_query_len)]
+        return [name for name in names if not (self.folder / name).is_file()]
 
     def _run(self) -> dict:
         missing = self._missing()
@@ -197,7 +216,7 @@ class BackgroundGraphs:
             log.info("static decode step: compiling %d graphs in child processes (serving the "
                      "step uncompiled meanwhile)", len(missing))
             self._compile_in_children(missing)
-        graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder)
+        graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder, self.max_query_len)
         if loaded != len(graphs):                 # the child left a file that does not load
             log.warning("static decode step: %d graphs compiled in-process after the child's",
                         len(graphs) - loaded)
@@ -207,7 +226,8 @@ class BackgroundGraphs:
         """Compile ``files`` in child processes, one per core up to four (the graphs are
         independent, and a first start is otherwise idle), each with one torch thread."""
         spec = {"config": self.model.config, "dtype": next(self.model.parameters()).dtype,
-                "block_size": self.block_size, "device": str(self.device), "folder": str(self.folder)}
+                "block_size": self.block_size, "device": str(self.device), "folder": str(self.folder),
+                "max_query_len": self.max_query_len}
         n = max(1, min(len(files), os.cpu_count() or 1, 4))
         with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
             children = []
@@ -256,7 +276,7 @@ def _child(spec_file: Path) -> int:
     model = model.to(spec["dtype"]).to_empty(device=device)   # never read: shapes are what count
     folder = Path(spec["folder"])
     t0 = time.perf_counter()
-    _prepare(model, spec["block_size"], device, folder, only=spec["files"])
+    _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"])
     print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 

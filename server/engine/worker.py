@@ -66,15 +66,17 @@ class Worker:
         self.compile_seconds: float | None = None
         self.compile_state = "compiled" if model.static_decoder.compiled else "off"
         self._background: BackgroundGraphs | None = None
-        if should_compile(cfg.compile, self.device, self.static_decode) and not model.static_decoder.compiled:
+        # A model compiled for an engine with fewer drafts gains the graphs this one lacks.
+        if should_compile(cfg.compile, self.device, self.static_decode) and \
+                model.static_decoder.static_query_len < 1 + k:
             if cfg.compile_wait or self.device.type != "cpu":
                 try:
-                    self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device)
+                    self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device, 1 + k)
                     self.compile_state = "compiled"
                 except Exception as exc:        # noqa: BLE001 - e.g. no C++ compiler on the host
                     self._compile_failed(exc)
             else:                               # serve uncompiled until the graphs are ready
-                self._background = BackgroundGraphs(model, cfg.block_size, self.device)
+                self._background = BackgroundGraphs(model, cfg.block_size, self.device, 1 + k)
                 self.compile_state = "compiling"
         if k:
             if policy is None:

@@ -101,8 +101,10 @@ class StaticDecoder:
         # Decided once: run_layer asks for every layer of every step.
         self._kinds = ["dense" if not hasattr(layer.mlp, "gate") else "moe" if self.dense_moe else "half"
                        for layer in self._layers]
-        # (kind, several tokens per sequence, lone sequence) -> compiled graph
-        self._graphs: dict[tuple[str, bool, bool], object] = {}
+        # (kind, window, lone sequence) -> compiled graph; windows "one" / "many" (query
+        # length symbolic) and, for a lone sequence, "q<N>" (N tokens; every size static
+        # but the context, the pool and the block size; compile_step.graph_plan)
+        self._graphs: dict[tuple[str, str, bool], object] = {}
         # The last window and its rotary tables: the MTP pass of a static step reuses the
         # main forward's window (same positions, slots and tables).
         self._last: tuple[DecodeMetadata, torch.Tensor, torch.Tensor] | None = None
@@ -111,7 +113,12 @@ class StaticDecoder:
     def compiled(self) -> bool:
         return bool(self._graphs)
 
-    def use_graphs(self, graphs: dict[tuple[str, bool, bool], object]) -> None:
+    @property
+    def static_query_len(self) -> int:
+        """The longest lone-sequence window with a static graph (0: none)."""
+        return max((int(w[1:]) for _k, w, lone in self._graphs if lone and w.startswith("q")), default=0)
+
+    def use_graphs(self, graphs: dict[tuple[str, str, bool], object]) -> None:
         """Switch to compiled graphs (between steps)."""
         self._graphs = dict(graphs)
 
@@ -147,12 +154,19 @@ class StaticDecoder:
     def run_layer(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
                   cache: torch.Tensor) -> torch.Tensor:
         kind = self._kinds[index]
-        fn = self._graphs.get((kind, meta.query_len > 1, meta.num_seqs == 1)) or self.function(kind)
-        out = fn(*self.layer_args(index, x, cos, sin, meta, cache))
+        out = self._graph(kind, meta)(*self.layer_args(index, x, cos, sin, meta, cache))
         if kind == "half":                     # routed dispatch, eager (reads counts on the host)
             x, h = out
             return x + self._layers[index].mlp(h)
         return out
+
+    def _graph(self, kind: str, meta: DecodeMetadata):
+        """The graph for this window: a lone sequence's static one for its exact length where
+        compiled (a 2-token window ran in 0.8x the time of the symbolic-length graph), else
+        the symbolic one, else the plain function."""
+        g, q, lone = self._graphs, meta.query_len, meta.num_seqs == 1
+        return ((lone and g.get((kind, f"q{q}", True)))
+                or g.get((kind, "many" if q > 1 else "one", lone)) or self.function(kind))
 
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model

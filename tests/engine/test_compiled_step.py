@@ -37,11 +37,23 @@ def _graphs() -> int:
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-def test_compiled_step_emits_what_the_plain_step_emits(k):
+def test_compiled_step_emits_what_the_plain_step_emits(k, monkeypatch):
+    """Also: a lone sequence's (k + 1)-token windows take the graph made for exactly that
+    length (static sizes), and batches the symbolic ones."""
+    from server.model.static_decode import StaticDecoder
     eager, compiled = _models()
     reqs = lambda sp: requests(prompts(8, seed=k, vocab=1000), sp)      # noqa: E731
     eng = make_engine(compiled, k, compile="on", max_batch_size=16, adaptive_speculation=False)
     assert eng.runtime.decode_path == "compiled"
+    by_graph = {id(g): key for key, g in compiled.static_decoder._graphs.items()}
+    used = set()
+    real = StaticDecoder._graph
+    def spy(self, kind, meta):
+        g = real(self, kind, meta)
+        if self is compiled.static_decoder:        # not the reference engine's model
+            used.add(by_graph.get(id(g), ("plain", kind, meta.query_len, meta.num_seqs)))
+        return g
+    monkeypatch.setattr(StaticDecoder, "_graph", spy)
     graphs = _graphs()
     for sp in (GREEDY, SEEDED):
         ref = run_staggered(make_engine(eager, k, max_batch_size=16, adaptive_speculation=False),
@@ -49,6 +61,8 @@ def test_compiled_step_emits_what_the_plain_step_emits(k):
         out = run_staggered(eng, reqs(sp), every=2)
         assert out == ref, sp
     assert _graphs() == graphs, "the compiled step recompiled while serving"
+    assert {("moe", f"q{k + 1}", True), ("moe", "many" if k else "one", False)} <= used, used
+    assert not [u for u in used if u[0] == "plain"], used
     if k:
         assert eng.stats().num_accepted_tokens > 0
 
@@ -124,7 +138,7 @@ def test_background_graphs_are_adopted_between_steps_and_change_no_token(tmp_pat
     folder = compile_step.cache_dir(model, torch.device("cpu"))
     if warm.is_dir():              # the graphs the tests above made: the child compiles one
         shutil.copytree(warm, folder)
-        (folder / "dense-one-lone.bin").unlink(missing_ok=True)
+        (folder / "dense-q1-lone.bin").unlink(missing_ok=True)
     eng = make_engine(model, 1, compile="on", compile_wait=False, max_batch_size=16,
                       adaptive_speculation=False)
     assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("compiling", "static")
@@ -140,7 +154,7 @@ def test_background_graphs_are_adopted_between_steps_and_change_no_token(tmp_pat
     assert served_before > 0
     assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("compiled", "compiled")
     assert eng.runtime.compile_seconds > 0
-    assert (folder / "dense-one-lone.bin").is_file()
+    assert (folder / "dense-q1-lone.bin").is_file()
     for i, ref in enumerate(refs):
         assert _run_one(eng, ps[i // 2], (GREEDY, SEEDED)[i % 2], f"a{i}") == ref
     batch = run_staggered(eng, requests(ps, GREEDY, prefix="c"), every=2)
