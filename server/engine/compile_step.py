@@ -4,9 +4,17 @@ Why per layer kind, not the whole step: one Inductor graph of the whole 8-layer 
 forward ran at 2.5-3x eager, but took 70-110 s to compile per shape family on two cores
 (27-42 s again with a warm cache).  The layer functions of static_decode.py take the
 layer's modules as arguments, so one graph serves every layer of a kind (main and MTP
-layers alike); a deployment needs {dense, MoE} layer x {one token per sequence, several}
-x {one sequence, several}: eight graphs, with every other size (batch, window, context,
-pool) dynamic.
+layers alike).  Per kind (dense, MoE) a deployment needs, for batches, a graph for one
+token per sequence and one for several (every size but the weights' symbolic), and for a
+lone sequence one with a symbolic window (prompts) plus one per window a decode step
+feeds, 1 .. 1 + k tokens (``graph_plan``): 8 graphs with MTP off, 10 at k=1, 12 at k=2.
+
+Why static windows for a lone sequence: symbolic sizes cost time inside the kernels, at
+concurrency 1 the step that counts.  A MoE layer on a 2-token window took 153 us with
+every size static but the context, the KV pool and the block size, 190 us fully symbolic
+(1 token: 121 vs 144 us; micro-benchmark in one process).  A batch's window stays symbolic:
+its token count is batch x window, two symbols, and one graph per batch size would
+multiply the compile time.
 
 Why ahead-of-time artifacts: with only Inductor's code cache warm, a second start still
 re-traces each graph (about 4 s each here).  ``aot_compile`` captures a graph once and
@@ -16,11 +24,11 @@ about a second.  Files live under ``$MTP_SERVE_COMPILE_CACHE`` (default
 model shape and the source of the model code, and are written atomically; one that fails
 to load is compiled again and replaced.
 
-Why a graph set for a lone sequence: a graph made for two or more sequences would
+Why a graph set for a lone sequence at all: a graph made for two or more sequences would
 specialise a batch of one, so a lone sequence used to run twice (padded), which cost a
-third of a plain decode step at concurrency 1.  Four more graphs (batch 1) take that away.
+third of a plain decode step at concurrency 1.
 
-Why in the background: eight graphs take one to two minutes to compile on one core, and
+Why in the background: the graphs take one to two minutes to compile on one core, and
 loading them still costs seconds.  A daemon (``BackgroundGraphs``) therefore opens its
 ports at once and serves the static step uncompiled; child processes (one per core, up
 to four, each with its share of the graphs) compile what the cache lacks (each builds the
@@ -94,7 +102,7 @@ def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]
     """(kind, a layer index of that kind, window, lone sequence?) of every graph the
     model's static decoder uses.  Windows: "one" / "many" (one token per sequence, or a
     symbolic number of them) and, for a lone sequence, "q1" .. "q<max_query_len>" (exactly
-    that many tokens: every size static but the context and the KV pool)."""
+    that many tokens: every size static but the context, the KV pool and the block size)."""
     plan = []
     for kind, index in model.static_decoder.layer_kinds().items():
         plan += [(kind, index, "one", False), (kind, index, "many", False), (kind, index, "many", True)]
