@@ -190,10 +190,20 @@ def compile_static_decoder(model, block_size: int, device: torch.device, max_que
     return seconds
 
 
+def graph_rounds(model, max_query_len: int) -> list[list[str]]:
+    """The files of ``graph_plan`` in the order a background compile makes them: every
+    decode/verify window first (what each step under load runs), then the lone prompt
+    window (prefills, which the varlen path serves meanwhile)."""
+    plan = graph_plan(model, max_query_len)
+    prompt = [g for g in plan if g[3] and g[2] == "many"]
+    return [[_file(kind, window, lone) for kind, _i, window, lone in part]
+            for part in ([g for g in plan if g not in prompt], prompt) if part]
+
+
 class BackgroundGraphs:
     """The graphs of ``compile_static_decoder``, made without holding up start-up (module
-    docstring): ``poll()`` between steps returns them once ready (None before; raises if
-    compiling failed)."""
+    docstring), in the rounds of ``graph_rounds``: ``poll()`` between steps returns each
+    round's graph set (with the ones before) once ready."""
 
     def __init__(self, model, block_size: int, device: torch.device, max_query_len: int = 1) -> None:
         self.model = model
@@ -201,30 +211,34 @@ class BackgroundGraphs:
         self.max_query_len = max_query_len
         self.device = device
         self.folder = cache_dir(model, device)
-        self.seconds: float | None = None
+        self.seconds: float | None = None        # start to the first round in use
         self._t0 = time.perf_counter()
-        self._future: cf.Future = cf.Future()
+        self._lock = threading.Lock()
+        self._ready: tuple[dict, bool] | None = None    # (graphs so far, last round?) not yet polled
+        self._error: BaseException | None = None
         # A daemon thread, not an executor's: exiting must not wait for a compile.
         threading.Thread(target=self._work, name="compile", daemon=True).start()
 
     def _work(self) -> None:
+        graphs: dict = {}
         try:
-            self._future.set_result(self._run())
+            rounds = graph_rounds(self.model, self.max_query_len)
+            for n, names in enumerate(rounds):
+                graphs.update(self._run(names))
+                with self._lock:
+                    self._ready = (dict(graphs), n == len(rounds) - 1)
         except BaseException as exc:              # noqa: BLE001 - handed to poll()
-            self._future.set_exception(exc)
+            with self._lock:
+                self._error = exc
 
-    def _missing(self) -> list[str]:
-        names = [_file(kind, window, lone)
-                 for kind, _i, window, lone in graph_plan(self.model, self.max_query_len)]
-        return [name for name in names if not (self.folder / name).is_file()]
-
-    def _run(self) -> dict:
-        missing = self._missing()
+    def _run(self, names: list[str]) -> dict:
+        missing = [name for name in names if not (self.folder / name).is_file()]
         if missing:
             log.info("static decode step: compiling %d graphs in child processes (serving the "
-                     "step uncompiled meanwhile)", len(missing))
+                     "step without them meanwhile)", len(missing))
             self._compile_in_children(missing)
-        graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder, self.max_query_len)
+        graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder,
+                                  self.max_query_len, only=names)
         if loaded != len(graphs):                 # the child left a file that does not load
             log.warning("static decode step: %d graphs compiled in-process after the child's",
                         len(graphs) - loaded)
@@ -257,12 +271,21 @@ class BackgroundGraphs:
             if failures:
                 raise RuntimeError(f"the compile process {failures[0]}")
 
-    def poll(self) -> dict | None:
-        if not self._future.done():
-            return None
-        graphs = self._future.result()            # raises what _run raised
-        self.seconds = time.perf_counter() - self._t0
-        return graphs
+    def poll(self) -> tuple[dict, bool] | None:
+        """(every graph made so far, is this the last round?) once a round is ready and
+        until it is taken; None meanwhile.  Raises what compiling raised (the graphs of
+        earlier rounds stay in use)."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+            error = self._error
+        if ready is None and error is not None:
+            raise error
+        if ready is not None and self.seconds is None:
+            self.seconds = self.elapsed()
+        return ready
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
 
 
 def _child(spec_file: Path) -> int:

@@ -114,21 +114,23 @@ class Worker:
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
     def _adopt_graphs(self, out: ModelRunnerOutput) -> None:
-        """Between steps: switch to the background graphs once they are ready."""
+        """Between steps: switch to each round of background graphs once it is ready."""
         try:
-            graphs = self._background.poll()
-        except Exception as exc:                # noqa: BLE001 - the step path stays uncompiled
-            graphs = None
+            ready = self._background.poll()
+        except Exception as exc:                # noqa: BLE001 - the step path stays as it is
+            ready = None
             self._background = None
             self._compile_failed(exc)
-        if graphs is not None:
+        if ready is not None:
+            graphs, last = ready
             self.model.static_decoder.use_graphs(graphs)
             self.compile_seconds = self._background.seconds
-            self.compile_state = "compiled"
-            self._background = None
-            log.info("static decode step: switched to %d compiled graphs, ready %.1f s after start",
-                     len(graphs), self.compile_seconds)
-        if self._background is None:
+            log.info("static decode step: switched to %d compiled graphs, %.1f s after start%s",
+                     len(graphs), self._background.elapsed(), "" if last else " (more to come)")
+            if last:
+                self.compile_state = "compiled"
+                self._background = None
+        if ready is not None or self._background is None:
             out.runtime_update = (self.decode_path, self.compile_seconds, self.compile_state)
 
     def _host_pool(self, cfg: EngineConfig, spec: KVCacheSpec) -> HostKVPool | None:
