@@ -4,17 +4,17 @@ Why per layer kind, not the whole step: one Inductor graph of the whole 8-layer 
 forward ran at 2.5-3x eager, but took 70-110 s to compile per shape family on two cores
 (27-42 s again with a warm cache).  The layer functions of static_decode.py take the
 layer's modules as arguments, so one graph serves every layer of a kind (main and MTP
-layers alike).  Per kind (dense, MoE) a deployment needs, for batches, a graph for one
-token per sequence and one for several (every size but the weights' symbolic), and for a
-lone sequence one with a symbolic window (prompts) plus one per window a decode step
-feeds, 1 .. 1 + k tokens (``graph_plan``): 8 graphs with MTP off, 10 at k=1, 12 at k=2.
+layers alike).  Per kind (dense, MoE) a deployment needs one graph per decode window a
+step feeds, 1 .. 1 + k tokens per sequence, for a lone sequence and for batches, plus a
+lone sequence's prompt window of any length (``graph_plan``): 6 graphs with MTP off, 10
+at k=1, 14 at k=2.
 
-Why static windows for a lone sequence: symbolic sizes cost time inside the kernels, at
-concurrency 1 the step that counts.  A MoE layer on a 2-token window took 153 us with
-every size static but the context, the KV pool and the block size, 190 us fully symbolic
-(1 token: 121 vs 144 us; micro-benchmark in one process).  A batch's window stays symbolic:
-its token count is batch x window, two symbols, and one graph per batch size would
-multiply the compile time.
+Why static windows: symbolic sizes cost time inside the kernels.  A MoE layer on a lone
+sequence's 2-token window took 153 us with every size static but the context, the KV
+pool and the block size, 190 us fully symbolic (1 token: 121 vs 144 us; micro-benchmark
+in one process); for 16 sequences, with the number of sequences symbolic too (the layer
+takes the window's tensors as [sequences, window, ...], StaticDecoder.function), 710 vs
+784 us (1 token: 490 vs 594 us).
 
 Why ahead-of-time artifacts: with only Inductor's code cache warm, a second start still
 re-traces each graph (about 4 s each here).  ``aot_compile`` captures a graph once and
@@ -100,13 +100,14 @@ def cache_dir(model, device: torch.device) -> Path:
 
 def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]]:
     """(kind, a layer index of that kind, window, lone sequence?) of every graph the
-    model's static decoder uses.  Windows: "one" / "many" (one token per sequence, or a
-    symbolic number of them) and, for a lone sequence, "q1" .. "q<max_query_len>" (exactly
-    that many tokens: every size static but the context, the KV pool and the block size)."""
+    model's static decoder uses.  Windows "q1" .. "q<max_query_len>": exactly that many
+    tokens per sequence (every size static but the context, the KV pool, the block size
+    and, for batches, the number of sequences); "many": a lone sequence's prompt window
+    of any length (sizes symbolic)."""
     plan = []
     for kind, index in model.static_decoder.layer_kinds().items():
-        plan += [(kind, index, "one", False), (kind, index, "many", False), (kind, index, "many", True)]
-        plan += [(kind, index, f"q{q}", True) for q in range(1, max_query_len + 1)]
+        plan += [(kind, index, f"q{q}", lone) for lone in (False, True) for q in range(1, max_query_len + 1)]
+        plan.append((kind, index, "many", True))
     return plan
 
 
@@ -118,19 +119,27 @@ def _example(model, index: int, q: int, lone: bool, block_size: int, device: tor
              static: bool = False) -> tuple:
     """Call arguments of the layer function for layer ``index``: 1 (``lone``) or 2
     sequences x q tokens on a scratch cache (nothing the engine owns).  ``static``: mark
-    the only sizes a static graph keeps symbolic, the context (block-table width) and the
-    pool (cache blocks and block size: one file serves every engine)."""
+    the only sizes a static graph keeps symbolic: the context (block-table width), the
+    pool (cache blocks and block size: one file serves every engine) and, for batches,
+    the number of sequences (on the windowed layout, ``StaticDecoder.function``)."""
     dtype = next(model.parameters()).dtype
     starts, tables = ([1], [[1, 2]]) if lone else ([1, 2], [[1, 2], [3, 0]])
     meta = DecodeMetadata.build(starts, q, tables, block_size, device)
     cos, sin = model.rope.cos_sin(meta.positions)
     x = torch.zeros(len(starts) * q, model.config.hidden_size, dtype=dtype, device=device)
     scratch = torch.zeros(4, block_size, model.kv_cache_dim, dtype=dtype, device=device)
+    windowed = static and not lone
+    args = model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch, windowed)
     if static:
         torch._dynamo.mark_dynamic(meta.block_tables, 1)
         torch._dynamo.mark_dynamic(scratch, 0)
         torch._dynamo.mark_dynamic(scratch, 1)
-    return model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch)
+    if windowed:
+        # x, cos, sin, positions, slots, then the block tables
+        first = next(i for i, a in enumerate(args) if a is meta.block_tables) - 5
+        for t in args[first:first + 6]:
+            torch._dynamo.mark_dynamic(t, 0)
+    return args
 
 
 def _load_or_compile(fn, args: tuple, path: Path, device: torch.device,
@@ -166,7 +175,8 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
             static = window.startswith("q")
             q = int(window[1:]) if static else 2 if window == "many" else 1
             args = _example(model, index, q, lone, block_size, device, static)
-            fn, hit = _load_or_compile(model.static_decoder.function(kind), args, path, device, static)
+            fn, hit = _load_or_compile(model.static_decoder.function(kind, static and not lone),
+                                       args, path, device, static)
             # Guards were checked when the graph was made; the calls the decoder makes
             # differ only in sizes the graph keeps symbolic (one-block tables are padded),
             # so skip re-checking ~30 weights per call.

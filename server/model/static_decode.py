@@ -84,6 +84,29 @@ def moe_layer(attn, norm_in, norm_post, mlp, x, cos, sin, positions, slots, bloc
     return x + dense_moe(mlp, h, w_gate_up, w_down, num_routed)
 
 
+def _flat(x, cos, sin, positions, slots) -> tuple:
+    return x.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1), positions.flatten(), slots.flatten()
+
+
+# The same layers on a [sequences, window, ...] layout of the window's tensors: in a graph
+# whose number of sequences is symbolic, the window length stays a static size (with flat
+# [sequences * window] tensors it would be a second symbol).
+def attention_half_windowed(attn, norm_in, norm_post, x, cos, sin, positions, slots, block_tables, cache):
+    return attention_half(attn, norm_in, norm_post, *_flat(x, cos, sin, positions, slots),
+                          block_tables, cache)
+
+
+def dense_layer_windowed(attn, norm_in, norm_post, mlp, x, cos, sin, positions, slots, block_tables, cache):
+    return dense_layer(attn, norm_in, norm_post, mlp, *_flat(x, cos, sin, positions, slots),
+                       block_tables, cache)
+
+
+def moe_layer_windowed(attn, norm_in, norm_post, mlp, x, cos, sin, positions, slots, block_tables, cache,
+                       w_gate_up, w_down, num_routed: int):
+    return moe_layer(attn, norm_in, norm_post, mlp, *_flat(x, cos, sin, positions, slots),
+                     block_tables, cache, w_gate_up, w_down, num_routed)
+
+
 class StaticDecoder:
     """Runs a model's decode/verify windows and draft passes through the functions above,
     plain or through compiled graphs (``use_graphs``; compile_step.py makes them), one
@@ -115,8 +138,11 @@ class StaticDecoder:
 
     @property
     def static_query_len(self) -> int:
-        """The longest lone-sequence window with a static graph (0: none)."""
-        return max((int(w[1:]) for _k, w, lone in self._graphs if lone and w.startswith("q")), default=0)
+        """The longest window with static graphs for a lone sequence and a batch (0: none)."""
+        def longest(lone: bool) -> int:
+            return max((int(w[1:]) for _k, w, one in self._graphs if one == lone and w.startswith("q")),
+                       default=0)
+        return min(longest(True), longest(False))
 
     def use_graphs(self, graphs: dict[tuple[str, str, bool], object]) -> None:
         """Switch to compiled graphs (between steps)."""
@@ -135,17 +161,25 @@ class StaticDecoder:
         return kinds
 
     @staticmethod
-    def function(kind: str):
+    def function(kind: str, windowed: bool = False):
+        if windowed:
+            return {"dense": dense_layer_windowed, "moe": moe_layer_windowed,
+                    "half": attention_half_windowed}[kind]
         return {"dense": dense_layer, "moe": moe_layer, "half": attention_half}[kind]
 
     def layer_args(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
-                   cache: torch.Tensor) -> tuple:
+                   cache: torch.Tensor, windowed: bool = False) -> tuple:
+        """Arguments of ``function(kind(index), windowed)``."""
         layer = self._layers[index]
         args = (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm)
         kind = self._kinds[index]
         if kind != "half":
             args += (layer.mlp,)
-        args += (x, cos, sin, meta.positions, meta.slot_mapping, meta.block_tables, cache)
+        window = (x, cos, sin, meta.positions, meta.slot_mapping)
+        if windowed:
+            b = meta.num_seqs
+            window = tuple(t.view(b, -1, *t.shape[1:]) for t in window)
+        args += window + (meta.block_tables, cache)
         if kind == "moe":
             w_gate_up, w_down, sizes = layer.mlp._stacked()
             args += (w_gate_up, w_down, sizes[0])
@@ -154,19 +188,23 @@ class StaticDecoder:
     def run_layer(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
                   cache: torch.Tensor) -> torch.Tensor:
         kind = self._kinds[index]
-        out = self._graph(kind, meta)(*self.layer_args(index, x, cos, sin, meta, cache))
+        fn, windowed = self._graph(kind, meta)
+        out = fn(*self.layer_args(index, x, cos, sin, meta, cache, windowed))
         if kind == "half":                     # routed dispatch, eager (reads counts on the host)
             x, h = out
             return x + self._layers[index].mlp(h)
         return out
 
     def _graph(self, kind: str, meta: DecodeMetadata):
-        """The graph for this window: a lone sequence's static one for its exact length where
-        compiled (a 2-token window ran in 0.8x the time of the symbolic-length graph), else
-        the symbolic one, else the plain function."""
+        """(function, takes the windowed layout?) for this window: the graph with static
+        sizes made for its exact length where compiled (a 2-token window of a lone sequence
+        ran in 0.8x the time of the symbolic-length graph, 0.9x for 16 sequences), else a
+        symbolic one, else the plain function."""
         g, q, lone = self._graphs, meta.query_len, meta.num_seqs == 1
-        return ((lone and g.get((kind, f"q{q}", True)))
-                or g.get((kind, "many" if q > 1 else "one", lone)) or self.function(kind))
+        fn = g.get((kind, f"q{q}", lone))
+        if fn is not None:
+            return fn, not lone
+        return g.get((kind, "many" if q > 1 else "one", lone)) or self.function(kind), False
 
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model
