@@ -43,7 +43,6 @@ and the device is a CPU), ``1``/``on`` (wherever the static path applies), ``0``
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import hashlib
 import json
