@@ -34,10 +34,19 @@ def process_alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, never one this process was given before: the
+    kernel may hand a just-released port out again, and one config takes two or three."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def tiny_checkpoint(dir: Path) -> Path:
