@@ -124,9 +124,8 @@ class StaticDecoder:
         # Decided once: run_layer asks for every layer of every step.
         self._kinds = ["dense" if not hasattr(layer.mlp, "gate") else "moe" if self.dense_moe else "half"
                        for layer in self._layers]
-        # (kind, window, lone sequence) -> compiled graph; windows "one" / "many" (query
-        # length symbolic) and, for a lone sequence, "q<N>" (N tokens; every size static
-        # but the context, the pool and the block size; compile_step.graph_plan)
+        # (kind, window, lone sequence) -> compiled graph; windows "q<N>" (N tokens per
+        # sequence, static sizes) and a lone sequence's "many" (any length; compile_step.graph_plan)
         self._graphs: dict[tuple[str, str, bool], object] = {}
         # The last window and its rotary tables: the MTP pass of a static step reuses the
         # main forward's window (same positions, slots and tables).
@@ -199,12 +198,12 @@ class StaticDecoder:
         """(function, takes the windowed layout?) for this window: the graph with static
         sizes made for its exact length where compiled (a 2-token window of a lone sequence
         ran in 0.8x the time of the symbolic-length graph, 0.9x for 16 sequences), else a
-        symbolic one, else the plain function."""
+        lone sequence's symbolic one for two tokens or more, else the plain function."""
         g, q, lone = self._graphs, meta.query_len, meta.num_seqs == 1
         fn = g.get((kind, f"q{q}", lone))
         if fn is not None:
             return fn, not lone
-        return g.get((kind, "many" if q > 1 else "one", lone)) or self.function(kind), False
+        return (lone and q > 1 and g.get((kind, "many", True))) or self.function(kind), False
 
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model
