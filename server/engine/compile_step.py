@@ -83,6 +83,14 @@ def _configure() -> None:
     # Module floats (softmax scale, norm eps) are constants of the model: without this a
     # capture restarts once to turn them into tensors, which aot_compile cannot do.
     dynamo_config.specialize_float = True
+    # Inductor proves each vector ISA the CPU reports by compiling and loading a test
+    # library (about 12 s per process with a cold cache: every first start, in every
+    # compile child).  Trust the CPU's flags instead; a compiler that cannot build for
+    # them fails the compile, which leaves the step serving uncompiled.
+    # $TORCHINDUCTOR_VEC_ISA_OK, where set, decides.
+    if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.vec_isa_ok = True
 
 
 def cache_dir(model, device: torch.device) -> Path:

@@ -82,3 +82,34 @@ def test_occupied_port_is_a_clear_error(tmp_path, weights):
         business = next(l for l in plan_listeners(cfg) if "business" in l.planes)
         with pytest.raises(DaemonError, match=f"127.0.0.1:{port}"):
             bind(business)
+
+
+def test_accepted_connections_send_without_nagle(tmp_path, weights):
+    """Every listener's accepted sockets have TCP_NODELAY (asyncio sets it only on sockets
+    whose protocol is TCP).  Without it, the body of each keep-alive response after the
+    first waited ~40 ms for the client's delayed ACK of the headers."""
+    import asyncio
+
+    cfg = config(tmp_path, weights)
+    business = next(l for l in plan_listeners(cfg) if "business" in l.planes)
+    business.port = 0
+    sock = bind(business)
+    flags: list[int] = []
+
+    class Record(asyncio.Protocol):
+        def connection_made(self, transport):
+            flags.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                        socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Record, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await reader.read()                     # the server closed it: accepted and recorded
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(accept_one())
+    assert flags == [1]
