@@ -138,7 +138,7 @@ def test_background_graphs_are_adopted_between_steps_and_change_no_token(tmp_pat
     folder = compile_step.cache_dir(model, torch.device("cpu"))
     # The graphs the tests above made: the children compile one decode window (first
     # round) and the prompt window (second round).
-    lacking = ("dense-q1-lone.bin", "moe-many-lone.bin")
+    lacking = ("dense-q1-lone.bin", "dense-many-lone.bin")
     if warm.is_dir():
         shutil.copytree(warm, folder)
         for name in lacking:
