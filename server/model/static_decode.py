@@ -127,9 +127,10 @@ class StaticDecoder:
         # (kind, window, lone sequence) -> compiled graph; windows "q<N>" (N tokens per
         # sequence, static sizes) and a lone sequence's "many" (any length; compile_step.graph_plan)
         self._graphs: dict[tuple[str, str, bool], object] = {}
-        # The last window and its rotary tables: the MTP pass of a static step reuses the
-        # main forward's window (same positions, slots and tables).
-        self._last: tuple[DecodeMetadata, torch.Tensor, torch.Tensor] | None = None
+        # The last window and its per-token tensors (rotary tables, positions, slots), flat
+        # and, once asked for, in the windowed layout: made once per window, not per layer;
+        # the MTP pass of a static step reuses the main forward's window.
+        self._last: tuple[DecodeMetadata, dict[bool, tuple]] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -169,26 +170,33 @@ class StaticDecoder:
     def layer_args(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
                    cache: torch.Tensor, windowed: bool = False) -> tuple:
         """Arguments of ``function(kind(index), windowed)``."""
+        window = (cos, sin, meta.positions, meta.slot_mapping)
+        if windowed:
+            window = _windowed(window, meta.num_seqs)
+        return self._args(index, x, window, meta, cache, windowed)
+
+    def _args(self, index: int, x: torch.Tensor, window: tuple, meta: DecodeMetadata,
+              cache: torch.Tensor, windowed: bool) -> tuple:
+        """``layer_args`` given the window's (cos, sin, positions, slots), already in the
+        layout the function takes."""
         layer = self._layers[index]
         args = (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm)
         kind = self._kinds[index]
         if kind != "half":
             args += (layer.mlp,)
-        window = (x, cos, sin, meta.positions, meta.slot_mapping)
         if windowed:
-            b = meta.num_seqs
-            window = tuple(t.view(b, -1, *t.shape[1:]) for t in window)
-        args += window + (meta.block_tables, cache)
+            x = x.view(meta.num_seqs, -1, x.shape[-1])
+        args += (x,) + window + (meta.block_tables, cache)
         if kind == "moe":
             w_gate_up, w_down, sizes = layer.mlp._stacked()
             args += (w_gate_up, w_down, sizes[0])
         return args
 
-    def run_layer(self, index: int, x: torch.Tensor, cos, sin, meta: DecodeMetadata,
+    def run_layer(self, index: int, x: torch.Tensor, meta: DecodeMetadata,
                   cache: torch.Tensor) -> torch.Tensor:
         kind = self._kinds[index]
         fn, windowed = self._graph(kind, meta)
-        out = fn(*self.layer_args(index, x, cos, sin, meta, cache, windowed))
+        out = fn(*self._args(index, x, self._window(meta, windowed), meta, cache, windowed))
         if kind == "half":                     # routed dispatch, eager (reads counts on the host)
             x, h = out
             return x + self._layers[index].mlp(h)
@@ -208,22 +216,30 @@ class StaticDecoder:
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model
         x = m.model.embed_tokens(input_ids)
-        cos, sin = self._rotary(meta)
         for i in range(m.config.num_hidden_layers):
-            x = self.run_layer(i, x, cos, sin, meta, _data(caches[i]))
+            x = self.run_layer(i, x, meta, _data(caches[i]))
         return m.model.norm(x)
 
     def mtp_forward(self, x: torch.Tensor, meta: DecodeMetadata, caches: list, layer: int) -> torch.Tensor:
         """x: the MTP layer's combined input [T, H] -> its block output [T, H]."""
         i = self.model.config.num_hidden_layers + layer
-        cos, sin = self._rotary(meta)
-        return self.run_layer(i, x, cos, sin, meta, _data(caches[i]))
+        return self.run_layer(i, x, meta, _data(caches[i]))
 
-    def _rotary(self, meta: DecodeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables of the window, or those of the last call on the same window."""
+    def _window(self, meta: DecodeMetadata, windowed: bool) -> tuple:
+        """(cos, sin, positions, slots) of the window in the asked layout, kept for the
+        next calls on the same window."""
         if self._last is None or self._last[0] is not meta:
-            self._last = (meta, *_rope(self.model.rope, meta.positions))
-        return self._last[1], self._last[2]
+            flat = (*_rope(self.model.rope, meta.positions), meta.positions, meta.slot_mapping)
+            self._last = (meta, {False: flat})
+        layouts = self._last[1]
+        if windowed not in layouts:
+            layouts[windowed] = _windowed(layouts[False], meta.num_seqs)
+        return layouts[windowed]
+
+
+def _windowed(window: tuple, num_seqs: int) -> tuple:
+    """Per-token tensors [sequences * window, ...] -> [sequences, window, ...] views."""
+    return tuple(t.view(num_seqs, -1, *t.shape[1:]) for t in window)
 
 
 def _rope(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
