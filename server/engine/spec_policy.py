@@ -6,6 +6,7 @@ execution time (cost).  No torch here.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,8 +58,18 @@ class AdaptiveK:
     For a batch of B sequences drafting k tokens each, a step emits on average
     B * (1 + a1 + a1*a2 + ... + a1*...*ak) tokens, where ai is the acceptance rate of
     draft i given drafts 1..i-1 were accepted (EWMA per position, from ``observe``), and
-    costs c(k, B) seconds (EWMA of decode-only step times per k and power-of-two batch
-    bucket, from ``observe_step``).  The policy picks argmax_k expected_tokens(k) / c(k, B).
+    costs c(k, B) seconds (the lower median of the last ``cost_window`` decode-only step
+    times per k and power-of-two batch bucket, from ``observe_step``).  The policy picks
+    argmax_k expected_tokens(k) / c(k, B).
+
+    Why a windowed median, not a moving average: on a shared host a step now and then
+    takes several times its usual time (another process on the core, a page fault).  With
+    an average, one such sample of k=1 made k=0 look better, and k=1, run again only for
+    a few probe steps every ``probe_every`` decisions, took hundreds of steps to earn its
+    place back: a k=1 daemon at concurrency 1 spent 74% of its steps at k=0 and served
+    0.88x of MTP off, where fixed k=1 served 1.14x (scripts/bench.py, stop at EOS).
+    Interference only ever adds time, so the lower median also leans to the step's own
+    cost.
     So k falls when acceptance is low (few extra tokens) or when the batch is large enough
     that verifying k+1 tokens per sequence costs more than the extra tokens are worth, and
     rises again when the figures say it pays.
@@ -71,13 +82,14 @@ class AdaptiveK:
     """
 
     def __init__(self, max_k: int, *, probe_every: int = 64, probe_len: int = 3,
-                 alpha_cost: float = 0.2, alpha_acc: float = 0.05, margin: float = 0.03,
+                 cost_window: int = 8, alpha_acc: float = 0.05, margin: float = 0.03,
                  prior_acceptance: float = 0.7) -> None:
         self.max_draft_tokens = max_k
         self.probe_every, self.probe_len = probe_every, probe_len
-        self.alpha_cost, self.alpha_acc, self.margin = alpha_cost, alpha_acc, margin
+        self.cost_window, self.alpha_acc, self.margin = cost_window, alpha_acc, margin
         self.acceptance = [prior_acceptance] * max_k      # [k] conditional rate per position
         self.cost: dict[tuple[int, int], float] = {}        # (k, bucket) -> seconds per step
+        self._samples: dict[tuple[int, int], deque[float]] = {}   # (k, bucket) -> last step times
         self._measured_at: dict[tuple[int, int], int] = {}  # (k, bucket) -> decision count
         self.current = max_k
         self._probe: tuple[int, int] | None = None          # (k, steps left)
@@ -95,8 +107,10 @@ class AdaptiveK:
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         """A decode-only step where every sequence verified ``k`` drafts and drafted ``k``."""
         key = (k, _bucket(num_seqs))
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else old + self.alpha_cost * (seconds - old)
+        samples = self._samples.setdefault(key, deque(maxlen=self.cost_window))
+        samples.append(seconds)
+        ordered = sorted(samples)
+        self.cost[key] = ordered[(len(ordered) - 1) // 2]
         self._measured_at[key] = self._decisions
 
     # ---- decision --------------------------------------------------------------------

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 def trained(max_k: int, acceptance: list[float], cost, num_seqs: int, **kw) -> AdaptiveK:
     """A policy that has seen ``acceptance`` per position and ``cost(k)`` seconds per step."""
-    p = AdaptiveK(max_k, probe_every=10 ** 9, alpha_acc=1.0, alpha_cost=1.0, **kw)
+    p = AdaptiveK(max_k, probe_every=10 ** 9, alpha_acc=1.0, cost_window=1, **kw)
     p.acceptance = list(acceptance)
     for k in range(max_k + 1):
         p.observe_step(num_seqs, k, cost(k))
@@ -85,6 +85,25 @@ def test_raises_k_again_when_acceptance_recovers_and_probes_periodically():
         p.observe(1, 1)
     assert p.num_draft_tokens(1) == 1
     assert p.current == 1 and p.num_switches == 2        # down to 0, then back up to 1
+
+
+def test_one_stalled_step_does_not_flip_k_but_a_lasting_change_does():
+    # k=1 pays at batch 1: 1.8 tokens for 1.25x the time of a plain step.
+    p = AdaptiveK(1, probe_every=10 ** 9)
+    p.acceptance = [0.8]
+    for _ in range(4):
+        p.observe_step(1, 0, 0.010)
+        p.observe_step(1, 1, 0.0125)
+    assert p.num_draft_tokens(1) == 1
+    # One k=1 step stalls 5x (another process took the core): a moving average would
+    # price k=1 at 0.022 s and fall to k=0; the windowed median keeps the step's own cost.
+    p.observe_step(1, 1, 0.060)
+    assert p.cost[(1, 1)] == 0.0125
+    assert p.num_draft_tokens(1) == 1 and p.num_switches == 0
+    # k=1 steps now really cost 3x: once they fill most of the window, k falls to 0.
+    for _ in range(p.cost_window):
+        p.observe_step(1, 1, 0.030)
+    assert p.num_draft_tokens(1) == 0 and p.num_switches == 1
 
 
 class Scripted(FixedK):
