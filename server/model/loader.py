@@ -57,6 +57,29 @@ class ModelInfo:
                                # the int8 scheme and its layer counts otherwise
 
 
+def heads_by_columns(model: DeepseekV3ForCausalLM) -> None:
+    """Hold the vocabulary heads' float weights column-major on CPU: still the
+    [vocab, hidden] tensor every caller sees, stored as [hidden, vocab].
+
+    Why: a decode step multiplies 1 to 1 + k rows by the head, and MKL's small-row matmul
+    streams a [hidden, vocab] block as contiguous vocab rows, where [vocab, hidden] is a
+    dot product per vocabulary entry.  On the demo model (vocab 2048, hidden 128, one
+    thread) the main logits of a step took 0.066 ms instead of 0.138 ms, and a k=1 step
+    (two head products) 4.17 ms instead of 4.38.  Not for a head tied to the embedding,
+    whose row lookups want the row-major table."""
+    heads = [model.lm_head] + [model.model.layers[model.config.num_hidden_layers + j].shared_head.head
+                               for j in range(model.num_mtp_layers)]
+    done: set[int] = set()
+    for head in heads:
+        w = head.weight
+        if (type(head) is not nn.Linear or id(w) in done or w is model.model.embed_tokens.weight
+                or not w.is_floating_point() or w.dim() != 2):
+            continue
+        done.add(id(w))
+        with torch.no_grad():
+            w.data = w.data.t().contiguous().t()
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu",
                     int8_backend: str = "auto",
@@ -220,6 +243,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     if leftover:  # cannot happen unless the name mapping above is wrong
         raise CheckpointError(f"checkpoint {path}: parameters left unloaded: {', '.join(leftover)}")
     model.eval()
+    if torch.device(device).type == "cpu":
+        heads_by_columns(model)
 
     ignored = [k for k in where if k not in consumed and not k.endswith("weight_scale_inv")]
     if ignored and slices:

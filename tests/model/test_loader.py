@@ -89,6 +89,23 @@ def test_factory_writes_full_hf_layout(tiny):
     assert json.loads((tiny / "generation_config.json").read_text())["eos_token_id"] == 1
 
 
+def test_vocabulary_head_is_held_column_major_on_cpu_with_its_values(tiny):
+    model, _ = load_checkpoint(tiny)
+    head = model.lm_head.weight
+    stored = load_file(str(tiny / "model.safetensors"))["lm_head.weight"]
+    assert head.shape == stored.shape and head.stride() == (1, head.shape[0])   # [hidden, vocab] in memory
+    assert torch.equal(head, stored)
+    mtp = model.model.layers[model.config.num_hidden_layers]
+    assert mtp.shared_head.head.weight is head            # the MTP head is still the same tensor
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.allclose(model.compute_logits(x), x @ stored.t(), atol=1e-5)
+    # the MoE's stacked gate/up for decode windows: column-major too, the same values
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    gate_up, down, _ = moe._stacked()
+    assert gate_up.stride() == (1, gate_up.shape[0]) and down.is_contiguous()
+    assert torch.equal(gate_up[:moe.experts[0].gate_proj.out_features], moe.experts[0].gate_proj.weight)
+
+
 def test_sharded_checkpoint_loads_like_single_file(tiny, tmp_path, caplog):
     sharded = _copy(tiny, tmp_path / "sharded")
     tensors = load_file(str(sharded / "model.safetensors"))
