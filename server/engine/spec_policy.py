@@ -62,6 +62,10 @@ class AdaptiveK:
     times per k and power-of-two batch bucket, from ``observe_step``).  The policy picks
     argmax_k expected_tokens(k) / c(k, B).
 
+    So k falls when acceptance is low (few extra tokens) or when the batch is large enough
+    that verifying k+1 tokens per sequence costs more than the extra tokens are worth, and
+    rises again when the figures say it pays.
+
     Why a windowed median, not a moving average: on a shared host a step now and then
     takes several times its usual time (another process on the core, a page fault).  With
     an average, one such sample of k=1 made k=0 look better, and k=1, run again only for
@@ -70,9 +74,6 @@ class AdaptiveK:
     0.88x of MTP off, where fixed k=1 served 1.14x (scripts/bench.py, stop at EOS).
     Interference only ever adds time, so the lower median also leans to the step's own
     cost.
-    So k falls when acceptance is low (few extra tokens) or when the batch is large enough
-    that verifying k+1 tokens per sequence costs more than the extra tokens are worth, and
-    rises again when the figures say it pays.
 
     Exploration: a k with no cost figure yet for this bucket, and every ``probe_every``
     decisions the k measured longest ago, is run for ``probe_len`` steps (the first step
