@@ -313,8 +313,7 @@ def burst_size(concurrency: int, quick: bool) -> int:
     return max(concurrency * (2 if quick else 3), 4)
 
 
-def transformers_peer(weights: Path, prompts: list[list[dict]], max_tokens: int,
-                      batch_sizes: list[int], reps: int, ignore_eos: bool, quick: bool) -> dict[int, float]:
+class TransformersPeer:
     """tokens/s of transformers generate() (greedy) on the same checkpoint and the same
     work as the daemon's burst at that concurrency: the same requests (burst_size of them,
     the prompts in the same order) in batches of that size, stopping where the daemon
@@ -323,38 +322,51 @@ def transformers_peer(weights: Path, prompts: list[list[dict]], max_tokens: int,
 
     Why the same work: timing transformers on 64 forced tokens of one prompt while the
     daemon's requests stop at EOS after ~11 tokens compared decode speed against mostly
-    prefill and TTFT (the 1.69x of Run 7)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(weights)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    forced = {"min_new_tokens": max_tokens} if ignore_eos else {}
-    out: dict[int, float] = {}
-    for bs in batch_sizes:
-        texts = [tok.apply_chat_template(prompts[i % len(prompts)], tokenize=False, add_generation_prompt=True)
-                 for i in range(burst_size(bs, quick))]
-        batches = [tok(texts[i:i + bs], return_tensors="pt", padding=True, add_special_tokens=False)
-                   for i in range(0, len(texts), bs)]
-        rates = []
+    prefill and TTFT (the 1.69x of Run 7).  Why ``measure`` once per repetition, between
+    the daemons' bursts: timed only after them, a machine that sped up 1.5x in the
+    meantime moved the ratio by as much."""
+
+    def __init__(self, weights: Path, prompts: list[list[dict]], max_tokens: int,
+                 batch_sizes: list[int], ignore_eos: bool, quick: bool) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch = torch
+        tok = AutoTokenizer.from_pretrained(weights)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        self.pad_id = tok.pad_token_id
+        self.model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.max_tokens, self.ignore_eos = max_tokens, ignore_eos
+        self.batches: dict[int, list] = {}
+        for bs in batch_sizes:
+            texts = [tok.apply_chat_template(prompts[i % len(prompts)], tokenize=False, add_generation_prompt=True)
+                     for i in range(burst_size(bs, quick))]
+            self.batches[bs] = [tok(texts[i:i + bs], return_tensors="pt", padding=True, add_special_tokens=False)
+                                for i in range(0, len(texts), bs)]
+        self.rates: dict[int, list[float]] = {bs: [] for bs in batch_sizes}
         with torch.inference_mode():             # warm-up: first call pays one-off costs
-            model.generate(**batches[0], max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
-        for _ in range(reps):
+            self.model.generate(**self.batches[batch_sizes[0]][0], max_new_tokens=2, do_sample=False,
+                                pad_token_id=self.pad_id)
+
+    def measure(self) -> None:
+        """One timing of every batch size."""
+        forced = {"min_new_tokens": self.max_tokens} if self.ignore_eos else {}
+        for bs, batches in self.batches.items():
             tokens, t0 = 0, time.perf_counter()
             for enc in batches:
-                with torch.inference_mode():
-                    gen = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
-                                         pad_token_id=tok.pad_token_id, **forced)
+                with self.torch.inference_mode():
+                    gen = self.model.generate(**enc, max_new_tokens=self.max_tokens, do_sample=False,
+                                              pad_token_id=self.pad_id, **forced)
                 for row in gen[:, enc["input_ids"].shape[1]:].tolist():
-                    stop = next((j for j, t in enumerate(row) if t in eos), None) if not ignore_eos else None
+                    stop = None if self.ignore_eos else next((j for j, t in enumerate(row) if t in self.eos), None)
                     tokens += len(row) if stop is None else stop + 1
-            rates.append(tokens / (time.perf_counter() - t0))
-        out[bs] = statistics.median(rates)
-    return out
+            self.rates[bs].append(tokens / (time.perf_counter() - t0))
+
+    def medians(self) -> dict[int, float]:
+        return {bs: statistics.median(r) for bs, r in self.rates.items() if r}
 
 
 def prefill_forward_seconds(weights: Path, num_tokens: int, reps: int = 5) -> float:
@@ -496,7 +508,13 @@ def main(argv: list[str] | None = None) -> int:
         model = asyncio.run(model_id(targets[0]))
         runtimes = {t.name: runtime_of(t) for t in targets}
         ttft_prompt = long_prompt(weights, 200)
-        total = reps * len(levels) * len(targets) + reps * len(targets)
+        peer = None
+        if not args.url and not args.no_peer and args.compare == "mtp":
+            print("loading the transformers reference ...", file=sys.stderr)
+            peer = TransformersPeer(weights, prompts, max_tokens,
+                                    [1, 16] if 16 in levels or not args.quick else [1],
+                                    args.ignore_eos, args.quick)
+        total = reps * len(levels) * len(targets) + reps * len(targets) + (reps if peer else 0)
         prog = Progress(total)
         raw: dict[str, dict[int, list[dict]]] = {t.name: {c: [] for c in levels} for t in targets}
         ttft_raw: dict[str, list[float]] = {t.name: [] for t in targets}
@@ -515,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
                 ttft_raw[t.name].append(r["ttft_median"])
                 ttft_prompt_tokens = int(r["prompt_tokens"])
                 prog.step(f"{t.name} ttft200")
+            if peer is not None:         # between the bursts too, so drift hits it alike
+                peer.measure()
+                prog.step("transformers")
         # keep the daemons' logs when any request failed, to see why
         failed = any(r.get("errors") for per in raw.values() for runs in per.values() for r in runs)
     finally:
@@ -524,19 +545,13 @@ def main(argv: list[str] | None = None) -> int:
 
     table = {name: {c: _median_dict(runs) for c, runs in per.items()} for name, per in raw.items()}
     ttft200 = {name: statistics.median(v) for name, v in ttft_raw.items()}
-    peer = {}
     prefill_s = None
     if not args.url:
         prefill_s = prefill_forward_seconds(weights, ttft_prompt_tokens or 200)
-    if not args.url and not args.no_peer and args.compare == "mtp":
-        print("transformers reference ...", file=sys.stderr)
-        peer_bs = [1, 16] if 16 in levels or not args.quick else [1]
-        peer = transformers_peer(weights, prompts, max_tokens, peer_bs, max(reps, 2), args.ignore_eos,
-                                 args.quick)
 
     report = {"baseline": targets[0].name if targets else "off", "machine": _machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos, "reps": reps,
-              "results": table, "runtime": runtimes, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer,
+              "results": table, "runtime": runtimes, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer.medians() if peer else {},
               "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
               "start_s": {t.name: round(t.start_s, 1) for t in targets if t.proc is not None},
               "compiled_s": {t.name: round(t.compiled_s, 1) for t in targets if t.compiled_s is not None},
