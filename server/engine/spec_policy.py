@@ -6,6 +6,7 @@ execution time (cost).  No torch here.
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -110,8 +111,7 @@ class AdaptiveK:
         key = (k, _bucket(num_seqs))
         samples = self._samples.setdefault(key, deque(maxlen=self.cost_window))
         samples.append(seconds)
-        ordered = sorted(samples)
-        self.cost[key] = ordered[(len(ordered) - 1) // 2]
+        self.cost[key] = statistics.median_low(samples)
         self._measured_at[key] = self._decisions
 
     # ---- decision --------------------------------------------------------------------

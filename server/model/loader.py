@@ -26,6 +26,7 @@ from torch import nn
 from server.model.config import DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
+from server.model.layers import column_major
 from server.model.meta import meta_device
 from server.model.parallel import ParallelPlan, ShardError, TensorSlice, shard_model
 from server.model.quant import QuantLinear
@@ -58,26 +59,18 @@ class ModelInfo:
 
 
 def heads_by_columns(model: DeepseekV3ForCausalLM) -> None:
-    """Hold the vocabulary heads' float weights column-major on CPU: still the
-    [vocab, hidden] tensor every caller sees, stored as [hidden, vocab].
-
-    Why: a decode step multiplies 1 to 1 + k rows by the head, and MKL's small-row matmul
-    streams a [hidden, vocab] block as contiguous vocab rows, where [vocab, hidden] is a
-    dot product per vocabulary entry.  On the demo model (vocab 2048, hidden 128, one
-    thread) the main logits of a step took 0.066 ms instead of 0.138 ms, and a k=1 step
-    (two head products) 4.17 ms instead of 4.38.  Not for a head tied to the embedding,
-    whose row lookups want the row-major table."""
-    heads = [model.lm_head] + [model.model.layers[model.config.num_hidden_layers + j].shared_head.head
-                               for j in range(model.num_mtp_layers)]
-    done: set[int] = set()
-    for head in heads:
-        w = head.weight
-        if (type(head) is not nn.Linear or id(w) in done or w is model.model.embed_tokens.weight
-                or not w.is_floating_point() or w.dim() != 2):
-            continue
-        done.add(id(w))
-        with torch.no_grad():
-            w.data = w.data.t().contiguous().t()
+    """Hold the vocabulary heads column-major (layers.column_major): a decode step
+    multiplies 1 to 1 + k rows by them.  On the demo model the main logits of a step took
+    0.066 ms instead of 0.138 ms, and a k=1 step (two head products) 4.17 ms instead of
+    4.38.  Not a head tied to the embedding, whose row lookups want the row-major table;
+    the MTP head that is the main one is changed once."""
+    heads = {id(h.weight): h for h in [model.lm_head] + [
+        model.model.layers[model.config.num_hidden_layers + j].shared_head.head
+        for j in range(model.num_mtp_layers)]}
+    for head in heads.values():
+        if type(head) is nn.Linear and head.weight is not model.model.embed_tokens.weight:
+            with torch.no_grad():
+                head.weight.data = column_major(head.weight.data)
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
@@ -243,8 +236,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     if leftover:  # cannot happen unless the name mapping above is wrong
         raise CheckpointError(f"checkpoint {path}: parameters left unloaded: {', '.join(leftover)}")
     model.eval()
-    if torch.device(device).type == "cpu":
-        heads_by_columns(model)
+    heads_by_columns(model)
 
     ignored = [k for k in where if k not in consumed and not k.endswith("weight_scale_inv")]
     if ignored and slices:
