@@ -19,7 +19,9 @@ from server.api.errors import APIError
 from server.api.offload import INLINE_BYTES, TRIM_BYTES, off_loop, trim_soon
 
 
-async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> Any:
+async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> tuple[Any, int]:
+    """(the decoded body, its size in bytes): the size tells the handler whether planning
+    the request may run on the event loop (``offload.PLAN_INLINE_BYTES``)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds maxRequestLength "
@@ -35,8 +37,8 @@ async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> An
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
         if len(body) <= INLINE_BYTES:
-            return orjson.loads(body)
-        return await off_loop(orjson.loads, body)
+            return orjson.loads(body), len(body)
+        return await off_loop(orjson.loads, body), len(body)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
 

@@ -229,10 +229,12 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict:
 
 async def create_chat_completion(state: ServerState, raw: Any,
                                  is_disconnected: Callable[[], Awaitable[bool]],
-                                 release: Callable[[], None]) -> Response:
+                                 release: Callable[[], None],
+                                 plan_inline: bool = False) -> Response:
     """Validate, plan and run one chat request (``n`` engine requests, one per choice);
     ``release`` frees its admission slots."""
-    plan = await plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release)
+    plan = await plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release,
+                              plan_inline)
     if plan.grammar is not None:
         await prepare_grammar(state.engine, plan.grammar, release)
     req = plan.req

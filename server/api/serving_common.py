@@ -170,20 +170,27 @@ def warn_ignored(kind: str, fields: list[str]) -> None:
 
 
 async def plan_request(kind: str, request_cls: type, plan_cls: Callable[[Any, Any], P],
-                       state: Any, raw: Any, release: Callable[[], None]) -> P:
+                       state: Any, raw: Any, release: Callable[[], None],
+                       inline: bool = False) -> P:
     """Parse, check and plan one request; a refusal frees its admission slots before raising,
     because no engine call will exist to free them later.  ``release`` is the request's
-    ``limits.Ticket``: with ``n`` > 1 it grows to one slot per choice (503 when full)."""
+    ``limits.Ticket``: with ``n`` > 1 it grows to one slot per choice (503 when full).
+    ``inline``: the body is small (``offload.PLAN_INLINE_BYTES``), plan it on the loop."""
+    run = _on_loop if inline else off_loop
     try:
-        # Validation and planning (template, tokenizing) run off the event loop; slots
-        # are taken on it (``Admission`` is not thread-safe).
-        req = await off_loop(parse_request, request_cls, raw)
+        # Validation and planning (template, tokenizing) of a large request run off the
+        # event loop; slots are taken on it (``Admission`` is not thread-safe).
+        req = await run(parse_request, request_cls, raw)
         warn_ignored(kind, ignored_fields(req))
         check_model(req, state.settings)
         check_request_rules(req, state.settings)
         if req.n > 1:                   # one slot per choice, taken before any tokenizing
             release.grow(req.n - 1)     # type: ignore[attr-defined]
-        return await off_loop(plan_cls, state, req)
+        return await run(plan_cls, state, req)
     except BaseException:
         release()
         raise
+
+
+async def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)

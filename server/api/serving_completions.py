@@ -119,8 +119,10 @@ class CompletionPlan:
 
 async def create_completion(state: ServerState, raw: Any,
                             is_disconnected: Callable[[], Awaitable[bool]],
-                            release: Callable[[], None]) -> Response:
-    plan = await plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release)
+                            release: Callable[[], None],
+                            plan_inline: bool = False) -> Response:
+    plan = await plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release,
+                              plan_inline)
     if plan.grammar is not None:
         await prepare_grammar(state.engine, plan.grammar, release)
     req = plan.req

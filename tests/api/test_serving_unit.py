@@ -428,3 +428,43 @@ def test_response_format_with_thinking_closes_the_thought_first(tokenizer):
     assert msg["content"] == '{"a": 1}' and not msg["reasoning_content"]
     prompt = tokenizer.decode(engine.requests[0].prompt_token_ids, skip_special_tokens=False)
     assert prompt.endswith(THINK_END) and engine.requests[0].sampling.grammar is not None
+
+
+def test_small_bodies_are_planned_on_the_loop_large_ones_on_the_pool(tokenizer, monkeypatch):
+    """The same request, its JSON padded with whitespace past PLAN_INLINE_BYTES, plans the
+    same prompt either way; only the padded one goes through the planning pool.  A small
+    request refused by validation frees its slot as a pooled one does."""
+    from server.api import serving_common
+    from server.api.offload import PLAN_INLINE_BYTES
+    pooled = []
+    real = serving_common.off_loop
+
+    async def counting(fn, *args):
+        pooled.append(fn)
+        return await real(fn, *args)
+    monkeypatch.setattr(serving_common, "off_loop", counting)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "weather?"}],
+                       "tools": TOOLS, "temperature": 0.5}).encode()
+    padded = body[:-1] + b" " * (PLAN_INLINE_BYTES + 1 - len(body)) + b"}"
+    assert len(body) <= PLAN_INLINE_BYTES < len(padded)
+
+    async def go():
+        client, engine, _ = make_client(tokenizer, "Sure.", max_link_num=1)
+        out = []
+        for content in (body, padded):
+            out.append(await client.post("/v1/chat/completions", content=content,
+                                         headers={"content-type": "application/json"}))
+        bad = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "q"}], "temperature": -1})
+        after = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "q"}]})
+        return out, bad, after, engine
+
+    (small, large), bad, after, engine = run(go())
+    assert small.status_code == large.status_code == 200, (small.text, large.text)
+    first, second = engine.requests[:2]
+    assert first.prompt_token_ids == second.prompt_token_ids
+    assert first.sampling == second.sampling
+    assert len(pooled) == 2          # validation and planning of the padded request only
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert after.status_code == 200
