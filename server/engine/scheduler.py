@@ -102,7 +102,22 @@ class Scheduler:
         """When an idle engine must schedule the queued prefills (maxQueueDelayMicroseconds)."""
         if self.running or not self.waiting:
             return None
+        if self._prefill_batch_full():         # waiting longer cannot add to the batch
+            return self.waiting[0].arrival_time
         return self.waiting[0].arrival_time + self.cfg.max_queue_delay_us / 1e6
+
+    def _prefill_batch_full(self) -> bool:
+        """The queue already holds a whole first prefill batch (maxPrefillBatchSize or
+        maxBatchSize requests, or maxPrefillTokens prompt tokens)."""
+        cfg = self.cfg
+        if len(self.waiting) >= min(cfg.max_prefill_batch_size, cfg.max_batch_size):
+            return True
+        tokens = 0
+        for seq in self.waiting:
+            tokens += seq.num_tokens
+            if tokens >= cfg.max_prefill_tokens:
+                return True
+        return False
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """Finish ``seq`` (any state) and free its blocks at once."""
@@ -169,8 +184,7 @@ class Scheduler:
             return False
         cfg = self.cfg
         if not self.running:
-            full = len(self.waiting) >= cfg.max_prefill_batch_size
-            return full or now >= self.waiting[0].arrival_time + cfg.max_queue_delay_us / 1e6
+            return now >= self.next_deadline()
         if not cfg.support_select_batch or len(self.running) >= cfg.max_batch_size:
             return len(self.running) < cfg.max_batch_size
         stall = cfg.prefill_time_ms_per_req * len(self.running)

@@ -98,6 +98,22 @@ def test_queue_delay_holds_prefill_while_idle():
     assert s.schedule().num_scheduled == 1
 
 
+def test_queue_delay_ends_once_the_first_batch_is_full():
+    """An idle engine waits for more prompts only while more could join the first prefill:
+    the wait ends at maxPrefillBatchSize or maxBatchSize requests, or maxPrefillTokens."""
+    for limits, prompts in (({"max_prefill_batch_size": 2}, [5, 5]),
+                            ({"max_batch_size": 2}, [5, 5]),
+                            ({"max_prefill_tokens": 12}, [5, 7])):
+        clock = Clock()
+        s = make(clock=clock, max_queue_delay_us=5000, **limits)
+        s.add(req(prompts[0], arrival=clock.t))
+        assert s.next_deadline() > clock.t and s.schedule().num_scheduled == 0
+        clock.t += 0.001
+        s.add(req(prompts[1], arrival=clock.t))
+        assert s.next_deadline() <= clock.t, limits      # due now: the engine loop does not sleep
+        assert s.schedule().num_scheduled == 2, limits
+
+
 def test_select_batch_trades_prefill_stall_against_decode_waste():
     s = make(support_select_batch=True, max_batch_size=4, prefill_time_ms_per_req=100,
              decode_time_ms_per_req=10)
