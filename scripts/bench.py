@@ -105,8 +105,9 @@ def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
                  async_scheduling: bool = False, weights: Path | None = None,
                  kv_int8: bool = False, timeout: float = 300.0,
                  extra_env: dict[str, str] | None = None, world_size: int = 1,
-                 edit_config=None) -> Target:
-    """``edit_config``: a function that changes the config dict before the daemon reads it."""
+                 edit_config=None, root: Path = ROOT) -> Target:
+    """``edit_config``: a function that changes the config dict before the daemon reads it;
+    ``root``: the checkout whose ``server`` package runs (scripts/bench_checkouts.py)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     cfg_path, port, mport = _write_config(base_config, workdir, spec_tokens, weights, kv_int8,
                                           world_size)
@@ -119,7 +120,7 @@ def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
                MINDIE_ASYNC_SCHEDULING_ENABLE="1" if async_scheduling else "0", **(extra_env or {}))
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg_path)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

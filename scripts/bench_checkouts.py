@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""The serving path of two checkouts, side by side: this one and ``--base`` (for example
+``git worktree add /tmp/base HEAD~1``), each a daemon on the demo model with MTP k=1.
+
+Rows, medians over alternating requests (one client, so the two daemons share the machine
+the same way): ``GET /v1/models`` (the HTTP stack alone), a non-streamed chat answer of
+one token (HTTP, planning, the engine hand-off and one prefill), and the streamed TTFT of
+a burst of the bench prompts at concurrency 1.  The queue delay is 500 us (its minimum),
+so it does not hide the rest.  Per-request costs show at concurrency 1 and in short
+answers, where the bench's tokens/s ratios of MTP on vs off are diluted by them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import (DEFAULT_CONFIG, PROMPTS_FILE, ROOT, burst, model_id,  # noqa: E402
+                   start_daemon, stop_daemon)
+
+
+def _min_delay(cfg: dict) -> None:
+    cfg["BackendConfig"]["ScheduleConfig"]["maxQueueDelayMicroseconds"] = 500
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=Path, required=True, help="the other checkout")
+    ap.add_argument("--requests", type=int, default=80, help="of each kind, per daemon")
+    args = ap.parse_args()
+    prompts = json.loads(PROMPTS_FILE.read_text())["prompts"]
+    targets = []
+    try:
+        for name, root in (("base", args.base.resolve()), ("this", ROOT)):
+            targets.append(start_daemon(name, DEFAULT_CONFIG, 1, 1, edit_config=_min_delay, root=root))
+        model = asyncio.run(model_id(targets[0]))
+        rows = {t.name: {"GET /v1/models": [], "1-token chat": []} for t in targets}
+        with httpx.Client(timeout=60) as client:
+            for i in range(args.requests):
+                for t in targets:
+                    t0 = time.perf_counter()
+                    client.get(t.base_url + "/v1/models").raise_for_status()
+                    rows[t.name]["GET /v1/models"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    client.post(t.base_url + "/v1/chat/completions", json={
+                        "model": model, "messages": prompts[i % len(prompts)],
+                        "max_tokens": 1}).raise_for_status()
+                    rows[t.name]["1-token chat"].append(time.perf_counter() - t0)
+        for t in targets:
+            r = asyncio.run(burst(t, model, prompts, 1, 16, 64))
+            rows[t.name]["streamed TTFT, c1"] = [r["ttft_median"]]
+        print(f"{'median, ms':24s}" + "".join(f"{t.name:>10s}" for t in targets))
+        for row in rows[targets[0].name]:
+            print(f"{row:24s}" + "".join(f"{statistics.median(rows[t.name][row]) * 1e3:10.2f}"
+                                          for t in targets))
+    finally:
+        for t in targets:
+            stop_daemon(t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
