@@ -78,6 +78,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     compile_mode = _compile_mode(env, issues)
     compile_wait = _compile_wait(env, issues)
     engine_process = _engine_process(env, issues)
+    draft_after_emit = _switch(env, "MTP_SERVE_DRAFT_AFTER_EMIT", True, "1 (on) or 0 (off)", issues)
     env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
@@ -121,7 +122,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      model_options=options, chat_template_path=template,
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
                      compile_mode=compile_mode, compile_wait=compile_wait, kv_pool=kv_pool,
-                     engine_process=engine_process,
+                     engine_process=engine_process, draft_after_emit=draft_after_emit,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
                      parallel=parallel_layout(doc, env))
 

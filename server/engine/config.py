@@ -73,6 +73,8 @@ class EngineConfig:
     async_executor: str = "auto"            # where the worker runs then: process | thread | auto
                                             # (auto: a process on CPU, a thread on CUDA)
     static_decode: bool = True              # uniform decode/verify steps on the static path (static_decode.py)
+    draft_after_emit: bool = False          # $MTP_SERVE_DRAFT_AFTER_EMIT for the daemon: a step's MTP
+                                            # passes run after its tokens went out (worker.py)
     compile: str = "off"                    # $MTP_SERVE_COMPILE for the daemon: auto | on | off (compile_step.py)
     compile_wait: bool = True               # False: compile in the background ($MTP_SERVE_COMPILE_WAIT=0)
     tokenizer_dir: str | None = None        # tokenizer.json for grammar masks (grammar.py)
@@ -109,6 +111,7 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         disk_cache_dir=str(app.kv_pool.disk_dir) if app.kv_pool.disk_dir else None,
         disk_cache_gb=app.kv_pool.disk_size_gb,
         compile=app.compile_mode, compile_wait=app.compile_wait,
+        draft_after_emit=app.draft_after_emit,
         parallel=_parallel_config(app),
         tokenizer_dir=str(app.model_weight_path),
     )

@@ -71,7 +71,9 @@ def _make_executor(model: Any, cfg: EngineConfig, k: int, policy: SpecPolicy | N
         raise EngineError(f"async_executor {cfg.async_executor!r}; allowed: auto, process, thread")
     if cfg.async_scheduling and kind == "process":
         return ProcessExecutor(model, cfg, k, policy)
-    return InProcessExecutor(Worker(model, cfg, k, policy), async_scheduling=cfg.async_scheduling)
+    worker = Worker(model, cfg, k, policy,
+                    draft_after_emit=cfg.draft_after_emit and not cfg.async_scheduling)
+    return InProcessExecutor(worker, async_scheduling=cfg.async_scheduling)
 
 
 class LLMEngine:
@@ -250,6 +252,11 @@ class LLMEngine:
             outputs += self._apply(done, fut.result(), t0)
         return outputs
 
+    def finish_step(self) -> None:
+        """After the outputs of ``step`` went out: the draft passes the step left
+        (``EngineConfig.draft_after_emit``).  Optional: the next step runs them first."""
+        self.executor.finish_step()
+
     def poll_idle(self) -> bool:
         """While idle: let the worker switch to graphs compiled in the background.  It
         switches between steps, and an idle engine takes none, so without this the runtime
@@ -365,6 +372,7 @@ class LLMEngine:
                 time.sleep(wait)
             for o in self.step():
                 outs[o.request_id].append(o)
+            self.finish_step()
         return outs
 
     def shutdown(self) -> None:

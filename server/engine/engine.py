@@ -142,6 +142,10 @@ class EngineLoop:
                 outputs = eng.fail_all(fatal or "internal engine error")
             self.stats = eng.stats()
             self.deliver(outputs)
+            try:
+                eng.finish_step()                  # the drafts, once the tokens are out
+            except Exception:                      # noqa: BLE001 - the next step runs them
+                log.exception("finishing the engine step failed")
             if eng.fatal_error is not None and self.on_fatal is not None:
                 on_fatal, self.on_fatal = self.on_fatal, None
                 on_fatal(eng.fatal_error)

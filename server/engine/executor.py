@@ -45,6 +45,12 @@ class InProcessExecutor:
             fut.set_exception(exc)
         return fut
 
+    def finish_step(self) -> None:
+        """The draft passes the last step left, once its outputs are out (worker.py).  A
+        worker thread (asynchronous scheduling) drafts inside its steps."""
+        if self._pool is None:
+            self.worker.finish_step()
+
     @property
     def num_held_requests(self) -> int:
         return self.worker.num_held_requests

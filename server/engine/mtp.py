@@ -20,6 +20,7 @@ off the worker uses ``NoProposer``: the same interface, nothing held, nothing dr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,7 +53,7 @@ class NoProposer:
         return 0
 
     def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None, draft_mask=None,
-                static_prefill=False):
+                static_prefill=False, defer=False):
         return None
 
     def commit(self, states, drafts, k, num_drafts, sampled) -> None:
@@ -134,7 +135,8 @@ class MTPProposer:
     def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
                 sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
                 k: int, window: DecodeMetadata | None = None,
-                draft_mask=None, static_prefill: bool = False) -> "DraftResult | None":
+                draft_mask=None, static_prefill: bool = False,
+                defer: bool = False) -> "DraftResult | Callable[[], DraftResult | None] | None":
         """Draft k tokens per sequence from the verified positions (module docstring).
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
@@ -155,6 +157,10 @@ class MTPProposer:
         constrained requests (grammar.next_masks); chained drafts are not masked (their
         masks would need the previous draft on the host).  Masking a draft changes only
         how often it is accepted: q is the masked distribution it was drawn from.
+
+        ``defer``: build every input now (from the request states as they are before the
+        step is committed) and return the model passes as a function to call later, after
+        the step's tokens went out (worker.py, "drafting after the tokens go out").
         """
         dev = self.device
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
@@ -202,8 +208,10 @@ class MTPProposer:
             samp.append(S.SeqSamplingInput(st.sampling, st.seed, 1, b + 1,
                                            st.num_output_tokens + len(toks), prompt, output,
                                            st.stop_ids))
-        return propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden, last_rows,
-                       samp, self.vocab_size, chain_meta, draft_mask)
+        def passes() -> DraftResult | None:
+            return propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden,
+                           last_rows, samp, self.vocab_size, chain_meta, draft_mask)
+        return passes if defer else passes()
 
     def commit(self, states: list[RequestState], drafts: "DraftResult | None", k: int,
                num_drafts: list[int], sampled: list[list[int]]) -> None:

@@ -15,7 +15,7 @@ changes nothing: the worker commits a step once all of it succeeded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,6 +51,8 @@ class StepResult:
     drafts: Any                                    # the proposer's DraftResult (or None)
     num_tokens: int                                # tokens fed to the main model
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    # execute(defer_drafts=True): the draft passes, still to run (they return ``drafts``)
+    drafting: Callable[[], Any] | None = None
 
 
 class ModelRunner:
@@ -70,9 +72,11 @@ class ModelRunner:
         self.masks_words = (self.vocab_size + 31) // 32
 
     @torch.inference_mode()
-    def execute(self, states: list[RequestState], k: int | None = None) -> StepResult:
+    def execute(self, states: list[RequestState], k: int | None = None,
+                defer_drafts: bool = False) -> StepResult:
         """One step for ``states``; ``k``: drafts per request for the next step (default:
-        the proposer's choice)."""
+        the proposer's choice).  ``defer_drafts``: leave the MTP passes in
+        ``StepResult.drafting`` instead of running them (worker.py)."""
         if k is None:
             k = self.proposer.choose_k(states)
         n_new = [s.num_new_tokens for s in states]
@@ -83,8 +87,9 @@ class ModelRunner:
                 # Prefills among decodes: the decodes still take the static path, the
                 # prefills the varlen one, as two forwards of one step.
                 rest = [i for i in range(len(states)) if n_new[i] != 1]
-                return _merge([self.execute([states[i] for i in decode], k),
-                               self.execute([states[i] for i in rest], k)], decode + rest)
+                return _merge([self.execute([states[i] for i in decode], k, defer_drafts),
+                               self.execute([states[i] for i in rest], k, defer_drafts)],
+                              decode + rest)
         starts = [s.num_computed_tokens for s in states]
         uniform = self.static_decode and all(n == 1 for n in n_new) and min(nd) == max(nd)
         lone_prefill = not uniform and self._static_prefill_ok(states, starts, n_new, nd)
@@ -127,7 +132,9 @@ class ModelRunner:
             draft_mask = (self.masks, torch.tensor(rows, device=self.device), bitmask)
         drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
                                        window=w.meta if uniform else None, draft_mask=draft_mask,
-                                       static_prefill=lone_prefill)
+                                       static_prefill=lone_prefill, defer=defer_drafts)
+        if defer_drafts:
+            return StepResult(sampled, nd, logprobs, k, None, w.cu[-1], prompt_lp, drafts)
         return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1], prompt_lp)
 
     def _prompt_logprobs(self, states, starts, cu, hidden) -> dict[str, list[TokenLogprob | None]]:
@@ -308,17 +315,27 @@ def _merge(parts: list[StepResult], order: list[int]) -> StepResult:
     def cat(field: str) -> list:
         joined = [x for p in parts for x in getattr(p, field)]
         return [joined[j] for j in back]
-    drafts = [p.drafts for p in parts]
-    merged = None
-    if all(d is not None for d in drafts):
-        ids = torch.cat([d.ids for d in drafts])[back]
-        probs = None
-        if any(d.probs is not None for d in drafts):
-            vocab = next(d.probs for d in drafts if d.probs is not None).shape[-1]
-            probs = torch.cat([d.probs if d.probs is not None
-                               else d.ids.new_zeros(d.ids.shape + (vocab,), dtype=torch.float32)
-                               for d in drafts])[back]
-        merged = type(drafts[0])(ids, probs)
-    return StepResult(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k, merged,
+    passes = [p.drafting for p in parts]
+    drafting = None
+    if any(f is not None for f in passes):
+        def drafting() -> Any:
+            return _merge_drafts([f() if f is not None else None for f in passes], back)
+    return StepResult(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k,
+                      _merge_drafts([p.drafts for p in parts], back),
                       sum(p.num_tokens for p in parts),
-                      {rid: lp for p in parts for rid, lp in p.prompt_logprobs.items()})
+                      {rid: lp for p in parts for rid, lp in p.prompt_logprobs.items()}, drafting)
+
+
+def _merge_drafts(drafts: list, back: list[int]) -> Any:
+    """The groups' DraftResults as one, in the step's request order (None unless every
+    group drafted)."""
+    if not drafts or any(d is None for d in drafts):
+        return None
+    ids = torch.cat([d.ids for d in drafts])[back]
+    probs = None
+    if any(d.probs is not None for d in drafts):
+        vocab = next(d.probs for d in drafts if d.probs is not None).shape[-1]
+        probs = torch.cat([d.probs if d.probs is not None
+                           else d.ids.new_zeros(d.ids.shape + (vocab,), dtype=torch.float32)
+                           for d in drafts])[back]
+    return type(drafts[0])(ids, probs)

@@ -37,12 +37,25 @@ log = logging.getLogger("server.engine")
 
 class Worker:
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
-                 policy: SpecPolicy | None = None, group: RankGroup | None = None) -> None:
+                 policy: SpecPolicy | None = None, group: RankGroup | None = None,
+                 draft_after_emit: bool = False) -> None:
         """``group``: the ranks of a tensor/expert-parallel model (rank_group.py); every
         decision that could differ between ranks (pool size, a step's measured time) is
-        agreed over it, so all ranks run the same steps."""
+        agreed over it, so all ranks run the same steps.
+
+        ``draft_after_emit``: a step returns once its tokens are verified; its MTP passes
+        run in ``finish_step``, which the engine loop calls after handing the tokens out
+        (and ``execute_model`` calls first, if nobody did).  The drafts are needed only
+        by the next step, so the tokens reach the client one draft pass earlier: the
+        time to first token loses the MTP layer's pass over the prompt.  Only for a
+        worker the engine calls inline, not in a rank group."""
         self.model = model
         self.group = group
+        self.draft_after_emit = draft_after_emit and group is None
+        # A step's draft passes not run yet: (states, StepResult, decode only?, seconds of
+        # the step so far); the requests whose draft pass failed, to fail in the next step.
+        self._pending: list[tuple[list[RequestState], StepResult, bool, float]] = []
+        self._draft_failures: dict[str, str] = {}
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
         dtype = next(model.parameters()).dtype
@@ -158,13 +171,37 @@ class Worker:
     def kv_rows(self, request_id: str, positions, layer: int) -> torch.Tensor:
         """A copy of the KV cache rows of ``request_id`` at ``positions`` in cache layer
         ``layer`` (-1: the MTP layer), for checks and debugging; call between steps."""
+        self.finish_step()
         st = self.requests[request_id]
         bs = self.runner.block_size
         return self.kv_caches[layer].read_slots([st.block_table[p // bs] * bs + p % bs
                                                  for p in positions])
 
+    def finish_step(self) -> None:
+        """Run the draft passes the last step left (``draft_after_emit``) and hold their
+        drafts.  A pass that fails fails its requests in the next step: their tokens are
+        out, and without drafts they cannot take part in the step the scheduler plans."""
+        pending, self._pending = self._pending, []
+        for states, res, decode_only, seconds in pending:
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    drafts = res.drafting()
+            except Exception as exc:            # noqa: BLE001 - handed to the next step
+                log.exception("the draft pass of %d requests failed", len(states))
+                for st in states:
+                    self.proposer.drop(st.request_id)
+                    self._draft_failures[st.request_id] = f"engine draft pass failed: {exc!r}"
+                continue
+            self.proposer.commit(states, drafts, res.k, res.num_drafts, res.sampled)
+            if decode_only:
+                self.proposer.observe_step(len(states), res.k, seconds + time.perf_counter() - t0)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
+        self.finish_step()
+        out.failed.update(self._draft_failures)
+        self._draft_failures.clear()
         if self._background is not None:
             self._adopt_graphs(out)
         if so.has_kv_transfers:               # before the forward, which reads or reuses them
@@ -188,6 +225,8 @@ class Worker:
             if st is None:
                 out.failed[cached.request_id] = "the worker holds no state for this request"
                 continue
+            if cached.request_id in out.failed:   # its draft pass failed
+                continue
             st.block_table.extend(cached.new_block_ids)
             if st.stopped:                    # an earlier step ended it: nothing to compute
                 out.skipped.append(cached.request_id)
@@ -199,9 +238,11 @@ class Worker:
         if not states:
             return out
         decode_only = not so.new_requests and all(st.num_new_tokens == 1 for st in states)
+        # PD prefill exports read the MTP layer's KV of the prompt: drafted in the step.
+        defer = self.draft_after_emit and not any(new.export_kv for new in so.new_requests)
         t0 = time.perf_counter()
         try:
-            done = [(states, self.runner.execute(states))]
+            done = [(states, self.runner.execute(states, defer_drafts=defer))]
         except Exception as exc:
             if self.group is not None and collective_error(exc):
                 raise                         # the group is broken: no retry can succeed
@@ -222,7 +263,10 @@ class Worker:
         res = done[0][1] if len(done) == 1 and len(done[0][0]) == len(states) else None
         # A clean cost sample for the policy: decode only, every request verified the same k
         # it now drafted (the first step after a switch mixes two k's).
-        if res is not None and decode_only and all(d == res.k for d in res.num_drafts):
+        clean = res is not None and decode_only and all(d == res.k for d in res.num_drafts)
+        if res is not None and res.drafting is not None:     # sampled when drafted
+            self._pending[-1] = (*self._pending[-1][:2], clean, out.execute_time_s)
+        elif clean:
             seconds = out.execute_time_s
             if self.group is not None and self.proposer.policy is not None:
                 seconds = self.group.agree_max(seconds)
@@ -243,7 +287,10 @@ class Worker:
                 st.export_kv = False
 
     def _commit(self, states: list[RequestState], res: StepResult, out: ModelRunnerOutput) -> None:
-        self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
+        if res.drafting is not None:              # drafts come in finish_step
+            self._pending.append((states, res, False, 0.0))
+        else:
+            self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
         for st, toks, d, lp in zip(states, res.sampled, res.num_drafts, res.logprobs):
             st.advance(toks)
             if st.matcher is not None:

@@ -212,6 +212,9 @@ class ProcessExecutor:
     def worker_pids(self) -> tuple[int, ...]:
         return tuple(p.pid for p in self._procs)
 
+    def finish_step(self) -> None:
+        """The worker process drafts inside its step (Worker ``draft_after_emit`` is off)."""
+
     def shutdown(self) -> None:
         if self._procs[0].is_alive():
             try:

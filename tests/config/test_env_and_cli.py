@@ -29,7 +29,9 @@ ENV_CASES = [
     ("monitor-off", {"MIES_SERVICE_MONITOR_MODE": "0"}, {"metrics_enabled": False}),
     ("monitor-on", {"MIES_SERVICE_MONITOR_MODE": "1"}, {"metrics_enabled": True}),
     ("empty-ip-ignored", {"MIES_CONTAINER_IP": ""}, {"server.ip_address": "127.0.0.1"}),
-    ("compile-defaults", {}, {"compile_mode": "auto", "compile_wait": False, "engine_process": True}),
+    ("compile-defaults", {}, {"compile_mode": "auto", "compile_wait": False, "engine_process": True,
+                              "draft_after_emit": True}),
+    ("draft-inside-the-step", {"MTP_SERVE_DRAFT_AFTER_EMIT": "0"}, {"draft_after_emit": False}),
     ("engine-on-a-thread", {"MTP_SERVE_ENGINE_PROCESS": "off"}, {"engine_process": False}),
     ("engine-process", {"MTP_SERVE_ENGINE_PROCESS": "1"}, {"engine_process": True}),
     ("compile-wait", {"MTP_SERVE_COMPILE": "1", "MTP_SERVE_COMPILE_WAIT": "yes"},
@@ -77,7 +79,8 @@ def test_bad_monitor_mode(tmp_path):
     assert info.value.issues[0].path == "$MIES_SERVICE_MONITOR_MODE"
 
 
-@pytest.mark.parametrize("name", ["MTP_SERVE_COMPILE", "MTP_SERVE_COMPILE_WAIT", "MTP_SERVE_ENGINE_PROCESS"])
+@pytest.mark.parametrize("name", ["MTP_SERVE_COMPILE", "MTP_SERVE_COMPILE_WAIT", "MTP_SERVE_ENGINE_PROCESS",
+                                  "MTP_SERVE_DRAFT_AFTER_EMIT"])
 def test_bad_compile_switch_is_blamed(name, tmp_path):
     write_weights(tmp_path / "tiny-model")
     with pytest.raises(ConfigError) as info:
