@@ -4,10 +4,11 @@
 
 Rows, medians over alternating requests (one client, so the two daemons share the machine
 the same way): ``GET /v1/models`` (the HTTP stack alone), a non-streamed chat answer of
-one token (HTTP, planning, the engine hand-off and one prefill), and the streamed TTFT of
-a burst of the bench prompts at concurrency 1.  The queue delay is 500 us (its minimum),
-so it does not hide the rest.  Per-request costs show at concurrency 1 and in short
-answers, where the bench's tokens/s ratios of MTP on vs off are diluted by them.
+one token (HTTP, planning, the engine hand-off and one prefill), and a streamed answer to
+a bench prompt (greedy, up to 64 tokens, stopping at EOS): its TTFT and its whole time.
+The queue delay is 500 us (its minimum), so it does not hide the rest.  Per-request costs
+show at concurrency 1 and in short answers, where the bench's tokens/s ratios of MTP on
+vs off are diluted by them.
 """
 from __future__ import annotations
 
@@ -22,12 +23,34 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (DEFAULT_CONFIG, PROMPTS_FILE, ROOT, burst, model_id,  # noqa: E402
+from bench import (DEFAULT_CONFIG, PROMPTS_FILE, ROOT, model_id, one_request,  # noqa: E402
                    start_daemon, stop_daemon)
 
 
 def _min_delay(cfg: dict) -> None:
     cfg["BackendConfig"]["ScheduleConfig"]["maxQueueDelayMicroseconds"] = 500
+
+
+async def _measure(targets: list, prompts: list, n: int) -> dict[str, dict[str, list[float]]]:
+    model = await model_id(targets[0])
+    rows = {t.name: {"GET /v1/models": [], "1-token chat": [], "streamed TTFT": [],
+                     "streamed answer": []} for t in targets}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i in range(n):
+            messages = prompts[i % len(prompts)]
+            for t in targets:
+                row = rows[t.name]
+                t0 = time.perf_counter()
+                (await client.get(t.base_url + "/v1/models")).raise_for_status()
+                row["GET /v1/models"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                (await client.post(t.base_url + "/v1/chat/completions", json={
+                    "model": model, "messages": messages, "max_tokens": 1})).raise_for_status()
+                row["1-token chat"].append(time.perf_counter() - t0)
+                r = await one_request(client, t.base_url, model, messages, 64)
+                row["streamed TTFT"].append(r.ttft)
+                row["streamed answer"].append(r.latency)
+    return rows
 
 
 def main() -> int:
@@ -40,22 +63,7 @@ def main() -> int:
     try:
         for name, root in (("base", args.base.resolve()), ("this", ROOT)):
             targets.append(start_daemon(name, DEFAULT_CONFIG, 1, 1, edit_config=_min_delay, root=root))
-        model = asyncio.run(model_id(targets[0]))
-        rows = {t.name: {"GET /v1/models": [], "1-token chat": []} for t in targets}
-        with httpx.Client(timeout=60) as client:
-            for i in range(args.requests):
-                for t in targets:
-                    t0 = time.perf_counter()
-                    client.get(t.base_url + "/v1/models").raise_for_status()
-                    rows[t.name]["GET /v1/models"].append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    client.post(t.base_url + "/v1/chat/completions", json={
-                        "model": model, "messages": prompts[i % len(prompts)],
-                        "max_tokens": 1}).raise_for_status()
-                    rows[t.name]["1-token chat"].append(time.perf_counter() - t0)
-        for t in targets:
-            r = asyncio.run(burst(t, model, prompts, 1, 16, 64))
-            rows[t.name]["streamed TTFT, c1"] = [r["ttft_median"]]
+        rows = asyncio.run(_measure(targets, prompts, args.requests))
         print(f"{'median, ms':24s}" + "".join(f"{t.name:>10s}" for t in targets))
         for row in rows[targets[0].name]:
             print(f"{row:24s}" + "".join(f"{statistics.median(rows[t.name][row]) * 1e3:10.2f}"
