@@ -52,9 +52,10 @@ class Worker:
         self.model = model
         self.group = group
         self.draft_after_emit = draft_after_emit and group is None
-        # A step's draft passes not run yet: (states, StepResult, decode only?, seconds of
-        # the step so far); the requests whose draft pass failed, to fail in the next step.
-        self._pending: list[tuple[list[RequestState], StepResult, bool, float]] = []
+        # The last step's draft passes, not run yet: (states, StepResult, a clean cost
+        # sample?, seconds of the step so far); the requests whose draft pass failed, to
+        # fail in the next step.
+        self._pending: tuple[list[RequestState], StepResult, bool, float] | None = None
         self._draft_failures: dict[str, str] = {}
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
@@ -181,21 +182,22 @@ class Worker:
         """Run the draft passes the last step left (``draft_after_emit``) and hold their
         drafts.  A pass that fails fails its requests in the next step: their tokens are
         out, and without drafts they cannot take part in the step the scheduler plans."""
-        pending, self._pending = self._pending, []
-        for states, res, decode_only, seconds in pending:
-            t0 = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    drafts = res.drafting()
-            except Exception as exc:            # noqa: BLE001 - handed to the next step
-                log.exception("the draft pass of %d requests failed", len(states))
-                for st in states:
-                    self.proposer.drop(st.request_id)
-                    self._draft_failures[st.request_id] = f"engine draft pass failed: {exc!r}"
-                continue
-            self.proposer.commit(states, drafts, res.k, res.num_drafts, res.sampled)
-            if decode_only:
-                self.proposer.observe_step(len(states), res.k, seconds + time.perf_counter() - t0)
+        if self._pending is None:
+            return
+        (states, res, clean, seconds), self._pending = self._pending, None
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                drafts = res.drafting()
+        except Exception as exc:                # noqa: BLE001 - handed to the next step
+            log.exception("the draft pass of %d requests failed", len(states))
+            for st in states:
+                self.proposer.drop(st.request_id)
+                self._draft_failures[st.request_id] = f"engine draft pass failed: {exc!r}"
+            return
+        self.proposer.commit(states, drafts, res.k, res.num_drafts, res.sampled)
+        if clean:
+            self.proposer.observe_step(len(states), res.k, seconds + time.perf_counter() - t0)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
@@ -264,8 +266,8 @@ class Worker:
         # A clean cost sample for the policy: decode only, every request verified the same k
         # it now drafted (the first step after a switch mixes two k's).
         clean = res is not None and decode_only and all(d == res.k for d in res.num_drafts)
-        if res is not None and res.drafting is not None:     # sampled when drafted
-            self._pending[-1] = (*self._pending[-1][:2], clean, out.execute_time_s)
+        if res is not None and res.drafting is not None:     # sampled once drafted
+            self._pending = (states, res, clean, out.execute_time_s)
         elif clean:
             seconds = out.execute_time_s
             if self.group is not None and self.proposer.policy is not None:
@@ -287,9 +289,7 @@ class Worker:
                 st.export_kv = False
 
     def _commit(self, states: list[RequestState], res: StepResult, out: ModelRunnerOutput) -> None:
-        if res.drafting is not None:              # drafts come in finish_step
-            self._pending.append((states, res, False, 0.0))
-        else:
+        if res.drafting is None:                  # else the drafts come in finish_step
             self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
         for st, toks, d, lp in zip(states, res.sampled, res.num_drafts, res.logprobs):
             st.advance(toks)
