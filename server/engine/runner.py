@@ -21,7 +21,7 @@ import torch
 
 from server.engine import grammar_masks as GM
 from server.engine import sampler as S
-from server.engine.verifier import verify
+from server.engine.verifier import greedy_accept, verify
 from server.engine.metadata import build_metadata, expand_rows
 from server.engine.protocol import TokenLogprob
 from server.engine.request_state import RequestState
@@ -112,16 +112,19 @@ class ModelRunner:
             rows, bitmask = GM.window_masks(matchers, [h[:d] for h, d in zip(held, nd)],
                                            self.masks_words)
             vlogits = self.masks.apply(logits, torch.tensor(rows, device=logits.device), bitmask)
-        tokens, num_acc = self._verify(states, starts, n_new, nd, w, vlogits)
         want_lp = [s.sampling.logprobs for s in states]
         lp = None
-        if any(want_lp):
-            row_tokens = tokens[w.row_seq, w.row_off]
-            lp = S.token_logprobs(logits, row_tokens, max(s.sampling.top_logprobs for s in states))
-
-        # ---- the step's host sync: emitted tokens and acceptance counts, one transfer ----
-        both = torch.cat([tokens, num_acc.to(tokens.dtype).unsqueeze(1)], dim=1).tolist()
-        sampled = [row[:row[-1] + 1] for row in both]
+        if self._greedy_on_host(states, w, want_lp):
+            sampled = greedy_accept(vlogits.argmax(-1).view(len(states), w.K + 1).tolist(),
+                                    w.drafts.tolist())
+        else:
+            tokens, num_acc = self._verify(states, starts, n_new, nd, w, vlogits)
+            if any(want_lp):
+                row_tokens = tokens[w.row_seq, w.row_off]
+                lp = S.token_logprobs(logits, row_tokens, max(s.sampling.top_logprobs for s in states))
+            # ---- the step's host sync: emitted tokens and acceptance counts, one transfer ----
+            both = torch.cat([tokens, num_acc.to(tokens.dtype).unsqueeze(1)], dim=1).tolist()
+            sampled = [row[:row[-1] + 1] for row in both]
         logprobs = self._logprobs(sampled, [d + 1 for d in nd], want_lp, lp,
                                   [s.sampling.top_logprobs for s in states])
 
@@ -233,6 +236,12 @@ class ModelRunner:
             rows = (torch.arange(n, device=dev).repeat_interleave(q), torch.arange(q, device=dev).repeat(n))
             self._rows[(n, q)] = rows
         return _Window(input_ids, meta, list(range(0, n * q + 1, q)), rows[0], rows[1], drafts, K, None)
+
+    def _greedy_on_host(self, states, w: _Window, want_lp: list[bool]) -> bool:
+        """Verify on host lists (verifier.greedy_accept): a CPU, a static window (every
+        request K + 1 rows, every draft held) and raw-argmax requests without logprobs."""
+        return (self.device.type == "cpu" and w.logits_indices is None and not any(want_lp)
+                and all(st.plain_greedy for st in states))
 
     def _verify(self, states, starts, n_new, nd, w: _Window, logits: torch.Tensor):
         """Process the window rows, then verify: tokens [S, K+1], num_accepted [S]."""

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from server.engine import sampler as S
-from server.engine.verifier import verify
+from server.engine.verifier import greedy_accept, verify
 from server.engine.protocol import SamplingParams
 
 V = 6
@@ -44,6 +44,21 @@ def test_varlen_drafts_and_prefill_rows():
     tokens, acc = verify(None, argmax, drafts, None, torch.tensor([1, 0]), None, None)
     assert acc.tolist() == [1, 0]
     assert tokens.tolist() == [[3, 4, -1], [7, -1, -1]]
+
+
+@pytest.mark.parametrize("K", [0, 1, 2, 3])
+def test_host_greedy_accept_equals_tensor_verify(K):
+    """The host form the CPU step uses (runner._greedy_on_host) emits what ``verify``
+    emits, on every acceptance length: drafts drawn near the argmax so all occur."""
+    g = torch.Generator().manual_seed(K)
+    for _ in range(200):
+        S_ = int(torch.randint(1, 9, (1,), generator=g))
+        argmax = torch.randint(0, 3, (S_, K + 1), generator=g)
+        drafts = torch.where(torch.rand(S_, K, generator=g) < 0.6, argmax[:, :K],
+                             torch.randint(0, 3, (S_, K), generator=g))
+        tokens, acc = verify(None, argmax, drafts, None, torch.full((S_,), K), None, None)
+        want = [row[:a + 1] for row, a in zip(tokens.tolist(), acc.tolist())]
+        assert greedy_accept(argmax.tolist(), drafts.tolist()) == want
 
 
 # ---- probabilistic verification with hand-made distributions ----------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.engine import runner
 from server.engine.protocol import SamplingParams
 from server.model.batch import BatchMetadata, DecodeMetadata
 from server.model.static_decode import StaticDecoder
@@ -34,6 +35,18 @@ def _count_static_steps(monkeypatch) -> list[int]:
     return calls
 
 
+def _count_host_verifications(monkeypatch) -> list[int]:
+    calls = [0]
+    original = runner.greedy_accept
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(runner, "greedy_accept", counted)
+    return calls
+
+
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [0, 1, 2])
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -43,10 +56,13 @@ def test_static_path_emits_what_the_varlen_path_emits(model_name, k, sp, monkeyp
     ref = run_staggered(make_engine(model, k, static_decode=False, adaptive_speculation=False),
                         reqs(), every=3)
     calls = _count_static_steps(monkeypatch)
+    host = _count_host_verifications(monkeypatch)
     eng = make_engine(model, k, static_decode=True, adaptive_speculation=False)
     out = run_staggered(eng, reqs(), every=3)
     assert out == ref
     assert calls[0] > 20                      # most steps took the static path
+    # Greedy static steps verify on the host (runner._greedy_on_host), sampled ones never.
+    assert (host[0] > 20) if sp is GREEDY else host[0] == 0
     assert eng.runtime.decode_path == "static"
 
 
