@@ -16,10 +16,17 @@ position); exits 1 on a mismatch.  In bf16 a verify step (k+1 tokens per sequenc
 plain step run different kernel shapes, so a near-tie in the logits can flip a token: a
 mismatch there says "look", the float32 tests (tests/gpu) are the strict check.
 
+``--split`` (CPU): also time the decoder-layer calls inside each step (the compiled layer
+graphs with ``--compile on``: the main layers and the MTP layer) and report them apart
+from the rest of the step (heads, norms, verification, bookkeeping).  The layer calls
+bound what MTP can give on the machine: with every other part of the step free, k=1
+would give at most (tokens per step) x (off's layer time) / (k=1's layer time).
+
 Usage:
   scripts/gpu_bench.py --size big --dtype bf16 --compile off --json out.json   # on a GPU
   scripts/gpu_bench.py --size small --device cpu                               # anywhere
   scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1
+  scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1 --split
 """
 from __future__ import annotations
 
@@ -87,21 +94,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class LayerTimer:
+    """Seconds spent in ``StaticDecoder.run_layer`` (every decoder-layer call of a static
+    step: the compiled graphs where compiled), read per step by ``run``."""
+
+    def __init__(self) -> None:
+        from server.model.static_decode import StaticDecoder
+        self.seconds = 0.0
+        inner = StaticDecoder.run_layer
+
+        def timed(decoder, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(decoder, *a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        StaticDecoder.run_layer = timed
+
+
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: torch.device,
-        tag: str) -> dict:
+        tag: str, layers: LayerTimer | None = None) -> dict:
     """Serve ``prompts`` together; time each decode step (every step after all prefills)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     toks: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
     for rid, p in zip(toks, prompts):
         engine.add_request(EngineRequest(rid, p, sp))
     times: list[float] = []
+    layer_times: list[float] = []
     decode_tokens = 0
     per_seq_step: list[int] = []          # tokens each running sequence got from a decode step
     while engine.has_unfinished():
         prefilling = any(not t for t in toks.values())
         _sync(device)
+        if layers is not None:
+            layers.seconds = 0.0
         t0 = time.perf_counter()
         outs = engine.step()
+        engine.finish_step()
         _sync(device)
         dt = time.perf_counter() - t0
         for o in outs:
@@ -110,13 +139,16 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: to
             toks[o.request_id].extend(o.token_ids)
         if not prefilling and outs:
             times.append(dt)
+            if layers is not None:
+                layer_times.append(layers.seconds)
             n = sum(len(o.token_ids) for o in outs)
             decode_tokens += n
             per_seq_step += [len(o.token_ids) for o in outs if o.token_ids]
     total = sum(times)
     return {"tokens": toks, "steps": len(times), "step_ms": 1e3 * statistics.median(times) if times else 0.0,
             "tok_s": decode_tokens / total if total else 0.0,
-            "tok_per_step": statistics.fmean(per_seq_step) if per_seq_step else 0.0}
+            "tok_per_step": statistics.fmean(per_seq_step) if per_seq_step else 0.0,
+            "layers_ms": 1e3 * statistics.median(layer_times) if layer_times else None}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -144,8 +176,12 @@ def main() -> int:
                          "0.1 accepts ~40%% of k=1 drafts, 0.02 ~80%%, near DeepSeek-V3's reported rate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1)")
+    ap.add_argument("--split", action="store_true",
+                    help="CPU: time the decoder-layer calls inside each step apart from the rest")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.split and args.device != "cpu":
+        ap.error("--split times host calls, which an accelerator runs asynchronously: CPU only")
 
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -193,10 +229,12 @@ def main() -> int:
         for b in sorted(set(batches)):
             run(engines[mode], make_prompts(b, cfg.vocab_size, 999), min(8, args.max_tokens), device, "w")
 
+    layers = LayerTimer() if args.split else None
     results: dict[int, dict[str, dict]] = {}
     for b in batches:
         prompts = make_prompts(b, cfg.vocab_size, args.seed + b)
-        results[b] = {mode: run(engines[mode], prompts, args.max_tokens, device, "r") for mode, _ in MODES}
+        results[b] = {mode: run(engines[mode], prompts, args.max_tokens, device, "r", layers)
+                      for mode, _ in MODES}
 
     # ---- table ----
     rows = []
@@ -212,6 +250,7 @@ def main() -> int:
             rows.append({"batch": b, "mode": mode, "k": k, "steps": r["steps"],
                          "step_ms": round(r["step_ms"], 3), "tok_s": round(r["tok_s"], 1),
                          "tok_per_step": round(r["tok_per_step"], 3),
+                         "layers_ms": round(r["layers_ms"], 3) if r["layers_ms"] is not None else None,
                          "step_ratio_vs_off": round(step_ratio, 3), "tok_s_ratio_vs_off": round(tps_ratio, 3)})
             print(f"{b:>5} {mode:>4} {r['steps']:>6} {r['step_ms']:>9.2f} {r['tok_s']:>9.1f} "
                   f"{r['tok_per_step']:>9.2f} {step_ratio:>9.2f} {tps_ratio:>10.2f}")
@@ -227,6 +266,23 @@ def main() -> int:
               f"k=1 / off {s['k1_tok_s_over_off']:.2f}, k=2 / off {s['k2_tok_s_over_off']:.2f}; "
               f"k=1 / off at acceptance a is at most (1 + a) / {s['k1_step_over_off_step']:.2f} "
               f"({2 / s['k1_step_over_off_step']:.2f} at a = 1)")
+
+    if layers is not None:
+        print(f"{'batch':>5} {'mode':>4} {'step ms':>9} {'layers ms':>10} {'rest ms':>9} "
+              f"{'layers/off':>11} {'rest/off':>9}")
+        for b in batches:
+            off = results[b]["off"]
+            off_rest = off["step_ms"] - off["layers_ms"]
+            for mode, _ in MODES:
+                r = results[b][mode]
+                rest = r["step_ms"] - r["layers_ms"]
+                print(f"{b:>5} {mode:>4} {r['step_ms']:>9.2f} {r['layers_ms']:>10.2f} {rest:>9.2f} "
+                      f"{r['layers_ms'] / off['layers_ms']:>11.2f} {rest / off_rest:>9.2f}")
+            k1 = results[b]["k1"]
+            print(f"# batch {b}: with every part of a step but the layer calls free, k=1 / off "
+                  f"would be at most {k1['tok_per_step'] * off['layers_ms'] / k1['layers_ms']:.2f} "
+                  f"at this run's {k1['tok_per_step']:.2f} tokens per step")
+        print()
 
     # ---- lossless ----
     mismatches = []

@@ -78,8 +78,11 @@ class MTPProposer:
         self.policy = policy
         self.device = device
         self.vocab_size = model.config.vocab_size
-        # request id -> (draft ids [k], q [k, V] or None for greedy drafts)
-        self._held: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # request id -> (the drafting step's ids [S, k], the request's row in it, q [k, V]
+        # or None for greedy drafts).  Rows of the step's tensor, not a copy per request:
+        # when the next step runs the same requests in the same order (steady decoding),
+        # ``held_drafts`` hands that tensor back whole instead of a copy per request.
+        self._held: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
     @property
     def max_draft_tokens(self) -> int:
@@ -87,7 +90,7 @@ class MTPProposer:
 
     def num_held(self, request_id: str) -> int:
         held = self._held.get(request_id)
-        return 0 if held is None else int(held[0].shape[0])
+        return 0 if held is None else int(held[0].shape[1])
 
     @property
     def num_held_requests(self) -> int:
@@ -100,17 +103,26 @@ class MTPProposer:
 
     def held_drafts(self, states: list[RequestState], num_drafts: list[int], K: int,
                     device: torch.device) -> torch.Tensor:
-        """[S, K] draft ids (0-padded) fed after each sequence's known tokens."""
+        """[S, K] draft ids (0-padded) fed after each sequence's known tokens.  Callers
+        only read it: it may be the drafting step's own tensor."""
+        held = [self._held[st.request_id] if d else None for st, d in zip(states, num_drafts)]
+        step_ids = held[0][0] if held and held[0] is not None else None
+        if (step_ids is not None and step_ids.shape[1] == K
+                and all(h is not None and h[0] is step_ids for h in held)):
+            rows = [h[1] for h in held]
+            if rows == list(range(step_ids.shape[0])):
+                return step_ids
+            return step_ids[torch.tensor(rows, dtype=torch.int64).to(step_ids.device)]
         drafts = torch.zeros(len(states), K, dtype=torch.int64, device=device)
-        for i, (st, d) in enumerate(zip(states, num_drafts)):
+        for i, (h, d) in enumerate(zip(held, num_drafts)):
             if d:
-                drafts[i, :d] = self._held[st.request_id][0][:d]
+                drafts[i, :d] = h[0][h[1], :d]
         return drafts
 
     def draft_probs(self, states: list[RequestState], num_drafts: list[int], K: int,
                     draft_ids: torch.Tensor) -> torch.Tensor | None:
         """q [S, K, V] for verification: the stored q of sampled drafts, one-hot for greedy ones."""
-        stored = [self._held[s.request_id][1] if d else None for s, d in zip(states, num_drafts)]
+        stored = [self._held[s.request_id][2] if d else None for s, d in zip(states, num_drafts)]
         if all(q is None for q in stored):
             return None
         q = torch.zeros(len(states), K, self.vocab_size, device=self.device)
@@ -225,7 +237,7 @@ class MTPProposer:
             return
         for i, st in enumerate(states):
             q = drafts.probs[i] if drafts.probs is not None and not st.sampling.greedy else None
-            self._held[st.request_id] = (drafts.ids[i], q)
+            self._held[st.request_id] = (drafts.ids, i, q)
 
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         self.policy.observe_step(num_seqs, k, seconds)
@@ -274,7 +286,8 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
         ids.append(tok)
         if q is not None:
             probs.append(q)
-        context = torch.stack(ids, dim=1)
+        if meta is not None and c + 1 < k:       # penalties' context for the next draft
+            context = torch.stack(ids, dim=1)
     return DraftResult(torch.stack(ids, dim=1), torch.stack(probs, dim=1) if probs else None)
 
 
