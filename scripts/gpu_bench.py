@@ -26,7 +26,7 @@ Usage:
   scripts/gpu_bench.py --size big --dtype bf16 --compile off --json out.json   # on a GPU
   scripts/gpu_bench.py --size small --device cpu                               # anywhere
   scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1
-  scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1 --split
+  scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1,16 --reps 5 --split
 """
 from __future__ import annotations
 
@@ -151,6 +151,15 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: to
             "layers_ms": 1e3 * statistics.median(layer_times) if layer_times else None}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Repetitions of one mode on the same prompts: their median timings (greedy, so the
+    tokens are the same every time; the first repetition's are kept)."""
+    def med(key):
+        vals = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(vals) if vals else None
+    return {**runs[0], "step_ms": med("step_ms"), "tok_s": med("tok_s"), "layers_ms": med("layers_ms")}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -176,6 +185,8 @@ def main() -> int:
                          "0.1 accepts ~40%% of k=1 drafts, 0.02 ~80%%, near DeepSeek-V3's reported rate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="time each batch this many times, the modes' order alternating; medians")
     ap.add_argument("--split", action="store_true",
                     help="CPU: time the decoder-layer calls inside each step apart from the rest")
     ap.add_argument("--json", type=Path)
@@ -233,8 +244,11 @@ def main() -> int:
     results: dict[int, dict[str, dict]] = {}
     for b in batches:
         prompts = make_prompts(b, cfg.vocab_size, args.seed + b)
-        results[b] = {mode: run(engines[mode], prompts, args.max_tokens, device, "r", layers)
-                      for mode, _ in MODES}
+        runs: dict[str, list[dict]] = {mode: [] for mode, _ in MODES}
+        for rep in range(args.reps):          # alternate the order so drift hits every mode
+            for mode, _ in (MODES if rep % 2 == 0 else MODES[::-1]):
+                runs[mode].append(run(engines[mode], prompts, args.max_tokens, device, "r", layers))
+        results[b] = {mode: _median_run(r) for mode, r in runs.items()}
 
     # ---- table ----
     rows = []
