@@ -12,6 +12,12 @@ hidden states next step, when they are verified.
 
 Index rule: the MTP layer at position j reads token j+1 and predicts token j+2.
 
+A long first pass (a prompt, or a chunk of one) runs in two parts: every position's MTP
+KV is written without running the layer (``mtp_write_kv``: the KV depends only on the
+layer's input at that position), then the whole layer runs on each sequence's last
+position alone, whose output is the only one read.  The attention and MoE of the other
+positions' outputs, which nothing reads, are never computed.
+
 The proposer owns everything MTP keeps between steps: the held drafts of every request and
 the distributions q they were sampled from (for ratio verification), the inputs of the
 draft passes, and the per-step choice of k (its SpecPolicy, plus seeded pinning).  With MTP
@@ -242,6 +248,12 @@ class MTPProposer:
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         self.policy.observe_step(num_seqs, k, seconds)
 
+# A first pass of at least this many rows per sequence runs in two parts (module
+# docstring).  A decode window's (1 + k rows) stays one pass: there the second call would
+# cost more than the rows it saves.
+SPLIT_FIRST_PASS_ROWS = 8
+
+
 @dataclass(slots=True)
 class DraftResult:
     ids: torch.Tensor                   # [S, k] int64 draft tokens
@@ -258,14 +270,21 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
     last_rows [S]: index of each sequence's last position in the first pass.
     sampling[s]: row 0 predicts the first draft (first_token_index = its absolute index);
     None: every draft is the argmax of the raw MTP logits.
-    chain_meta(c) -> BatchMetadata for chained pass c (1..k-1): one token per sequence.
+    chain_meta(c) -> BatchMetadata for chained pass c (1..k-1): one token per sequence;
+    chain_meta(0): the first pass's last position of each sequence.
     k == 0 only writes the first pass's MTP KV (later drafts attend to it) and returns None.
     """
     device = input_ids.device
     if k == 0:
         model.mtp_write_kv(input_ids, prev_hidden, first, kv_caches, layer=0)
         return None
-    h = model.mtp_forward(input_ids, prev_hidden, first, kv_caches, layer=0)[last_rows]
+    if input_ids.shape[0] >= SPLIT_FIRST_PASS_ROWS * last_rows.shape[0]:
+        # A long first pass (module docstring): KV everywhere, the layer on the last rows.
+        model.mtp_write_kv(input_ids, prev_hidden, first, kv_caches, layer=0)
+        h = model.mtp_forward(input_ids[last_rows], prev_hidden[last_rows], chain_meta(0),
+                              kv_caches, layer=0)
+    else:
+        h = model.mtp_forward(input_ids, prev_hidden, first, kv_caches, layer=0)[last_rows]
     meta = S.SamplingMetadata.build(sampling, vocab_size, device) if sampling is not None else None
     ids: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
