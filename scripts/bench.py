@@ -657,9 +657,10 @@ def plot(rep: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for name, per in rep["results"].items():
-        cs = sorted(per)
-        a1.plot(cs, [per[c]["output_tok_s"] for c in cs], marker="o", label=name)
-        a2.plot(cs, [(per[c]["tpot_median"] or 0) * 1e3 for c in cs], marker="o", label=name)
+        cs = sorted(per, key=int)          # int keys in a run, strings in a saved report
+        xs = [int(c) for c in cs]
+        a1.plot(xs, [per[c]["output_tok_s"] for c in cs], marker="o", label=name)
+        a2.plot(xs, [(per[c]["tpot_median"] or 0) * 1e3 for c in cs], marker="o", label=name)
     for a, title in ((a1, "output tokens/s"), (a2, "TPOT median (ms)")):
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrency")
