@@ -20,6 +20,8 @@ tier's usage and ``num_requests_swapped`` the requests whose blocks wait there:
   prefix_cache_hit_tokens_total{tier}        prompt tokens found on the device / host tier / disk
   kv_tier_bytes_total{direction}             bytes moved device -> host (save) / host -> device (load)
   kv_preemptions_total{mode}                 preemptions that swapped / recomputed
+  kv_tier_saves_skipped_total                evicted prefix blocks not kept: every host slot
+                                             was already written that step (the tier is small)
 """
 from __future__ import annotations
 
@@ -119,6 +121,8 @@ class ServingMetrics:
         moved = counter("kv_tier_bytes", "KV bytes moved between the device pool and the host tier.",
                         ["direction"])
         preempt = counter("kv_preemptions", "Preemptions by what happened to the KV.", ["mode"])
+        skipped = counter("kv_tier_saves_skipped",
+                          "Evicted prefix blocks not kept: every host slot was written that step.")
         # stats key -> its labelled counter; each scrape adds what grew since the last one
         self._tier_counters = {
             "prefix_cache_hits": hits.labels(model_name, "device"),
@@ -128,7 +132,8 @@ class ServingMetrics:
             "kv_bytes_saved": moved.labels(model_name, "save"),
             "kv_bytes_loaded": moved.labels(model_name, "load"),
             "num_swapped_out": preempt.labels(model_name, "swap"),
-            "num_preemptions_recomputed": preempt.labels(model_name, "recompute")}
+            "num_preemptions_recomputed": preempt.labels(model_name, "recompute"),
+            "host_saves_skipped": skipped.labels(model_name)}
         self._tier_seen = dict.fromkeys(self._tier_counters, 0)
         self._n_received = self._n_failed = 0
         self._spec = [0, 0, 0]                        # drafts, draft tokens, accepted

@@ -225,6 +225,10 @@ class BlockManager:
     def take_transfers(self) -> Transfers:
         """The copies queued since the last call (they go into this step's message)."""
         out, self._transfers = self._transfers, Transfers()
+        if self.host is not None:
+            self.host.end_step()
+        if self.disk is not None:
+            self.disk.end_step()
         return out
 
     def allocate(self, seq: Sequence, match: PrefixMatch, num_slots: int) -> None:

@@ -338,6 +338,7 @@ class LLMEngine:
         st.host_blocks_cached = host.num_cached_blocks if host else 0
         st.host_usage = host.usage() if host else 0.0
         st.kv_blocks_saved = b.num_blocks_saved
+        st.host_saves_skipped = host.num_skipped if host else 0
         st.kv_blocks_loaded = b.num_blocks_loaded
         st.kv_bytes_saved = b.num_blocks_saved * self.runtime.kv_block_bytes
         st.kv_bytes_loaded = b.num_blocks_loaded * self.runtime.kv_block_bytes

@@ -13,6 +13,9 @@ bound) and the worker writes the file in that step (kv_file.py: atomic, checksum
 Reads happen here, on the engine side, while a prefix is matched: a file is verified
 before its block counts as a hit, and one that fails (torn, truncated, corrupted) is
 deleted, counted and treated as a miss, so the block is recomputed, never served.
+A block whose write is planned in the step being built is not on disk yet: a read of it
+is a miss (``end_step`` ends that when the step message takes the writes).  A path that
+is not a regular file (a directory, say) is a damaged entry too: skipped, never fatal.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class DiskTier:
         self.num_corrupt = 0          # files found damaged (deleted, never served)
         self.num_written = 0          # files the engine asked the worker to write
         self.num_read = 0             # verified reads (disk hits, in blocks)
+        self._planned: set[int] = set()   # hashes whose file the step being built writes
         self._scan()
 
     def _scan(self) -> None:
@@ -50,7 +54,8 @@ class DiskTier:
             h = hash_of_name(entry.name)
             if h is None:
                 continue
-            if entry.stat().st_size != HEADER_BYTES + self.block_bytes:
+            if not entry.is_file(follow_symlinks=False) or \
+                    entry.stat().st_size != HEADER_BYTES + self.block_bytes:
                 self._drop_corrupt(h)
                 continue
             found.append((entry.stat().st_mtime, h))
@@ -79,7 +84,7 @@ class DiskTier:
 
     def read(self, block_hash: int) -> bytes | None:
         """The verified payload of a block, or None (and the file is gone) when damaged."""
-        if block_hash not in self._index:
+        if block_hash not in self._index or block_hash in self._planned:
             return None
         payload = read_block(self.path(block_hash), block_hash, self.block_bytes)
         if payload is None:
@@ -95,7 +100,7 @@ class DiskTier:
         self.num_corrupt += 1
         log.warning("disk KV tier: %s is damaged; removed (its block will be recomputed)",
                     file_name(block_hash))
-        Path(self.path(block_hash)).unlink(missing_ok=True)
+        _remove(self.path(block_hash))
 
     # ---- writes (decided here, done by the worker) ------------------------------------
     def plan_write(self, block_hash: int) -> str | None:
@@ -106,9 +111,23 @@ class DiskTier:
         while len(self._index) >= self.capacity_blocks:
             self._evict()
         self._index[block_hash] = None
+        self._planned.add(block_hash)
         self.num_written += 1
         return self.path(block_hash)
 
+    def end_step(self) -> None:
+        self._planned.clear()
+
     def _evict(self) -> None:
         h, _ = self._index.popitem(last=False)
-        Path(self.path(h)).unlink(missing_ok=True)
+        _remove(self.path(h))
+
+
+def _remove(path: str) -> None:
+    """Delete a block file; an entry that cannot be deleted (a directory put in its place,
+    a read-only file) is logged and left: reads of it fail their check, writes to it fail
+    and are logged, so it is a miss, never an engine error."""
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("disk KV tier: cannot remove %s: %s", path, exc)

@@ -71,6 +71,7 @@ class HostKVPool:
               disk_writes: Sequence[tuple[int, int, str]] = (),
               disk_loads: Sequence[tuple[bytes, int]] = ()) -> None:
         self.flush()
+        _check_unique_slots(saves, disk_writes)
         saved = None
         if saves:
             bids = torch.tensor([b for b, _ in saves], dtype=torch.long, device=self.device)
@@ -133,3 +134,17 @@ class HostKVPool:
         self._pending = None
         event.synchronize()
         self.data.index_copy_(0, slots, staging)
+
+
+def _check_unique_slots(saves: Sequence[tuple[int, int]],
+                        disk_writes: Sequence[tuple[int, int, str]]) -> None:
+    """Refuse a step whose copies would file one block's rows under another's hash.
+
+    The engine never plans one (host_tier.py); this keeps a planning fault from turning
+    into wrong answers served later from the disk tier: the step fails instead."""
+    slots = [s for _, s in saves]
+    if len(set(slots)) != len(slots):
+        raise RuntimeError(f"KV tier: one step saves two blocks into one host slot ({slots})")
+    stray = [s for s, _, _ in disk_writes if s not in set(slots)]
+    if stray:
+        raise RuntimeError(f"KV tier: disk writes of host slots not saved this step ({stray})")

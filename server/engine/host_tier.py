@@ -12,10 +12,18 @@ It holds two kinds of slots:
 
 The engine decides every move here ("save device block B into host slot S", "load host
 slot S into device block B"); the worker executes the copies it is sent in the step
-message (kv_transfer.py) in step order, before the step's forward.  Because the worker
+message (host_pool.py) in step order, before the step's forward.  Because the worker
 applies one step's copies in a fixed order (gather what is saved and what is loaded,
 then write both), a slot handed to a new owner in the same step that reads its old
 contents is still read correctly.
+
+The other order cannot be: a slot written in a step holds its new rows only after the
+step's copies, so within one step it is never handed out again (two saves into one slot
+would leave one block's rows under the other's hash, and the disk tier would file them
+with a valid digest) and never read (a load would get the rows it held before).  Such a
+slot is "written this step" until ``end_step``; the block manager calls that when the
+step message takes the copies.  With every slot written this step, a save is skipped:
+the block is recomputed if it is needed again, which is always right.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ class HostTier:
         self._cached: OrderedDict[int, int] = OrderedDict()           # hash -> slot, LRU first
         self.num_swap_slots = 0
         self.num_evicted = 0                 # cached slots handed to another block
+        self.num_skipped = 0                 # blocks not kept: every slot written this step
+        self._written: set[int] = set()      # slots saved into by the step being planned
 
     # ---- figures --------------------------------------------------------------------
     @property
@@ -46,7 +56,9 @@ class HostTier:
 
     # ---- cached (prefix) slots --------------------------------------------------------
     def lookup(self, block_hash: int) -> int | None:
-        return self._cached.get(block_hash)
+        """The slot holding ``block_hash``; None also while its save is in this step."""
+        slot = self._cached.get(block_hash)
+        return None if slot in self._written else slot
 
     def touch(self, block_hash: int) -> None:
         """Mark a hit as most recently used."""
@@ -60,22 +72,34 @@ class HostTier:
             self._cached.move_to_end(block_hash)
             return None
         slot = self._take()
-        if slot is not None:
+        if slot is None:
+            self.num_skipped += 1
+        else:
             self._cached[block_hash] = slot
         return slot
 
     def _take(self) -> int | None:
+        """A slot to write this step: a free one, else the least recently used cached one
+        not already written this step."""
         if self._free:
-            return self._free.pop()
-        if self._cached:
-            _, slot = self._cached.popitem(last=False)
+            slot = self._free.pop()
+        else:
+            victim = next((h for h, s in self._cached.items() if s not in self._written), None)
+            if victim is None:
+                return None
+            slot = self._cached.pop(victim)
             self.num_evicted += 1
-            return slot
-        return None
+        self._written.add(slot)
+        return slot
+
+    def end_step(self) -> None:
+        """The step's copies are planned: its slots may be read and reused from the next."""
+        self._written.clear()
 
     # ---- swap slots -----------------------------------------------------------------
     def can_swap(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free) + len(self._cached)
+        evictable = sum(1 for s in self._cached.values() if s not in self._written)
+        return num_blocks <= len(self._free) + evictable
 
     def take_swap(self, num_blocks: int) -> list[int]:
         """``num_blocks`` slots for a swapped-out request (caller checked ``can_swap``)."""

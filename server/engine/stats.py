@@ -52,6 +52,7 @@ class EngineStats:
     host_usage: float = 0.0              # host_blocks_used / host_blocks_total
     host_cache_hits: int = 0             # prompt tokens found there (prefix_cache_hits: device)
     kv_blocks_saved: int = 0             # device -> host block copies
+    host_saves_skipped: int = 0          # evicted blocks not kept: every slot busy that step
     kv_blocks_loaded: int = 0            # host -> device block copies
     kv_bytes_saved: int = 0
     kv_bytes_loaded: int = 0

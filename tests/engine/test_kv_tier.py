@@ -22,11 +22,16 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def test_host_tier_is_lru_and_swap_slots_are_never_evicted():
     tier = HostTier(3)
     assert [tier.store(h) for h in (10, 11, 12)] == [0, 1, 2]
+    assert tier.store(13) is None and not tier.can_swap(1)   # every slot written this step
+    assert tier.lookup(10) is None                   # its rows land with this step's copies
+    tier.end_step()
+    assert tier.lookup(10) == 0
     assert tier.store(11) is None                    # held already: no copy, now most recent
     tier.touch(10)                                   # LRU order: 12, 11, 10
     slots = tier.take_swap(1)                        # evicts the least recently used: 12
     assert tier.lookup(12) is None and slots == [2] and tier.num_evicted == 1
     assert not tier.can_swap(3) and tier.can_swap(2)
+    tier.end_step()
     assert tier.store(13) == 1 and tier.lookup(11) is None    # 11 was next in line
     tier.release_swap(slots)
     assert tier.usage() == 2 / 3 and tier.num_swap_slots == 0
@@ -60,6 +65,25 @@ def test_evicted_block_is_saved_and_a_later_match_loads_it():
     assert [bid for _, bid in loads] == again.block_table[:2]
     assert again.num_computed_tokens == 8 and again.block_hashes == hashes
     assert bm.num_host_hits == 8 and bm.num_prefix_hits == 0
+
+
+def test_a_block_saved_this_step_is_not_loaded_back_in_the_same_step():
+    """The host slot a block is saved into holds its rows only after the step's copies,
+    which read every loaded slot before writing saved ones: a match in the same step
+    must not load it (it would get the slot's old rows)."""
+    bm = BlockManager(4, 4, enable_prefix_cache=True, host=HostTier(8), host_prefix=True)
+    a = _seq(list(range(1, 11)))                      # blocks 0, 1 hashed; 2 partial
+    bm.allocate(a, bm.match_prefix(a), 10)
+    a.num_computed_tokens = 10
+    bm.register_computed(a)
+    bm.free(a)
+    bm.take_transfers()
+    b = _seq(list(range(50, 61)), "b")               # 3 blocks: evicts a's block 1
+    bm.allocate(b, bm.match_prefix(b), 11)
+    again = _seq(list(range(1, 11)), "a2")
+    assert bm.match_prefix(again).num_blocks == 1    # block 1's save is in this step
+    assert len(bm.take_transfers().saves) == 1
+    assert bm.match_prefix(again).num_blocks == 2    # the next step may load it
 
 
 # ---- the copies (torch) -------------------------------------------------------------
@@ -304,3 +328,50 @@ def test_swapped_requests_and_tier_usage_show_while_they_wait():
     assert max(s for s, _, _ in seen) > 0
     assert all(used > 0 and waiting >= swapped for swapped, used, waiting in seen if swapped)
     assert seen[-1][:2] == (0, 0)
+
+
+@pytest.mark.parametrize("host_blocks", [1, 3])
+def test_a_step_evicting_more_blocks_than_host_slots_never_mixes_blocks(tmp_path, host_blocks):
+    """A host tier of a few slots under a disk tier, six prompts admitted per step: one
+    step evicts more blocks than the tier has slots.  Every block's file holds its own
+    rows, so the outputs equal an engine without tiers, in the run and after a restart (a
+    new engine on the same folder).  Before the fix, two saves shared a slot and the disk
+    files of the earlier blocks held the later block's rows under a valid digest."""
+    ref_engine = make_engine(tiny_model(), k=1, num_blocks=24, block_size=8, max_batch_size=6)
+    rounds = _prefix_workload()
+    plain = [run_tokens(ref_engine, [r for rid, p in batch for r in requests([p], GREEDY, prefix=rid)])
+             for batch in rounds]
+
+    def run_rounds():
+        engine = make_engine(tiny_model(), k=1, num_blocks=24, block_size=8, max_batch_size=6,
+                             enable_prefix_cache=True, host_cache_blocks=host_blocks,
+                             host_cache_prefix=True, disk_cache_dir=str(tmp_path),
+                             disk_cache_gb=0.01, adaptive_speculation=False)   # k by time: not repeatable
+        outs = [run_tokens(engine, [r for rid, p in batch
+                                    for r in requests([p], GREEDY, prefix=rid)])
+                for batch in rounds]
+        return outs, engine.stats()
+
+    got, st = run_rounds()
+    assert got == plain
+    assert st.host_saves_skipped > 0 and st.disk_corrupt_files == 0   # the tier was too small
+    again, st2 = run_rounds()                         # restarted: device and host empty
+    assert again == plain
+    if host_blocks == 3:                              # this workload reads files back
+        assert st.disk_cache_hits > 0 and st2.disk_cache_hits > 0
+
+
+def test_a_directory_in_place_of_a_block_file_is_a_miss_at_start_and_at_run_time(tmp_path):
+    first = _disk_engine(tmp_path)
+    ref = _one_round(first)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    files = sorted(folder.glob("*.kvb"))
+    for f in files[:2]:                                 # swapped for directories under a live engine
+        f.unlink()
+        f.mkdir()
+    assert _one_round(first) == ref                     # no step fails
+    assert first.stats().num_requests_failed == 0
+    restarted = _disk_engine(tmp_path)                  # start-up scans them: not fatal
+    assert _one_round(restarted) == ref
+    st = restarted.stats()
+    assert st.num_requests_failed == 0 and st.disk_cache_hits > 0
