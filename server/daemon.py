@@ -207,7 +207,10 @@ class Daemon:
             registry = state.metrics.registry if state.metrics.enabled else None
             state.pd = PDInstance(pd_cfg, engine.runtime, registry, client_ssl=kv_tls[1])
             engine.kv_export_sink = state.pd.on_export
-            kv_server = KVServer(state.pd.exports, state.pd.on_sent, state.pd.on_failed)
+            # A pull sends its rows within D's kv_trans_timeout; a reader slower than
+            # twice that (or 5 s) holds memory for nothing and is cut off.
+            kv_server = KVServer(state.pd.exports, state.pd.on_sent, state.pd.on_failed,
+                                 write_timeout_s=max(5.0, 2 * pd_cfg.trans_timeout_s))
             await kv_server.start(kv_lst.sock, kv_tls[0])
             log.info("PD instance: KV transfer on %s:%d (%s), role %s", pd_cfg.host, pd_cfg.port,
                      "TLS" if kv_tls[0] else "plain TCP", state.pd.roles.role or "unassigned")

@@ -240,7 +240,8 @@ async def create_chat_completion(state: ServerState, raw: Any,
     req = plan.req
     s = state.settings
     calls = []
-    ers = await pd_requests(state, req, [plan.engine_request(i) for i in range(req.n)], release)
+    ers, release = await pd_requests(state, req, [plan.engine_request(i) for i in range(req.n)],
+                                     release)
     for i in range(req.n):
         state.metrics.on_received()
         calls.append(EngineCall(state.engine, ers[i], state.metrics,

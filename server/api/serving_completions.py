@@ -128,8 +128,8 @@ async def create_completion(state: ServerState, raw: Any,
     req = plan.req
     s = state.settings
     calls = []
-    ers = await pd_requests(state, req, [plan.engine_request(k) for k in range(plan.num_choices)],
-                            release)
+    ers, release = await pd_requests(
+        state, req, [plan.engine_request(k) for k in range(plan.num_choices)], release)
     for k in range(plan.num_choices):
         state.metrics.on_received()
         calls.append(None if plan.samplings[plan.prompt_of(k)].max_tokens == 0 else EngineCall(
@@ -143,14 +143,15 @@ async def create_completion(state: ServerState, raw: Any,
     merged = Interleave(calls)
     try:
         states = await _collect(plan, merged)
+        choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
+        # Before release: a PD prefill's answer keeps its export for D (pd_requests).
+        return json_response(pd_answer(state, ers, plan.body(choices, usage=plan.usage(
+            [st["n"] for st in states], [st["cached"] for st in states]))))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
         merged.close()           # one choice failed: stop the others (aborts their requests)
         release()
-    choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
-    return json_response(pd_answer(state, ers, plan.body(choices, usage=plan.usage(
-        [st["n"] for st in states], [st["cached"] for st in states]))))
 
 
 async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:

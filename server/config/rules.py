@@ -13,6 +13,7 @@ from typing import Iterator
 from pydantic import ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
+from server.config.pd_link import KeyFileError, parse_peer, read_key_file
 from server.config.sections import (MODEL_NAME_RULE, MindIEConfig, ModelConfig,
                                     ModelTypeOptions, ServerConfig, is_all_interfaces)
 
@@ -96,10 +97,16 @@ def _pd_rules(s: ServerConfig) -> Iterator[ConfigIssue]:
                               related=(f"{SV}.{key}",))
     for i, peer in enumerate(s.pd_peers):
         try:
-            ipaddress.ip_address(peer)
-        except ValueError:
-            yield ConfigIssue(f"{SV}.pdPeers[{i}]", peer, "an IPv4 or IPv6 address",
-                              "not an IP address")
+            parse_peer(peer)
+        except ValueError as exc:
+            yield ConfigIssue(f"{SV}.pdPeers[{i}]", peer, "an IPv4 or IPv6 address, optionally "
+                              "with its KV port (ip:port, [ipv6]:port)", str(exc))
+    if s.pd_transfer_key_file is not None:
+        try:
+            read_key_file(s.pd_transfer_key_file)
+        except KeyFileError as exc:
+            yield ConfigIssue(f"{SV}.pdTransferKeyFile", s.pd_transfer_key_file,
+                              "a readable file of 64 hex digits", str(exc))
     if s.pd_role == "decode" and not s.pd_peers:
         yield ConfigIssue(f"{SV}.pdPeers", [], "the prefill instances' addresses",
                           "a decode instance pulls KV only from its peers",

@@ -125,7 +125,17 @@ class ServerConfig(Section):
     # This daemon's keys (MindIE assigns roles only through POST /v1/role/...): a fixed PD
     # role for a static set-up, and the peers' addresses a decode instance may pull from.
     pd_role: Literal["prefill", "decode"] | None = F("pdRole", None, doc="dmi only; else POST /v1/role/...")
-    pd_peers: tuple[StrictStr, ...] = F("pdPeers", (), doc="peer instances' IP addresses")
+    pd_peers: tuple[StrictStr, ...] = F("pdPeers", (), doc="peer instances' IP addresses, "
+                                        "each with its KV port as ip:port ([ipv6]:port) "
+                                        "when it is not this instance's interCommPort")
+    # The deployment's KV transfer key (64 hex digits in a file): a decode instance takes
+    # only kv_transfer_params signed with it (server/pd/trust.py).  The coordinator also
+    # hands its key over with the role; this file is for roles fixed in the config.
+    pd_transfer_key_file: StrictStr | None = F("pdTransferKeyFile", None)
+    # A prefill instance's exports waiting for D: at most this many, and this many MB
+    # (a request past either bound is answered 503 before it is prefilled).
+    pd_max_exports: StrictInt = F("pdMaxExports", 256, lo=1, hi=65536)
+    pd_max_export_mb: StrictInt = F("pdMaxExportMb", 2048, lo=1, hi=1 << 20, doc="MB")
     inter_comm_tls_enabled: StrictBool = F("interCommTLSEnabled", True)
     inter_comm_port: StrictInt = F("interCommPort", 1121, lo=1024, hi=65535)
     inter_comm_tls_ca_path: StrictStr = F("interCommTlsCaPath", "security/grpc/ca/")

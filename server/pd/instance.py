@@ -1,15 +1,19 @@
 """One daemon's part in PD disaggregation (``inferMode: "dmi"``): its role, KV and counters.
 
 A prefill instance (P), for a request carrying ``kv_transfer_params: {"do_remote_decode":
-true}``, prefills the prompt (the MTP layer too), exports the full prompt blocks' rows and
-answers with ``kv_transfer_params`` naming its KV port and the request to pull.  A decode
-instance (D), for a request carrying those params, pulls the rows from P (only from a
-peer: never from an address a body names otherwise), checks their layout, and hands them
-to the engine, which computes only the prompt's tail (the partial last block and the last
-token: D samples the first token itself, with the request's seed, so outputs equal a
+true}``, reserves room for the prompt's rows (503 when its exports are full), prefills the
+prompt (the MTP layer too), exports the full prompt blocks' rows and answers with
+``kv_transfer_params`` naming its KV port and the request to pull.  A decode instance
+(D), for a request carrying those params as the coordinator signed them, pulls the rows
+from that peer's KV port (never from an address or port a body names otherwise), checks
+their layout and that each block was computed for its own prompt's tokens (trust.py),
+and hands the agreeing blocks to the engine, which computes only the rest of the prompt
+(D samples the first token itself, with the request's seed, so outputs equal a
 co-located daemon's) and decodes with MTP.  A pull that fails (P gone, timed out, rows
 expired, a layout that is not D's) is counted and D computes the whole prompt instead:
 the answer is the same, only slower.  Requests without params are served co-located.
+A request whose params are for the other role (the role changed under it) gets 503, so
+the coordinator sends it elsewhere.
 """
 from __future__ import annotations
 
@@ -20,10 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import APIError
+from server.config.pd_link import parse_peer, read_key_file
 from server.engine.protocol import EngineRequest
 from server.pd.kv_client import pull_kv
 from server.pd.kv_exports import KVExports
 from server.pd.roles import RoleState
+from server.pd.trust import TrustError, block_digests, key_id, num_matching, verify_params
 from server.pd.wire import KVRows, TransferError, layout_of
 
 log = logging.getLogger("server.pd")
@@ -32,11 +38,15 @@ log = logging.getLogger("server.pd")
 @dataclass(frozen=True)
 class PDSettings:
     role: str | None                  # fixed in the config (pdRole), else assigned by POST
-    peers: tuple[str, ...]
+    peers: tuple[str, ...]            # pdPeers: "ip" or "ip:port" (the peer's KV port)
     host: str                         # where P's KV port listens (ipAddress)
     port: int                         # interCommPort
     trans_timeout_s: float            # kv_trans_timeout (<= 0 means 1, as in MindIE)
     link_timeout_s: float             # kv_link_timeout (<= 0 means 1080)
+    key: bytes | None = None          # pdTransferKeyFile's key (else the coordinator's)
+    max_exports: int = 256            # pdMaxExports
+    max_export_bytes: int = 2 << 30   # pdMaxExportMb
+    request_life_s: float = 600.0     # e2eTimeout: how long a reservation may wait
 
 
 def pd_settings(cfg: Any) -> PDSettings | None:
@@ -44,9 +54,11 @@ def pd_settings(cfg: Any) -> PDSettings | None:
     if s.infer_mode != "dmi":
         return None
     mc = cfg.model_config
+    key = read_key_file(s.pd_transfer_key_file) if s.pd_transfer_key_file else None
     return PDSettings(s.pd_role, tuple(s.pd_peers), s.ip_address, s.inter_comm_port,
                       float(mc.kv_trans_timeout if mc.kv_trans_timeout > 0 else 1),
-                      float(mc.kv_link_timeout if mc.kv_link_timeout > 0 else 1080))
+                      float(mc.kv_link_timeout if mc.kv_link_timeout > 0 else 1080),
+                      key, s.pd_max_exports, s.pd_max_export_mb << 20, float(s.e2e_timeout))
 
 
 class PDMetrics:
@@ -69,21 +81,28 @@ class PDInstance:
     def __init__(self, settings: PDSettings, runtime: Any, registry: Any = None,
                  client_ssl: ssl.SSLContext | None = None) -> None:
         self.settings = settings
-        self.roles = RoleState()
+        self.roles = RoleState(key=settings.key)
         if settings.role is not None:
+            peers = [parse_peer(p) for p in settings.peers] or [(settings.host, None)]
             self.roles.assign(settings.role, {"local": {}, "peers": [
-                {"server_ip": p} for p in settings.peers] or [{"server_ip": settings.host}]})
+                {"server_ip": h, **({"kv_port": p} if p else {})} for h, p in peers]})
         # A pull arrives within milliseconds of P's answer; rows nobody took are dropped.
-        self.exports = KVExports(ttl_s=max(30.0, 3 * settings.trans_timeout_s))
+        self.exports = KVExports(ttl_s=max(30.0, 3 * settings.trans_timeout_s),
+                                 max_count=settings.max_exports,
+                                 max_bytes=settings.max_export_bytes,
+                                 reserve_ttl_s=settings.request_life_s)
         self.layout = layout_of(runtime.num_kv_layers, runtime.block_size, runtime.kv_block_bytes,
                                 f"{runtime.kv_cache_dtype},mtp={int(runtime.mtp_enabled)}")
+        self.block_size = runtime.block_size
         self.bytes_per_block = runtime.kv_block_bytes
         self.metrics = PDMetrics(registry)
         self.client_ssl = client_ssl
+        self._answered: set[str] = set()     # P: exports named in an answer, not yet finished
 
     # -- the engine's side -------------------------------------------------------------
     def on_export(self, request_id: str, num_blocks: int, rows: bytes) -> None:
-        """The engine thread files a prefill's rows (EngineCore.kv_export_sink)."""
+        """The engine thread files a prefill's rows (EngineCore.kv_export_sink); rows of a
+        request that no longer holds a reservation (it failed, or was released) are dropped."""
         self.exports.put(request_id, KVRows(num_blocks, self.bytes_per_block, self.layout, rows))
         self.metrics.held.set(self.exports.num_held)
 
@@ -107,19 +126,50 @@ class PDInstance:
         self.check_role()
         if not params:
             return er
-        if self.roles.role == "prefill":
+        role = self.roles.role
+        if role == "prefill":
             if params.get("do_remote_decode") is not True:
+                if "remote_request_id" in params:        # a decode request: the role changed
+                    raise APIError(503, "this PD instance is a prefill instance now; "
+                                        "send decode requests to a decode instance")
                 raise APIError(400, "a prefill instance takes kv_transfer_params "
                                     "{\"do_remote_decode\": true}", "kv_transfer_params")
-            return dataclasses.replace(er, export_kv=True)
+            return self._reserve_export(er)
+        if params.get("do_remote_decode") is True:       # a prefill request: the role changed
+            raise APIError(503, "this PD instance is a decode instance now; send prefill "
+                                "requests to a prefill instance")
         host, port, rid = (params.get("remote_host"), params.get("remote_port"),
                            params.get("remote_request_id"))
-        if not isinstance(host, str) or not isinstance(port, int) or not isinstance(rid, str):
+        if not isinstance(host, str) or type(port) is not int or not isinstance(rid, str):
             raise APIError(400, "kv_transfer_params needs remote_host (string), remote_port "
                                 "(integer) and remote_request_id (string)", "kv_transfer_params")
+        try:
+            verify_params(self.roles.key, params)
+        except TrustError as exc:
+            self.on_failed("untrusted")
+            raise APIError(400, str(exc), "kv_transfer_params") from None
         if not self.roles.is_peer(host):
             raise APIError(400, f"kv_transfer_params.remote_host {host!r} is not a peer of "
                                 "this decode instance", "kv_transfer_params")
+        want = self.roles.kv_port_of(host, self.settings.port)
+        if port != want:
+            raise APIError(400, f"kv_transfer_params.remote_port {port} is not the KV port of "
+                                f"peer {host} ({want})", "kv_transfer_params")
+        return await self._pull(er, host, port, rid)
+
+    def _reserve_export(self, er: EngineRequest) -> EngineRequest:
+        num_blocks = (len(er.prompt_token_ids) - 1) // self.block_size
+        digests = tuple(block_digests(er.prompt_token_ids, self.block_size, num_blocks))
+        if not self.exports.reserve(er.request_id, num_blocks * self.bytes_per_block, digests):
+            self.on_failed("exports_full")
+            raise APIError(503, f"this prefill instance holds {self.exports.num_held} KV "
+                                f"exports ({self.exports.bytes_held / 2**20:.0f} MB) waiting "
+                                "for decode instances, its limit (pdMaxExports, "
+                                "pdMaxExportMb); retry later")
+        self.metrics.held.set(self.exports.num_held)
+        return dataclasses.replace(er, export_kv=True)
+
+    async def _pull(self, er: EngineRequest, host: str, port: int, rid: str) -> EngineRequest:
         try:
             rows = await pull_kv(host, port, rid, connect_timeout_s=self.settings.link_timeout_s,
                                  transfer_timeout_s=self.settings.trans_timeout_s,
@@ -135,20 +185,52 @@ class PDInstance:
             return er
         self.metrics.transfers.labels("received").inc()
         self.metrics.bytes.labels("received").inc(len(rows.payload))
-        return dataclasses.replace(er, remote_kv=rows.rows())
+        ours = block_digests(er.prompt_token_ids, self.block_size, rows.num_blocks)
+        n = num_matching(ours, rows.digests)
+        if n < rows.num_blocks:
+            log.warning("KV rows from %s:%d: %d of %d blocks were computed for other tokens "
+                        "than this prompt's; computing those here", host, port,
+                        rows.num_blocks - n, rows.num_blocks)
+            self.on_failed("prompt_mismatch")
+        return dataclasses.replace(er, remote_kv=rows.rows()[:n])
 
     def response_params(self, er: EngineRequest) -> dict:
         """P's answer: where D pulls this request's rows."""
         if not er.export_kv:
             return {}
-        if er.request_id not in self.exports:
+        if not self.exports.holds_rows(er.request_id):
             raise APIError(500, "the prefill finished without exporting its KV")
+        self._answered.add(er.request_id)
         return {"kv_transfer_params": {
             "do_remote_prefill": True, "remote_host": self.settings.host,
             "remote_port": self.settings.port, "remote_request_id": er.request_id,
             "layout": self.layout}}
 
+    def finish(self, ers: list[EngineRequest]) -> None:
+        """A request's end on P (once): rows named in its answer wait for D; a reservation
+        or rows of a request that failed or lost its client go now."""
+        for er in ers:
+            if not er.export_kv:
+                continue
+            if er.request_id in self._answered:
+                self._answered.discard(er.request_id)
+            elif self.exports.release(er.request_id):
+                self.metrics.held.set(self.exports.num_held)
+
+    def release(self, request_id: str) -> bool:
+        """The coordinator gave up on a request (D refused it): drop its rows."""
+        found = self.exports.release(request_id)
+        self.metrics.held.set(self.exports.num_held)
+        return found
+
     def status(self) -> dict:
+        ex = self.exports
         return {"role": self.roles.role, "peers": sorted(self.roles.peers),
+                "peer_kv_ports": dict(sorted(self.roles.kv_ports.items())),
                 "kv_port": self.settings.port, "layout": self.layout,
-                "exports_held": self.exports.num_held}
+                "kv_transfer_key_id": key_id(self.roles.key),
+                "exports_held": ex.num_held, "exports_bytes": ex.bytes_held,
+                "exports_sending_bytes": ex.bytes_sending,
+                "exports_limit": {"count": ex.max_count, "bytes": ex.max_bytes},
+                "exports_refused": ex.num_refused, "exports_expired": ex.num_expired,
+                "exports_released": ex.num_released}

@@ -6,6 +6,11 @@ plane take MindIE's body: V1 ``{"local": {...}, "peers": [{...}, ...]}``, V2 ``{
 (``server_ip`` / ``host_ip``, and V2 nodes' ``host_ip``): a decode instance pulls KV only
 from a peer, never from an address a request body names.  ``flex`` is not built.  Until an
 instance in ``inferMode: "dmi"`` has a role, business requests get 503.
+
+Our extensions of the body (the coordinator sends them, server/pd/trust.py): a top-level
+``kv_transfer_key`` (64 hex digits, the deployment's key; kept when a later body has
+none) and a peer node's ``kv_port`` (the port D pulls that peer's rows from).  Addresses
+must be strings: ``ipaddress`` would take the integer 2130706433 as 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import ipaddress
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from server.config.pd_link import KeyFileError, parse_key
 
 ROLES = ("prefill", "decode")
 
@@ -27,6 +34,8 @@ class RoleState:
     peers: frozenset[str] = frozenset()          # addresses of the peer instances
     local: Any = None
     version: int = 0                             # role switches so far
+    kv_ports: dict[str, int] = field(default_factory=dict)   # peer address -> its KV port
+    key: bytes | None = None                     # the deployment's KV transfer key
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def assign(self, role: str, body: Any, api_version: int = 1) -> None:
@@ -37,24 +46,45 @@ class RoleState:
         peers = body.get("peers")
         if not isinstance(peers, list) or not peers:
             raise RoleError("\"peers\" must be a non-empty list for a prefill or decode role")
-        addrs = set()
+        addrs: set[str] = set()
+        ports: dict[str, int] = {}
         for i, peer in enumerate(peers):
             nodes = peer if api_version == 2 and isinstance(peer, list) else [peer]
             for node in nodes:
                 if not isinstance(node, dict):
                     raise RoleError(f"peers[{i}] is not an object")
+                port = node.get("kv_port")
+                if port is not None and (type(port) is not int or not 1 <= port <= 65535):
+                    raise RoleError(f"peers[{i}].kv_port: {port!r} is not a port number")
                 for key in ("server_ip", "host_ip"):
                     value = node.get(key)
                     if value is None:
                         continue
+                    if not isinstance(value, str):
+                        raise RoleError(f"peers[{i}].{key}: {value!r} is not an IP address "
+                                        "string")
                     try:
-                        addrs.add(str(ipaddress.ip_address(value)))
+                        addr = str(ipaddress.ip_address(value))
                     except ValueError:
                         raise RoleError(f"peers[{i}].{key}: {value!r} is not an IP address") from None
+                    addrs.add(addr)
+                    if port is not None:
+                        ports[addr] = port
         if not addrs:
             raise RoleError("no peer names an address (server_ip or host_ip)")
+        key = body.get("kv_transfer_key")
+        if key is not None:
+            if not isinstance(key, str):
+                raise RoleError("kv_transfer_key must be a string of 64 hex digits")
+            try:
+                key = parse_key(key, "kv_transfer_key")
+            except KeyFileError as exc:
+                raise RoleError(str(exc)) from None
         with self._lock:
             self.role, self.peers, self.local = role, frozenset(addrs), body["local"]
+            self.kv_ports = ports
+            if key is not None:
+                self.key = key
             self.version += 1
 
     def is_peer(self, host: str) -> bool:
@@ -62,3 +92,7 @@ class RoleState:
             return str(ipaddress.ip_address(host)) in self.peers
         except ValueError:
             return False
+
+    def kv_port_of(self, host: str, default: int) -> int:
+        """The port a peer's rows are pulled from (its ``kv_port``, else ``default``)."""
+        return self.kv_ports.get(str(ipaddress.ip_address(host)), default)

@@ -1,9 +1,12 @@
-"""MindIE's role API on the management plane: ``POST /v1/role/{role}``, ``/v2/role/{role}``.
+"""MindIE's role API on the management plane: ``POST /v1/role/{role}``, ``/v2/role/{role}``,
+and ``POST /v1/kv/release`` (ours: the coordinator drops an export D refused).
 
-200 ``{"result": "ok"}``; 422 "Req body converts to json fail." for a body that is not
-JSON; 503 "Update pd info failed. Reset to previous node status." (with the reason) when
-the role cannot be taken, the previous role kept.  State-changing, so guarded like
-/stopService (POST only, no cross-origin browser request, the API key when one is set).
+Role: 200 ``{"result": "ok"}``; 422 "Req body converts to json fail." for a body that is
+not JSON (or nested too deeply to parse); 503 "Update pd info failed. Reset to previous
+node status." (with the reason) when the role cannot be taken, the previous role kept.
+Release: body ``{"remote_request_id": "..."}``, 200 ``{"released": true|false}``.  Both
+change state, so they are guarded like /stopService (POST only, no cross-origin browser
+request, the API key when one is set).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def add_pd_routes(app: FastAPI, state) -> None:
                                            "\"dmi\")"}, 503)
         try:
             body = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):
             return json_response({"error": "Req body converts to json fail."}, 422)
         try:
             state.pd.roles.assign(role, body, version)
@@ -33,6 +36,22 @@ def add_pd_routes(app: FastAPI, state) -> None:
             return json_response({"error": "Update pd info failed. Reset to previous node "
                                            f"status. ({exc})"}, 503)
         return json_response({"result": "ok"})
+
+    @app.post("/v1/kv/release")
+    async def release(request: Request) -> Response:
+        guard_state_change(request, state.api_keys)
+        if state.pd is None:
+            return json_response({"error": "this instance is not a PD instance (inferMode "
+                                           "\"dmi\")"}, 503)
+        try:
+            body = json.loads(await request.body())
+            rid = body["remote_request_id"]
+            if not isinstance(rid, str):
+                raise TypeError
+        except (ValueError, RecursionError, KeyError, TypeError):
+            return json_response({"error": "the body must be {\"remote_request_id\": "
+                                           "\"<id>\"}"}, 422)
+        return json_response({"released": state.pd.release(rid)})
 
     @app.post("/v1/role/{role}")
     async def role_v1(request: Request, role: str) -> Response:

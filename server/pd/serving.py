@@ -8,16 +8,20 @@ from server.engine.protocol import EngineRequest
 
 
 async def pd_requests(state: Any, req: Any, ers: list[EngineRequest],
-                      release: Callable[[], None]) -> list[EngineRequest]:
+                      release: Callable[[], None]
+                      ) -> tuple[list[EngineRequest], Callable[[], None]]:
     """The engine requests as this instance's PD role wants them (unchanged when not in
-    ``dmi`` mode); a refusal frees the request's admission slots."""
+    ``dmi`` mode), and the release to call when the request ends: it also drops a prefill
+    export that was never answered (the request failed or the client left), so a reserved
+    export never outlives its request by more than that.  A refusal frees the request's
+    admission slots."""
     pd = state.pd
     if pd is None:
         if req.kv_transfer_params:
             release()
             raise APIError(400, "kv_transfer_params needs a PD instance (inferMode \"dmi\")",
                            "kv_transfer_params")
-        return ers
+        return ers, release
     try:
         pd.check_role()
         params = req.kv_transfer_params
@@ -27,10 +31,20 @@ async def pd_requests(state: Any, req: Any, ers: list[EngineRequest],
         if params and pd.roles.role == "prefill" and req.stream:
             raise APIError(400, "a prefill instance answers kv_transfer_params without "
                                 "streaming (stream false)", "stream")
-        return [await pd.prepare(er, params) for er in ers]
+        out = [await pd.prepare(er, params) for er in ers]
     except BaseException:
         release()
         raise
+    done = False
+
+    def release_and_finish() -> None:
+        nonlocal done
+        release()
+        if not done:
+            done = True
+            pd.finish(out)
+
+    return out, release_and_finish
 
 
 def pd_answer(state: Any, ers: list[EngineRequest], body: dict) -> dict:

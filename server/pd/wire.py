@@ -8,12 +8,16 @@ scale and RoPE rows) laid end to end: the row the host tier and the disk tier ho
     D -> P   one line of JSON:  {"op": "pull", "version": 1, "request_id": "<P's id>"}\\n
     P -> D   4-byte big-endian length L, L bytes of JSON header, then the payload:
              {"status": "ok", "num_blocks": n, "bytes_per_block": b, "layout": "...",
-              "sha256": "<hex of the payload>"}      followed by n * b bytes, block 0 first
+              "sha256": "<hex of the payload>", "block_digests": ["<hex>", ...]}
+                                                     followed by n * b bytes, block 0 first
              {"status": "error", "error": "..."}    and no payload
 
 ``layout`` names what the rows hold (cache layers, block size, bytes per block, cache
 dtype): D refuses rows whose layout is not its own, and a payload whose digest does not
-match.  The payload is sent from the rows' own buffer (no copy on P's side).
+match.  ``block_digests`` name the prompt tokens each block was computed for (trust.py):
+D uses only the leading blocks whose digests equal its own prompt's.  The payload is sent
+from the rows' own buffer (no copy on P's side).  P reads at most ``MAX_HEADER`` bytes of
+request line and answers anything else with an error header.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class KVRows:
     bytes_per_block: int
     layout: str
     payload: bytes
+    digests: tuple[str, ...] = ()    # per block: the tokens it was computed for (trust.py)
 
     def rows(self) -> tuple[bytes, ...]:
         b = self.bytes_per_block
@@ -60,7 +65,8 @@ def header_bytes(header: dict) -> bytes:
 def ok_header(rows: KVRows) -> bytes:
     return header_bytes({"status": "ok", "num_blocks": rows.num_blocks,
                          "bytes_per_block": rows.bytes_per_block, "layout": rows.layout,
-                         "sha256": hashlib.sha256(rows.payload).hexdigest()})
+                         "sha256": hashlib.sha256(rows.payload).hexdigest(),
+                         "block_digests": list(rows.digests)})
 
 
 async def read_response(reader: asyncio.StreamReader) -> KVRows:
@@ -72,12 +78,16 @@ async def read_response(reader: asyncio.StreamReader) -> KVRows:
         if header.get("status") != "ok":
             raise TransferError(f"the prefill instance refused: {header.get('error', header)}")
         n, b = int(header["num_blocks"]), int(header["bytes_per_block"])
+        digests = header.get("block_digests", [])
+        if n < 0 or b < 0 or not isinstance(digests, list) or \
+                not all(isinstance(d, str) for d in digests):
+            raise ValueError("num_blocks, bytes_per_block or block_digests")
         payload = await reader.readexactly(n * b)
     except asyncio.IncompleteReadError as exc:
         raise TransferError(f"the connection closed after {len(exc.partial)} bytes of a KV "
                             "transfer") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:
         raise TransferError(f"malformed KV transfer header: {exc}") from None
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise TransferError("KV transfer payload does not match its sha256")
-    return KVRows(n, b, str(header.get("layout")), payload)
+    return KVRows(n, b, str(header.get("layout")), payload, tuple(digests))

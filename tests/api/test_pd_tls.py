@@ -54,6 +54,7 @@ def _client(pki, cert=None) -> ssl.SSLContext:
 
 async def _pull(server_ctx, client_ctx) -> bytes:
     ex = KVExports(30)
+    ex.reserve("r", 6)
     ex.put("r", KVRows(2, 3, "L", b"abcdef"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
