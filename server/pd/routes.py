@@ -20,16 +20,29 @@ from server.api.sse import json_response
 from server.pd.roles import RoleError
 
 
+class _Refused(Exception):
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+async def _pd_body(request: Request, state, bad_json: str) -> object:
+    """The guarded JSON body of a state-changing PD call (``_Refused`` carries the answer)."""
+    guard_state_change(request, state.api_keys)
+    if state.pd is None:
+        raise _Refused(json_response({"error": "this instance is not a PD instance "
+                                               "(inferMode \"dmi\")"}, 503))
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):          # not JSON, or nested past the parser
+        raise _Refused(json_response({"error": bad_json}, 422)) from None
+
+
 def add_pd_routes(app: FastAPI, state) -> None:
     async def assign(request: Request, role: str, version: int) -> Response:
-        guard_state_change(request, state.api_keys)
-        if state.pd is None:
-            return json_response({"error": "this instance is not a PD instance (inferMode "
-                                           "\"dmi\")"}, 503)
         try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):
-            return json_response({"error": "Req body converts to json fail."}, 422)
+            body = await _pd_body(request, state, "Req body converts to json fail.")
+        except _Refused as r:
+            return r.response
         try:
             state.pd.roles.assign(role, body, version)
         except RoleError as exc:
@@ -39,18 +52,14 @@ def add_pd_routes(app: FastAPI, state) -> None:
 
     @app.post("/v1/kv/release")
     async def release(request: Request) -> Response:
-        guard_state_change(request, state.api_keys)
-        if state.pd is None:
-            return json_response({"error": "this instance is not a PD instance (inferMode "
-                                           "\"dmi\")"}, 503)
+        bad = "the body must be {\"remote_request_id\": \"<id>\"}"
         try:
-            body = json.loads(await request.body())
-            rid = body["remote_request_id"]
-            if not isinstance(rid, str):
-                raise TypeError
-        except (ValueError, RecursionError, KeyError, TypeError):
-            return json_response({"error": "the body must be {\"remote_request_id\": "
-                                           "\"<id>\"}"}, 422)
+            body = await _pd_body(request, state, bad)
+        except _Refused as r:
+            return r.response
+        rid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            return json_response({"error": bad}, 422)
         return json_response({"released": state.pd.release(rid)})
 
     @app.post("/v1/role/{role}")
