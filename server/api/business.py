@@ -18,9 +18,11 @@ from server.api.state import ServerState
 
 
 def model_card(state: ServerState) -> dict:
+    # ``root`` is the served name, not the weights' path: the path would tell every
+    # client where the checkpoint lies on the host (and often the account it runs as).
     s = state.settings
     return {"id": s.model_name, "object": "model", "created": state.created,
-            "owned_by": "mtp-serve", "root": s.model_path, "parent": None,
+            "owned_by": "mtp-serve", "root": s.model_name, "parent": None,
             "max_model_len": s.max_seq_len,
             "num_speculative_tokens": s.num_speculative_tokens}
 

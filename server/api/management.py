@@ -6,6 +6,9 @@ Native MindIE endpoints answer errors as {"error": ..., "error_type": ...}.
 failure, 503 with no body while the service is stopping, 404 for an invalid N.
 ``/stopService`` changes state: POST only (405 for GET), refused with 403 when a browser
 page of another origin sends it, and with API keys configured it needs one (401).
+With API keys configured /health/timed[-N] needs one too (401): each call runs an
+inference, and a keyless caller could otherwise load the engine at will.  Plain /health
+stays open for load balancers.
 """
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ def add_management_routes(app: FastAPI, state: ServerState, with_health: bool = 
 
     @app.get("/health/{rest:path}")
     async def health_timed(request: Request, rest: str) -> Response:
+        state.api_keys.check(request)
         m = _TIMED.fullmatch(request.url.path)
         if m is None:
             raise APIError(404, f"unknown health endpoint {request.url.path}")

@@ -8,8 +8,8 @@ MindIE passes ``configPath`` to the pool backend (for mooncake, a client JSON). 
    "disk_path": "kv-disk",  a folder for the disk tier (relative to the config's folder)
    "disk_size_gb": 50}      its size bound in GB (required with disk_path)
 
-Rules that read files live here (the loader calls ``load_pool_settings``); the ones that
-read only config.json fields are in rules.py.
+Rules that read files live here (the loader calls ``load_pool_settings`` and
+``disk_tier_issue``); the ones that read only config.json fields are in rules.py.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
 from server.config.sections import MindIEConfig
+from server.engine.kv_file import HEADER_BYTES
+from server.engine.kv_layout import checkpoint_kv_block_bytes, disk_tier_blocks, min_disk_gb
 
 KP = "BackendConfig.kvPoolConfig"
 
@@ -81,3 +83,21 @@ def load_pool_settings(doc: MindIEConfig, base: Path,
                                       f"disk tier folder not usable: {disk_dir}"))
     return KvPoolSettings(pool.backend, file, settings.mem_size_gb, pool.async_write, disk_dir,
                           settings.disk_size_gb or 0.0), issues
+
+
+def disk_tier_issue(settings: KvPoolSettings, weights: Path, block_size: int,
+                    kv_cache_dtype: str) -> ConfigIssue | None:
+    """A disk tier smaller than one KV block, which start-up refuses (DiskTier).  A block's
+    size depends on the model, so this reads its config.json; when that cannot be done
+    without loading the weights the check is left to start-up."""
+    if settings.disk_dir is None or settings.config_file is None:
+        return None
+    block = checkpoint_kv_block_bytes(weights, block_size, kv_cache_dtype)
+    if block is None or disk_tier_blocks(settings.disk_size_gb, block) >= 1:
+        return None
+    return ConfigIssue(f"{KP}.configPath ({settings.config_file.name}).disk_size_gb",
+                       settings.disk_size_gb, f">= {min_disk_gb(block)!r} (GB of 2^30 bytes)",
+                       f"the disk tier cannot hold one KV block of this model: a block is "
+                       f"{block} bytes and its file has a {HEADER_BYTES}-byte header (cacheBlockSize "
+                       f"{block_size}, kv_cache_dtype {kv_cache_dtype})",
+                       related=("BackendConfig.ScheduleConfig.cacheBlockSize",))

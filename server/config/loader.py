@@ -22,7 +22,7 @@ from server.config.app import AppConfig
 from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
 from server.config.ignored import ignored_warnings
 from server.config.plugins import decode_plugin_params
-from server.config.kv_pool import load_pool_settings
+from server.config.kv_pool import disk_tier_issue, load_pool_settings
 from server.config.parallel import parallel_issues, parallel_layout
 from server.config.rules import check_rules, mc_path, model_options
 from server.config.sections import API_KEY_RULE, MindIEConfig, check_api_key
@@ -106,6 +106,11 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                                           f"chat template not found: {template}"))
     kv_pool, more = load_pool_settings(doc, base, check_files)
     issues += more
+    if check_files and model_type is not None and options is not None:
+        small = disk_tier_issue(kv_pool, weights, doc.backend.schedule.cache_block_size,
+                                options.kv_cache_options.kv_cache_dtype)
+        if small is not None and not any(small.involves(d) for d in dropped):
+            issues.append(small)
     if kv_pool.backend and doc.backend.model_deploy.model_configs and not kv_pool.mem_size_gb \
             and doc.backend.model_deploy.model_configs[0].cpu_mem_size <= 0:
         issues.append(ConfigIssue(f"{mc_path(0)}.cpuMemSize", 0, "> 0 (or mem_size_gb in "

@@ -29,7 +29,7 @@ from server.engine.config import EngineConfig
 from server.engine.executor import InProcessExecutor
 from server.engine.disk_tier import DiskTier
 from server.engine.host_tier import HostTier
-from server.engine.kv_file import HEADER_BYTES
+from server.engine.kv_layout import disk_tier_blocks
 from server.engine.worker_process import ProcessExecutor
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.output import OutputProcessor, final_output
@@ -324,7 +324,7 @@ class LLMEngine:
         ident = repr((model.config, cfg.tokenizer_dir, cfg.block_size, rt.mtp_enabled,
                       rt.num_kv_layers, rt.num_int8_kv_layers, rt.kv_block_bytes))
         fingerprint = hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
-        capacity = int(cfg.disk_cache_gb * (1 << 30)) // (rt.kv_block_bytes + HEADER_BYTES)
+        capacity = disk_tier_blocks(cfg.disk_cache_gb, rt.kv_block_bytes)   # as --check counts
         disk = DiskTier(Path(cfg.disk_cache_dir) / fingerprint, capacity, rt.kv_block_bytes)
         log.info("disk KV tier: %s, %d blocks (%d found)", disk.dir, capacity, disk.num_blocks)
         return disk

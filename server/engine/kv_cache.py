@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine.kv_layout import kv_block_bytes, kv_bytes_per_token
 from server.model.latent_cache import Int8LatentCache, LatentCache
 
 log = logging.getLogger("server.engine")
@@ -42,15 +43,19 @@ class KVCacheSpec:
     rope_dim: int = 0        # the part an int8 cache keeps in the model dtype
     int8_layers: frozenset[int] = frozenset()   # cache layers with an int8 latent
 
+    # Sized by kv_layout.py, which ``--check`` uses too (the disk tier's minimum).
     def bytes_per_token(self, layer: int) -> int:
-        if layer in self.int8_layers:
-            return Int8LatentCache.bytes_per_token(self.kv_cache_dim - self.rope_dim, self.rope_dim,
-                                                   self.dtype)
-        return self.kv_cache_dim * torch.empty((), dtype=self.dtype).element_size()
+        return kv_bytes_per_token(self.kv_cache_dim, self.rope_dim, self._dtype_bytes,
+                                  layer in self.int8_layers)
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * sum(self.bytes_per_token(i) for i in range(self.num_layers))
+        return kv_block_bytes(self.num_layers, self.block_size, self.kv_cache_dim, self.rope_dim,
+                              self._dtype_bytes, self.int8_layers)
+
+    @property
+    def _dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
 
 def _cpu_available_bytes() -> int:

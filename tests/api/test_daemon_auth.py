@@ -1,4 +1,5 @@
-"""API keys on the business plane; the management plane's guard on /stopService.
+"""API keys on the business plane; the management plane's guard on /stopService and on
+/health/timed[-N] (each call runs an inference, so a keyless caller could load the engine).
 
 One daemon with two keys (one in config.json, one from $MTP_SERVE_API_KEY) and the
 management plane on its own port, as shipped.
@@ -71,6 +72,38 @@ def test_management_is_not_reachable_through_the_business_port(daemon, method, p
     r = httpx.request(method, daemon.base + path, headers=bearer(FILE_KEY), timeout=10)
     assert r.status_code in (404, 405), (path, r.status_code, r.text)
     assert daemon.proc.poll() is None
+
+
+def test_model_card_names_no_path(daemon, tiny_weights):
+    # A key holder is a client, not an operator: where the weights lie on the host (and
+    # the account in that path) is none of its business.
+    listed = httpx.get(daemon.base + "/v1/models", headers=bearer(FILE_KEY), timeout=10).json()
+    one = httpx.get(daemon.base + f"/v1/models/{MODEL_NAME}", headers=bearer(FILE_KEY),
+                    timeout=10).json()
+    for card in (*listed["data"], one):
+        assert card["id"] == card["root"] == MODEL_NAME
+        for field, value in card.items():
+            assert not (isinstance(value, str) and ("/" in value or str(tiny_weights) in value)), \
+                (field, value)
+    assert str(tiny_weights) not in str(listed)
+
+
+@pytest.mark.parametrize("path", ["/health/timed", "/health/timed-1", "/health/timed-600"])
+def test_timed_health_needs_a_key(daemon, path):
+    url = daemon.mgmt + path
+    for headers in ({}, bearer("wrong-key-0000"), {"Authorization": FILE_KEY}):
+        r = httpx.get(url, headers=headers, timeout=30)
+        assert r.status_code == 401, (headers, r.text)
+        body = r.json()              # the native MindIE shape, like /stopService's 401
+        assert set(body) == {"error", "error_type"} and "API key" in body["error"]
+    for key in (FILE_KEY, ENV_KEY):
+        r = httpx.get(url, headers=bearer(key), timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "healthy"}, r.text
+
+
+def test_plain_health_stays_open_on_the_management_port(daemon):
+    # Load balancers and kubelet probes send no key.
+    assert httpx.get(daemon.mgmt + "/health", timeout=10).status_code == 200
 
 
 def test_stop_service_is_post_only_same_origin_and_keyed(daemon):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -111,3 +112,67 @@ def test_disk_tier_settings_refused(body, key, tmp_path):
     (issue,) = issues({**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
                        f"{MC0}.cpuMemSize": 1}, tmp_path)
     assert issue.path == f"{KP}.configPath (pool.json).{key}", str(issue)
+
+
+# ---- a disk tier smaller than one KV block ------------------------------------------
+# Start-up refuses it (DiskTier needs room for one block file), so --check must too.  A
+# block's bytes depend on the model: every cache layer (main layers and the MTP layer the
+# weights hold) x cacheBlockSize tokens x the cache row, a file adds a 40-byte header.
+# The tiny checkpoint: 2 layers + 1 MTP, float32, kv_lora_rank 32 + qk_rope_head_dim 8.
+DISK = {**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
+        f"{MC0}.cpuMemSize": 1, f"{SC}.cacheBlockSize": 16}
+INT8 = {f"{MC0}.models": {"deepseekv2": {"kv_cache_options": {"kv_cache_dtype": "int8"}}}}
+HEADER = 40
+
+
+def _tiny(tmp_path, with_mtp=True):
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path / "tiny-model", seed=0, with_mtp=with_mtp)
+
+
+def _disk_config(tmp_path, size_gb, edits=()):
+    (tmp_path / "pool.json").write_text(json.dumps({"disk_path": "kv-disk", "disk_size_gb": size_gb}))
+    return parse_config(edited(minimal(), {**DISK, **dict(edits)}), base_dir=tmp_path, env={})
+
+
+@pytest.mark.parametrize("with_mtp,edits,block", [
+    (True, {}, 3 * 16 * 40 * 4),                        # the MTP layer's cache rows count
+    (False, {}, 2 * 16 * 40 * 4),
+    (True, INT8, 3 * 16 * (32 + 8 * 4 + 4)),            # int8 latent, float32 scale, fp32 RoPE
+])
+def test_disk_tier_below_one_block_refused_with_its_minimum(with_mtp, edits, block, tmp_path):
+    _tiny(tmp_path, with_mtp)
+    least = (block + HEADER) / (1 << 30)
+    with pytest.raises(ConfigError) as info:
+        _disk_config(tmp_path, (block + HEADER - 1) / (1 << 30), edits)
+    (issue,) = info.value.issues
+    assert issue.path == f"{KP}.configPath (pool.json).disk_size_gb", str(issue)
+    assert f"{block} bytes and its file has a {HEADER}-byte header" in issue.message, str(issue)
+    assert issue.allowed.startswith(f">= {least!r}"), str(issue)
+    assert _disk_config(tmp_path, least, edits).kv_pool.disk_size_gb == least
+
+
+def test_disk_tier_minimum_is_what_start_up_counts(tmp_path):
+    # The same bytes as the running engine, or --check would pass a config start-up refuses.
+    from server.engine.engine import build_engine
+    from server.model.loader import load_checkpoint
+    model, _ = load_checkpoint(_tiny(tmp_path))
+    block = 3 * 16 * 40 * 4
+    least = (block + HEADER) / (1 << 30)
+    cfg = _disk_config(tmp_path, least)
+    ec = engine_config_from_app(cfg, num_blocks=64, max_batch_size=2, compile="off")
+    engine = build_engine(cfg, model, engine_config=ec)
+    try:
+        assert engine.runtime.kv_block_bytes == block
+        assert engine.blocks.disk.capacity_blocks == 1
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="room for one block"):
+        build_engine(cfg, model, engine_config=replace(ec, disk_cache_gb=least - 2 ** -30))
+
+
+def test_disk_tier_check_skipped_without_a_readable_model_config(tmp_path):
+    # cfgkit's weights folder has only model_type: the size cannot be told, start-up will.
+    (tmp_path / "pool.json").write_text(json.dumps({"disk_path": "kv-disk", "disk_size_gb": 1e-9}))
+    cfg = load({**DISK, f"{KP}": {"backend": "host", "configPath": "pool.json"}}, tmp_path)
+    assert cfg.kv_pool.disk_size_gb == 1e-9
