@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """MTP acceptance of seeded vs unseeded sampling on the demo model, in process.
 
-Seeded sampled requests are verified by coupling (server/engine/sampler.py) and emit
+Seeded sampled requests are verified by coupling (server/engine/sample/sampler.py) and emit
 exactly what MTP off emits; unseeded ones keep probability-ratio verification.  This
 prints the acceptance rate of each at k=1 and k=2 (the same 48 chat prompts, temperature
 0.9, top_p 0.95, 64 tokens, 8 at a time) and checks the seeded outputs against MTP off.

@@ -79,8 +79,8 @@ def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> d
     import torch
     torch.set_num_threads(threads)            # as the daemons run (OMP_NUM_THREADS=--threads)
     from server.api.grammars import response_format_grammar
-    from server.engine import grammar as G
-    from server.engine import grammar_masks as GM
+    from server.engine.sample import grammar as G
+    from server.engine.sample import grammar_masks as GM
     from server.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(weights)
     vocab = json.loads((weights / "config.json").read_text())["vocab_size"]

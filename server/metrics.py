@@ -12,10 +12,10 @@ Speculative counters (vLLM's names without the ``vllm:`` prefix):
   spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at draft position p
 Acceptance is a prefix (draft p can only be kept if 0..p-1 were), so a step that accepted
 ``a`` drafts counts positions 0..a-1.
-Adaptive speculation (engine/mtp.py AdaptiveK), refreshed at scrape:
+Adaptive speculation (engine/spec/proposer.py AdaptiveK), refreshed at scrape:
   spec_decode_current_k                      drafts per sequence chosen by the latest step
   spec_decode_steps_total{k}                 engine steps that drafted k tokens
-KV tiers (engine/host_tier.py), refreshed at scrape; ``cpu_cache_usage_perc`` is the host
+KV tiers (engine/kv/host_tier.py), refreshed at scrape; ``cpu_cache_usage_perc`` is the host
 tier's usage and ``num_requests_swapped`` the requests whose blocks wait there:
   prefix_cache_hit_tokens_total{tier}        prompt tokens found on the device / host tier / disk
   kv_tier_bytes_total{direction}             bytes moved device -> host (save) / host -> device (load)

@@ -1,5 +1,5 @@
 """Grammars for structured output: ``response_format`` and forced tool calls, as llguidance
-grammar text (the engine applies it as a token mask: server/engine/grammar.py).
+grammar text (the engine applies it as a token mask: server/engine/sample/grammar.py).
 
 * ``response_format`` ``json_object``: any JSON object; ``json_schema``: the given
   schema.  ``strict: true`` is honoured by compiling the schema with llguidance's
@@ -193,7 +193,7 @@ async def prepare_grammar(engine, g: GrammarRequest, release) -> None:
     """Validate ``g`` and have the engine compile it, both on threads, before submitting
     (the engine thread then only copies a compiled matcher).  A refusal frees the
     request's admission slots (``release``) and is a 400."""
-    from server.engine.grammar import GrammarError
+    from server.engine.sample.grammar import GrammarError
     try:
         await asyncio.to_thread(validate, g)
         await engine.prepare_grammar(g.grammar)

@@ -8,7 +8,7 @@
   first, then ``{token_id: {"logprob", "decoded_token"}}`` holding the prompt token and
   its top alternatives.
 
-The engine computes them from the main model's prefill (server/engine/runner.py), which
+The engine computes them from the main model's prefill (server/engine/worker/runner.py), which
 MTP does not change.
 """
 from __future__ import annotations

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
 from server.config.sections import MindIEConfig
-from server.engine.kv_file import HEADER_BYTES
-from server.engine.kv_layout import checkpoint_kv_block_bytes, disk_tier_blocks, min_disk_gb
+from server.engine.kv.block_file import HEADER_BYTES
+from server.engine.kv.layout import checkpoint_kv_block_bytes, disk_tier_blocks, min_disk_gb
 
 KP = "BackendConfig.kvPoolConfig"
 

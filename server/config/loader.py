@@ -191,7 +191,7 @@ def _switch(env: Mapping[str, str], name: str, default: bool, expected: str,
 
 
 def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
-    """$MTP_SERVE_COMPILE: auto (default) | on | off (server/engine/compile_step.py)."""
+    """$MTP_SERVE_COMPILE: auto (default) | on | off (server/engine/worker/compile_step.py)."""
     raw = env.get("MTP_SERVE_COMPILE", "").strip().lower()
     if raw in ("", "auto"):
         return "auto"
@@ -204,7 +204,7 @@ def _compile_mode(env: Mapping[str, str], issues: list[ConfigIssue]) -> str:
 
 def _compile_wait(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
     """$MTP_SERVE_COMPILE_WAIT: 1 = start-up waits for the compiled graphs; 0 (default) = the
-    daemon serves at once and adopts them when ready (server/engine/compile_step.py)."""
+    daemon serves at once and adopts them when ready (server/engine/worker/compile_step.py)."""
     return _switch(env, "MTP_SERVE_COMPILE_WAIT", False, "1 (wait) or 0 (compile in the background)",
                    issues)
 

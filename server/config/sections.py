@@ -180,7 +180,7 @@ class ServerConfig(Section):
         return self.management_ip_address or self.ip_address
 
 
-KV_POOL_BACKENDS = {"host": "this daemon's host-memory pool (engine/host_tier.py)"}
+KV_POOL_BACKENDS = {"host": "this daemon's host-memory pool (engine/kv/host_tier.py)"}
 KV_POOL_RULE = '"" (no KV pool) or "host" (' + KV_POOL_BACKENDS["host"] + ")"
 
 

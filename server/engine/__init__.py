@@ -21,7 +21,7 @@ Module map (one concept each; engine side, then the step messages, then the work
     config.py         EngineConfig: the engine's slice of AppConfig
     runtime.py        RuntimeInfo: what the engine really runs with (no torch)
     sequence.py       the scheduler's per-request state, token counting (no torch)
-    block_manager.py  block allocation, ref counts, prefix cache (no torch)
+    kv/block_manager.py  block allocation, ref counts, prefix cache (no torch)
     scheduler.py      continuous batching, budgets, preemption, placeholders (no torch)
     output.py         OutputProcessor: detokenization, stop strings, EngineOutput
     stats.py          EngineStats counters for /metrics, StatsRecorder
@@ -30,13 +30,13 @@ Module map (one concept each; engine side, then the step messages, then the work
     engine_process.py EngineProcess: the engine in a process of its own (the daemon's default)
     streams.py        OutputStreams: one asyncio queue per open request (no torch)
     messages.py       SchedulerOutput / ModelRunnerOutput (plain, picklable; no torch)
-    executor.py       InProcessExecutor: the worker inline or on a worker thread (async)
-    worker.py         Worker: owns model, KV tensors, request states, the MTP proposer
-    request_state.py  the worker's per-request state (no torch)
-    runner.py         request states -> tensors -> model -> verify; the step's host sync
-    mtp.py            MTPProposer: held drafts, draft passes, k per step; NoProposer
-    spec_policy.py    SpecPolicy: FixedK, AdaptiveK (no torch)
-    sampler.py        logits processors, sampling, verification (pure functions)
-    metadata.py       BatchMetadata from per-sequence host lists
-    kv_cache.py       pool tensors and their sizing
+    executor/in_process.py       InProcessExecutor: the worker inline or on a worker thread (async)
+    worker/worker.py         Worker: owns model, KV tensors, request states, the MTP proposer
+    worker/request_state.py  the worker's per-request state (no torch)
+    worker/runner.py         request states -> tensors -> model -> verify; the step's host sync
+    spec/proposer.py            MTPProposer: held drafts, draft passes, k per step; NoProposer
+    spec/policy.py    SpecPolicy: FixedK, AdaptiveK (no torch)
+    sample/sampler.py        logits processors, sampling, verification (pure functions)
+    worker/metadata.py       BatchMetadata from per-sequence host lists
+    kv/cache.py       pool tensors and their sizing
 """

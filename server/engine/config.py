@@ -60,13 +60,13 @@ class EngineConfig:
     adaptive_speculation: bool = True       # pick k in 0..num_speculative_tokens per step (mtp.AdaptiveK)
     enable_prefix_cache: bool = False
     kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (int8 latent + scale)
-    # host KV tier (host_tier.py): cpuMemSize / kvPoolConfig
+    # host KV tier (kv/host_tier.py): cpuMemSize / kvPoolConfig
     host_cache_gb: float = 0.0              # its size in GiB; 0 = no tier
     host_cache_blocks: int | None = None    # explicit size in blocks (tests); overrides host_cache_gb
     host_cache_prefix: bool = False         # evicted prefix-cache blocks go there (kvPoolConfig "host")
     swap_preemption: bool = False           # preempted requests swap there when it has room
     kv_pool_async_write: bool = False       # kvPoolConfig.asyncWrite: saves finish after the step (CUDA)
-    disk_cache_dir: str | None = None       # disk tier behind the host tier (disk_tier.py); None = none
+    disk_cache_dir: str | None = None       # disk tier behind the host tier (kv/disk_tier.py); None = none
     disk_cache_gb: float = 0.0              # its size bound in GiB
     # execution
     async_scheduling: bool = False          # $MINDIE_ASYNC_SCHEDULING_ENABLE: overlap scheduling with execution
@@ -74,10 +74,10 @@ class EngineConfig:
                                             # (auto: a process on CPU, a thread on CUDA)
     static_decode: bool = True              # uniform decode/verify steps on the static path (static_decode.py)
     draft_after_emit: bool = False          # $MTP_SERVE_DRAFT_AFTER_EMIT for the daemon: a step's MTP
-                                            # passes run after its tokens went out (worker.py)
-    compile: str = "off"                    # $MTP_SERVE_COMPILE for the daemon: auto | on | off (compile_step.py)
+                                            # passes run after its tokens went out (worker/worker.py)
+    compile: str = "off"                    # $MTP_SERVE_COMPILE for the daemon: auto | on | off (worker/compile_step.py)
     compile_wait: bool = True               # False: compile in the background ($MTP_SERVE_COMPILE_WAIT=0)
-    tokenizer_dir: str | None = None        # tokenizer.json for grammar masks (grammar.py)
+    tokenizer_dir: str | None = None        # tokenizer.json for grammar masks (sample/grammar.py)
     device: str = "cpu"
     dtype: str | None = None                # None = checkpoint dtype
     parallel: ParallelConfig = ParallelConfig()  # worldSize > 1: tensor/expert parallel ranks

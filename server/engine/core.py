@@ -24,22 +24,22 @@ from typing import Any
 
 import torch
 
-from server.engine.block_manager import BlockManager, RemoteRow
+from server.engine.kv.block_manager import BlockManager, RemoteRow
 from server.engine.config import EngineConfig
-from server.engine.executor import InProcessExecutor
-from server.engine.disk_tier import DiskTier
-from server.engine.host_tier import HostTier
-from server.engine.kv_layout import disk_tier_blocks
-from server.engine.worker_process import ProcessExecutor
+from server.engine.executor.in_process import InProcessExecutor
+from server.engine.kv.disk_tier import DiskTier
+from server.engine.kv.host_tier import HostTier
+from server.engine.kv.layout import disk_tier_blocks
+from server.engine.executor.process import ProcessExecutor
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.output import OutputProcessor, final_output
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.spec_policy import SpecPolicy
+from server.engine.spec.policy import SpecPolicy
 from server.engine.stats import EngineStats, StatsRecorder
-from server.engine.worker import Worker
+from server.engine.worker.worker import Worker
 
 log = logging.getLogger("server.engine")
 
@@ -59,7 +59,7 @@ def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
 def _make_executor(model: Any, cfg: EngineConfig, k: int, policy: SpecPolicy | None):
     """Inline worker (synchronous); a worker process or thread (asynchronous scheduling)."""
     if cfg.parallel.world_size > 1:
-        from server.engine.parallel_executor import ParallelExecutor
+        from server.engine.executor.parallel import ParallelExecutor
         if policy is not None:
             raise EngineError("a speculation policy object cannot be given to a parallel "
                               "engine: each rank builds its own from the config")

@@ -186,7 +186,7 @@ class AsyncEngine:
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Compile ``grammar`` on a thread before a request using it is submitted, so the
-        engine thread only copies a compiled matcher (grammar.py); raises GrammarError.
+        engine thread only copies a compiled matcher (sample/grammar.py); raises GrammarError.
         A worker in another process (asynchronous scheduling on a CPU) compiles it there
         on first sight instead, once per grammar."""
         book = self.engine.grammars

@@ -249,7 +249,7 @@ class EngineProcess:
         before submitting; the engine process compiles it again on first sight."""
         if self._grammars is None:
             from server.engine.config import engine_config_from_app
-            from server.engine.grammar import GrammarBook
+            from server.engine.sample.grammar import GrammarBook
             self._grammars = GrammarBook(engine_config_from_app(self._app_config).tokenizer_dir,
                                          self._runtime.vocab_size)
         await asyncio.to_thread(self._grammars.compile, grammar)

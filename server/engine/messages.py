@@ -14,8 +14,8 @@ Per step the scheduler sends one ``SchedulerOutput``:
     back later as new requests, recomputed from their tokens, or with their blocks loaded
     back from the host tier when they were swapped out);
   * ``kv_saves`` / ``kv_loads``: block copies between the device pool and the host tier
-    (host_tier.py) that the worker runs before the step's forward, in step order;
-    ``kv_disk_writes`` / ``kv_disk_loads`` the same for the disk tier (disk_tier.py).
+    (kv/host_tier.py) that the worker runs before the step's forward, in step order;
+    ``kv_disk_writes`` / ``kv_disk_loads`` the same for the disk tier (kv/disk_tier.py).
 
 Placeholders (asynchronous scheduling).  When step n+1 is scheduled before step n's tokens
 reached the host, a cached request carries ``num_output_placeholders = 1 + d``: the most

@@ -48,8 +48,8 @@ class SamplingParams:
     # token plus the top n alternatives.  The prefill then computes every prompt position
     # (no prefix-cache hit for this request: cached positions have no logits).
     prompt_logprobs: int | None = None
-    # A grammar the output must follow (llguidance's serialised grammar; grammar.py in the
-    # API layer builds it, server/engine/grammar_masks.py applies it as a token mask).
+    # A grammar the output must follow (llguidance's serialised grammar; sample/grammar.py in the
+    # API layer builds it, server/engine/sample/grammar_masks.py applies it as a token mask).
     grammar: str | None = None
 
     @property

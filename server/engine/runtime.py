@@ -38,14 +38,14 @@ class RuntimeInfo:
     vocab_size: int = 0                 # the model's: token ids are valid in [0, vocab_size)
     num_kv_layers: int = 0
     num_int8_kv_layers: int = 0         # cache layers with an int8 latent (kv_cache_dtype / FA3)
-    decode_path: str = "eager"          # uniform decode steps: compiled | static | eager (worker.py)
+    decode_path: str = "eager"          # uniform decode steps: compiled | static | eager (worker/worker.py)
     compile_seconds: float | None = None  # start to compiled graphs in use (None: not compiled)
     compile_state: str = "off"          # off | compiling (serving uncompiled meanwhile) | compiled | failed
-    host_kv_blocks: int = 0             # host KV tier size (0: no tier; host_tier.py)
+    host_kv_blocks: int = 0             # host KV tier size (0: no tier; kv/host_tier.py)
     kv_block_bytes: int = 0             # bytes one block moves between the tiers (every layer)
     host_cache_prefix: bool = False     # evicted prefix blocks go to the tier
     swap_preemption: bool = False       # preempted requests swap to it when it has room
-    world_size: int = 1                 # ranks of a tensor/expert-parallel group (parallel_executor.py)
+    world_size: int = 1                 # ranks of a tensor/expert-parallel group (executor/parallel.py)
     moe_tp: int = 1
     moe_ep: int = 1
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)

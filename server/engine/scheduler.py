@@ -18,7 +18,7 @@ the worst case).  Two admission modes keep the engine from ever deadlocking:
   * reserved (maxPreemptCount == 0, or after the last allowed preemption): admission
     holds back the sequence's worst-case block count, so it always completes.
 A preempted sequence is swapped out instead of recomputed when the host tier
-(host_tier.py, ``EngineConfig.swap_preemption``) has room for its blocks: they are saved
+(kv/host_tier.py, ``EngineConfig.swap_preemption``) has room for its blocks: they are saved
 there and loaded back when it resumes, with its computed positions as they were (its
 drafts stay with the worker's proposer either way); recompute is the fallback.
 Freed blocks may be handed out while a step that still writes them is in flight: the
@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from server.engine.block_manager import BlockManager, PrefixMatch
+from server.engine.kv.block_manager import BlockManager, PrefixMatch
 from server.engine.config import EngineConfig
 from server.engine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                     SchedulerOutput)

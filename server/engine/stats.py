@@ -45,7 +45,7 @@ class EngineStats:
     last_step_num_tokens: int = 0        # tokens fed to the main model by the last step
     last_step_batch_size: int = 0
     num_worker_requests: int = 0         # requests with state on the worker (leak check)
-    # host KV tier (host_tier.py); all 0 without one
+    # host KV tier (kv/host_tier.py); all 0 without one
     host_blocks_total: int = 0
     host_blocks_used: int = 0            # cached prefix blocks + swap slots
     host_blocks_cached: int = 0          # prefix blocks findable there
@@ -60,7 +60,7 @@ class EngineStats:
     num_swapped_out: int = 0             # preemptions that swapped instead of recomputing
     num_swapped_in: int = 0              # resumes that loaded their blocks back
     num_preemptions_recomputed: int = 0  # preemptions that dropped the KV (recompute)
-    # disk KV tier (disk_tier.py); all 0 without one
+    # disk KV tier (kv/disk_tier.py); all 0 without one
     disk_blocks_total: int = 0
     disk_blocks_used: int = 0
     disk_cache_hits: int = 0             # prompt tokens found there (verified files)

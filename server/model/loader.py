@@ -261,7 +261,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
 @dataclass(frozen=True)
 class CheckpointSummary:
     """What the engine's own process needs of a checkpoint whose weights live with the
-    ranks of a parallel group (parallel_executor.py): shapes and the MTP layer count."""
+    ranks of a parallel group (executor/parallel.py): shapes and the MTP layer count."""
 
     config: DeepseekConfig
     num_mtp_layers: int

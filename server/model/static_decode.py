@@ -109,7 +109,7 @@ def moe_layer_windowed(attn, norm_in, norm_post, mlp, x, cos, sin, positions, sl
 
 class StaticDecoder:
     """Runs a model's decode/verify windows and draft passes through the functions above,
-    plain or through compiled graphs (``use_graphs``; compile_step.py makes them), one
+    plain or through compiled graphs (``use_graphs``; worker/compile_step.py makes them), one
     graph per layer kind and window kind, shared by every layer of that kind (the layer's
     weights are graph inputs, not constants)."""
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from server.engine.spec_policy import AdaptiveK, FixedK
+from server.engine.spec.policy import AdaptiveK, FixedK
 from server.engine.protocol import SamplingParams
 from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_staggered, \
     run_tokens, tiny_model

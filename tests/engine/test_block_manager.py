@@ -1,5 +1,5 @@
 """Block pool bookkeeping: allocation, freeing, prefix cache keyed with the next token."""
-from server.engine.block_manager import BlockManager
+from server.engine.kv.block_manager import BlockManager
 from server.engine.protocol import SamplingParams
 from server.engine.sequence import Sequence
 

@@ -71,7 +71,7 @@ def test_lone_prefills_take_the_compiled_graphs_and_emit_what_the_varlen_path_em
     """A step prefilling one request (alone, or beside running decodes) runs its prompt
     through the lone-sequence graphs: same tokens as the uncompiled engine (varlen
     prefills), also after a cached prefix, with prompt logprobs equal to float precision."""
-    from server.engine import runner as R
+    from server.engine.worker import runner as R
     used = []
     real = R.ModelRunner._static_prefill
     monkeypatch.setattr(R.ModelRunner, "_static_prefill",
@@ -130,7 +130,7 @@ def test_background_graphs_are_adopted_between_steps_and_change_no_token(tmp_pat
     import shutil
     import time
 
-    from server.engine import compile_step
+    from server.engine.worker import compile_step
     eager, _ = _models()
     model = _fresh_demo_model()
     warm = compile_step.cache_dir(model, torch.device("cpu"))
@@ -166,7 +166,7 @@ def test_background_graphs_are_adopted_between_steps_and_change_no_token(tmp_pat
 
 
 def test_a_failed_background_compile_leaves_the_static_step_serving(monkeypatch):
-    from server.engine import compile_step
+    from server.engine.worker import compile_step
 
     def broken(self):
         raise RuntimeError("no C++ compiler here")
@@ -229,7 +229,7 @@ def test_an_idle_engine_takes_up_the_background_outcome_without_a_request(monkey
     import threading
     import time
 
-    from server.engine import compile_step
+    from server.engine.worker import compile_step
     from server.engine.engine import EngineLoop
 
     def broken(self):

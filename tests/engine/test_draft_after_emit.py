@@ -1,4 +1,4 @@
-"""Drafting after the tokens go out (EngineConfig.draft_after_emit, worker.py): a step
+"""Drafting after the tokens go out (EngineConfig.draft_after_emit, worker/worker.py): a step
 returns its verified tokens before its MTP passes run; the passes run in finish_step (the
 engine loop calls it after handing the outputs out) or first thing in the next step.
 

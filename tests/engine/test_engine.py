@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from server.engine.block_manager import BlockManager
+from server.engine.kv.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.engine import AsyncEngine, EngineError, LLMEngine
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams

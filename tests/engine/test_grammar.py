@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding in the engine (server/engine/grammar.py).
+"""Grammar-constrained decoding in the engine (server/engine/sample/grammar.py).
 
 * Masks per verified row: a draft the grammar forbids gets a zero row bit (so the
   verifier rejects it), later rows allow everything, and the matcher ends as it began.
@@ -19,8 +19,8 @@ import torch
 
 from server.api.grammars import auto_tool_grammar, response_format_grammar, tool_call_grammar
 from server.api.protocol import Tool
-from server.engine import grammar as G
-from server.engine import grammar_masks as GM
+from server.engine.sample import grammar as G
+from server.engine.sample import grammar_masks as GM
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
@@ -154,7 +154,7 @@ def test_constrained_greedy_identical_with_mtp(k):
 
 @pytest.mark.slow
 def test_seeded_constrained_sampling_identical_with_mtp_and_alone():
-    """Seeded requests are verified by coupling (sampler.py): with MTP k=1 and k=2 they
+    """Seeded requests are verified by coupling (sample/sampler.py): with MTP k=1 and k=2 they
     emit exactly what MTP off emits for the same seed, batched or alone."""
     sp = lambda i, g: SamplingParams(max_tokens=72, temperature=0.9, top_p=0.95,   # noqa: E731
                                      seed=100 + i, grammar=g)

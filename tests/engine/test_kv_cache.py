@@ -1,7 +1,7 @@
 """KV pool sizing and allocation."""
 import torch
 
-from server.engine.kv_cache import GIB, KVCacheSpec, allocate_kv_caches, num_blocks_for
+from server.engine.kv.cache import GIB, KVCacheSpec, allocate_kv_caches, num_blocks_for
 
 SPEC = KVCacheSpec(num_layers=3, block_size=16, kv_cache_dim=40, dtype=torch.float32)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from helpers import make_engine, prompts, requests, run_tokens, tiny_model
-from server.engine.block_manager import BlockManager
-from server.engine.host_pool import HostKVPool
-from server.engine.host_tier import HostTier
-from server.engine.kv_file import file_name, hash_of_name, read_block, write_block
+from server.engine.kv.block_manager import BlockManager
+from server.engine.kv.host_pool import HostKVPool
+from server.engine.kv.host_tier import HostTier
+from server.engine.kv.block_file import file_name, hash_of_name, read_block, write_block
 from server.engine.protocol import SamplingParams
 from server.engine.sequence import Sequence
 from server.model.latent_cache import Int8LatentCache, LatentCache
@@ -280,7 +280,7 @@ def test_kv_file_round_trip_and_every_kind_of_damage(tmp_path):
 
 
 def test_a_failing_disk_write_is_a_later_miss_not_an_engine_error(tmp_path, monkeypatch):
-    import server.engine.host_pool as host_pool
+    import server.engine.kv.host_pool as host_pool
 
     def full_disk(path, block_hash, payload):
         raise OSError(28, "No space left on device")

@@ -1,5 +1,5 @@
 """Greedy MTP decoding is lossless: k=1 and k=2 emit exactly what MTP off emits; so does
-seeded sampling (coupled verification, sampler.py).
+seeded sampling (coupled verification, sample/sampler.py).
 
 32 prompts x 64 new tokens, on the tiny random checkpoint (acceptance near zero: reject
 paths) and on a high-acceptance variant (accept and bonus paths), run 8 at a time with

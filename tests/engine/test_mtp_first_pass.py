@@ -1,4 +1,4 @@
-"""A prompt's first MTP pass in two parts (server/engine/mtp.py, module docstring): every
+"""A prompt's first MTP pass in two parts (server/engine/spec/proposer.py, module docstring): every
 position's MTP KV written without running the layer, then the layer on the last position
 alone.  It must leave the MTP KV and the first draft the whole-layer pass leaves, and
 outputs stay those of MTP off (the lossless tests elsewhere run it on every prompt of at
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import mtp
+from server.engine.spec import proposer
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_tokens
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 def _first_step(model, prompt: list[int], split: bool, static: bool, monkeypatch):
     """After the prefill step: the prompt's MTP KV rows, the held first draft, and the
     rows each MTP-layer call got."""
-    monkeypatch.setattr(mtp, "SPLIT_FIRST_PASS_ROWS", 8 if split else 10 ** 9)
+    monkeypatch.setattr(proposer, "SPLIT_FIRST_PASS_ROWS", 8 if split else 10 ** 9)
     calls: list[tuple[str, int]] = []
     write, forward = DeepseekV3ForCausalLM.mtp_write_kv, DeepseekV3ForCausalLM.mtp_forward
 

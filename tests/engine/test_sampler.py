@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from server.engine import sampler as S
-from server.engine.verifier import greedy_accept, verify
+from server.engine.sample import sampler as S
+from server.engine.spec.verifier import greedy_accept, verify
 from server.engine.protocol import SamplingParams
 
 V = 6

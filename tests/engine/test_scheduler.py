@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from server.engine.block_manager import BlockManager
+from server.engine.kv.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.protocol import FinishReason, SamplingParams

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import runner
+from server.engine.worker import runner
 from server.engine.protocol import SamplingParams
 from server.model.batch import BatchMetadata, DecodeMetadata
 from server.model.static_decode import StaticDecoder
@@ -121,7 +121,7 @@ def test_static_forward_matches_varlen_forward_and_ignores_unwritten_slots():
 
 def test_a_failed_compile_leaves_the_uncompiled_static_path(monkeypatch, caplog):
     """No C++ compiler, a torch without Inductor...: the engine still starts, says why."""
-    import server.engine.worker as worker_module
+    import server.engine.worker.worker as worker_module
 
     def fail(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")

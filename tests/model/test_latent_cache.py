@@ -14,7 +14,7 @@ import torch
 
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
-from server.engine.kv_cache import KVCacheSpec, num_blocks_for
+from server.engine.kv.cache import KVCacheSpec, num_blocks_for
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.latent_cache import Int8LatentCache, LatentCache
 from server.model.loader import load_checkpoint

@@ -181,7 +181,7 @@ def test_mtp_is_lossless_on_the_quantized_model_and_accepts_like_float(quantized
 
 
 def test_fa3_checkpoint_gets_an_int8_latent_cache(quantized, driver_cls):
-    from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+    from server.engine.kv.cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
     q, info = load_checkpoint(quantized["fa3"])
     assert "FA3 int8 KV on 7 layer(s)" in info.quantization
     assert q.kv_cache_int8_layers == frozenset(range(1, 8))      # not layer 0, not the MTP layer

@@ -1,6 +1,6 @@
 """Paged KV bookkeeping: block allocation, reference counts and the prefix cache.
 
-No torch: the scheduler calls it, the tensors live in kv_cache.py.  A sequence's block
+No torch: the scheduler calls it, the tensors live in kv/cache.py.  A sequence's block
 table maps position ``j`` to slot ``table[j // block_size] * block_size + j % block_size``
 in every cache layer (main layers and the MTP layer share the table).
 
@@ -13,13 +13,13 @@ matches too, and then both its main and MTP KV are exact (never dropped, never s
 Free blocks that carry a hash stay findable until evicted, least recently freed first;
 free blocks without one are handed out before any cached block is evicted.
 
-Host tier (host_tier.py, optional).  With ``host_prefix`` an evicted cached block is saved
+Host tier (kv/host_tier.py, optional).  With ``host_prefix`` an evicted cached block is saved
 to the tier under its hash, and ``match_prefix`` continues past the device run into the
 tier: those blocks get fresh device blocks and are loaded back instead of recomputed.
 With ``swap`` the scheduler may swap a preempted sequence's blocks out (``swap_out``) and
 back in on resume (``swap_in``).  Every move is queued here as plain (source,
 destination) pairs that the scheduler puts in the step message (``take_transfers``).
-With a disk tier (disk_tier.py) too, a block saved to the host tier is also written to
+With a disk tier (kv/disk_tier.py) too, a block saved to the host tier is also written to
 disk, and a match goes on from the host tier into files verified before they count.
 
 Hashes are stable across processes (ints only, no ``None``, whose hash is an address
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from server.engine.disk_tier import DiskTier
-from server.engine.host_tier import HostTier
+from server.engine.kv.disk_tier import DiskTier
+from server.engine.kv.host_tier import HostTier
 from server.engine.sequence import Sequence
 
 

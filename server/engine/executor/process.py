@@ -63,7 +63,7 @@ def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, thr
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     parent = os.getppid()
-    from server.engine.worker import Worker
+    from server.engine.worker.worker import Worker
     try:
         worker = Worker(model, cfg, num_spec_tokens, policy)
     except BaseException as exc:
@@ -119,7 +119,7 @@ class StepFuture:
 
 class ProcessExecutor:
     """Drives worker process(es): rank 0 (or the only worker) answers every step through
-    the results pipe; other local ranks (parallel_executor.py) are watched for exit."""
+    the results pipe; other local ranks (executor/parallel.py) are watched for exit."""
 
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
                  policy: Any = None) -> None:

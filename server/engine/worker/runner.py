@@ -7,7 +7,7 @@ One step (docs/architecture.md, "One MTP step"), for every scheduled request at 
   3. THE host sync of the step: emitted tokens and acceptance counts reach the host in one
      transfer (everything before it is queued device work);
   4. the proposer drafts the next step's tokens from the true hidden states of the
-     verified positions (mtp.py); the drafts stay on the device.
+     verified positions (spec/proposer.py); the drafts stay on the device.
 With MTP off (``NoProposer``) step 4 is skipped and every window is one row: plain
 decoding through the same code.  The runner reads only the worker's ``RequestState``s; it
 changes nothing: the worker commits a step once all of it succeeded.
@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from server.engine import grammar_masks as GM
-from server.engine import sampler as S
-from server.engine.verifier import greedy_accept, verify
-from server.engine.metadata import build_metadata, expand_rows
+from server.engine.sample import grammar_masks as GM
+from server.engine.sample import sampler as S
+from server.engine.spec.verifier import greedy_accept, verify
+from server.engine.worker.metadata import build_metadata, expand_rows
 from server.engine.protocol import TokenLogprob
-from server.engine.request_state import RequestState
+from server.engine.worker.request_state import RequestState
 from server.model.batch import BatchMetadata, DecodeMetadata
 
 
@@ -76,7 +76,7 @@ class ModelRunner:
                 defer_drafts: bool = False) -> StepResult:
         """One step for ``states``; ``k``: drafts per request for the next step (default:
         the proposer's choice).  ``defer_drafts``: leave the MTP passes in
-        ``StepResult.drafting`` instead of running them (worker.py)."""
+        ``StepResult.drafting`` instead of running them (worker/worker.py)."""
         if k is None:
             k = self.proposer.choose_k(states)
         n_new = [s.num_new_tokens for s in states]
@@ -104,7 +104,7 @@ class ModelRunner:
         rows = hidden if w.logits_indices is None else hidden[w.logits_indices]
         logits = self.model.compute_logits(rows)                           # [R, V]
         prompt_lp = self._prompt_logprobs(states, starts, w.cu, hidden)
-        # Grammar masks on every verified row (grammar_masks.py); logprobs stay the raw model's.
+        # Grammar masks on every verified row (sample/grammar_masks.py); logprobs stay the raw model's.
         matchers = [s.matcher for s in states]
         vlogits = logits
         if any(m is not None for m in matchers):
@@ -270,7 +270,7 @@ class ModelRunner:
         probs = S.to_probs(processed, smeta)
         coupled = None
         if smeta.coupled is not None:
-            # Seeded requests: coupled verification (sampler.py): the target token of every
+            # Seeded requests: coupled verification (sample/sampler.py): the target token of every
             # row is the sample MTP-off decoding would draw there; a draft must equal it.
             target = argmax_pad.flatten().clone()
             c = smeta.coupled

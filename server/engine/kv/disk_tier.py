@@ -3,13 +3,13 @@
 Files live in ``<kvPool disk_path>/<fingerprint>/``; the fingerprint names the model and
 the block layout (engine/core.py), so a directory written for another checkpoint, block
 size or cache dtype is never read.  Block hashes are the prefix cache's chain hashes
-(block_manager.py), which are stable across processes, so a restarted daemon finds the
+(kv/block_manager.py), which are stable across processes, so a restarted daemon finds the
 blocks an earlier one wrote: the directory is scanned once at start.
 
 Policy (SGLang's "write through" for its storage tier): a block saved to the host tier
 is also written to disk, so what left the device survives a restart.  The engine decides
 every write here (``plan_write`` evicts the least recently used file past the size
-bound) and the worker writes the file in that step (kv_file.py: atomic, checksummed).
+bound) and the worker writes the file in that step (kv/block_file.py: atomic, checksummed).
 Reads happen here, on the engine side, while a prefix is matched: a file is verified
 before its block counts as a hit, and one that fails (torn, truncated, corrupted) is
 deleted, counted and treated as a miss, so the block is recomputed, never served.
@@ -24,7 +24,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from server.engine.kv_file import HEADER_BYTES, file_name, hash_of_name, read_block
+from server.engine.kv.block_file import HEADER_BYTES, file_name, hash_of_name, read_block
 
 log = logging.getLogger("server.engine")
 

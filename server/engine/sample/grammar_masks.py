@@ -1,4 +1,4 @@
-"""Token masks of grammar-constrained requests (matchers: grammar.py).
+"""Token masks of grammar-constrained requests (matchers: sample/grammar.py).
 
 Masks under MTP.  A verification window of a request holding drafts d1..dk has k + 1
 logits rows; row j predicts the token after d1..dj.  ``window_masks`` computes row j's
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from server.engine.grammar import GrammarError
+from server.engine.sample.grammar import GrammarError
 
 
 class MaskApplier:

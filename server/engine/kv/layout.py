@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Iterable
 
-from server.engine.kv_file import HEADER_BYTES
+from server.engine.kv.block_file import HEADER_BYTES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT8_SCALE_BYTES = 4                # one float32 scale per token (Int8LatentCache.scale)

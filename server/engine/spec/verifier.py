@@ -3,16 +3,16 @@
 Greedy rows accept a draft iff it equals the target's argmax; sampled rows use
 probability-ratio acceptance (accept d with probability min(1, p(d)/q(d))), then emit one
 recovered token from norm(max(0, p - q)) or, when every draft passed, a bonus token from p.
-The uniforms come from the counter-based generator in sampler.py, so a seeded request's
+The uniforms come from the counter-based generator in sample/sampler.py, so a seeded request's
 result does not depend on its batch.  Seeded sampled requests are verified by coupling
-instead (runner.py, sampler.py's module doc): the greedy form of this function with each
+instead (worker/runner.py, sample/sampler.py's module doc): the greedy form of this function with each
 row's Gumbel-max target sample in place of the argmax.
 """
 from __future__ import annotations
 
 import torch
 
-from server.engine.sampler import sample_inverse_cdf
+from server.engine.sample.sampler import sample_inverse_cdf
 
 
 def greedy_accept(target_argmax: list[list[int]], draft_ids: list[list[int]]) -> list[list[int]]:

@@ -3,7 +3,7 @@
 A worker holds the model, the KV pool tensors, the runner, the MTP proposer (held drafts
 and their probabilities) and a ``RequestState`` per request.  It is driven only by
 ``SchedulerOutput`` messages and answers with ``ModelRunnerOutput``s (messages.py), so the
-same interface can sit in this process (executor.py) or in another one.
+same interface can sit in this process (executor/in_process.py) or in another one.
 
 A step that raises is retried request by request: the ones that still fail are reported
 in ``ModelRunnerOutput.failed`` and the rest complete (their KV is simply rewritten).
@@ -17,19 +17,19 @@ from typing import Any
 
 import torch
 
-from server.engine import grammar as G
-from server.engine.compile_step import BackgroundGraphs, compile_static_decoder, should_compile
+from server.engine.sample import grammar as G
+from server.engine.worker.compile_step import BackgroundGraphs, compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
-from server.engine.block_rows import BlockRows
-from server.engine.host_pool import HostKVPool
-from server.engine.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from server.engine.kv.block_rows import BlockRows
+from server.engine.kv.host_pool import HostKVPool
+from server.engine.kv.cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
-from server.engine.mtp import MTPProposer, NoProposer
-from server.engine.rank_group import RankGroup, collective_error
-from server.engine.request_state import RequestState
-from server.engine.runner import ModelRunner, StepResult
+from server.engine.spec.proposer import MTPProposer, NoProposer
+from server.engine.worker.rank_group import RankGroup, collective_error
+from server.engine.worker.request_state import RequestState
+from server.engine.worker.runner import ModelRunner, StepResult
 from server.engine.runtime import lookahead_slots
-from server.engine.spec_policy import AdaptiveK, FixedK, SpecPolicy
+from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.model.static_decode import supports_static_decode
 
 log = logging.getLogger("server.engine")
@@ -39,7 +39,7 @@ class Worker:
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
                  policy: SpecPolicy | None = None, group: RankGroup | None = None,
                  draft_after_emit: bool = False) -> None:
-        """``group``: the ranks of a tensor/expert-parallel model (rank_group.py); every
+        """``group``: the ranks of a tensor/expert-parallel model (worker/rank_group.py); every
         decision that could differ between ranks (pool size, a step's measured time) is
         agreed over it, so all ranks run the same steps.
 
@@ -101,7 +101,7 @@ class Worker:
             self.proposer = NoProposer()
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
                                   self.static_decode)
-        # Compiled grammars (grammar.py); the API layer compiles into it before submitting
+        # Compiled grammars (sample/grammar.py); the API layer compiles into it before submitting
         # when this worker runs in its process, so the engine thread only copies.
         self.grammars = G.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}

@@ -2,7 +2,7 @@
 
 Layout (little-endian): magic ``MTPKVB01`` (8 bytes) | block hash (8, unsigned) | payload
 length (8) | BLAKE2b-128 of the payload (16) | payload (one host-tier slot: every cache
-layer of the block, host_pool.py).  A reader that finds another magic, another hash, a
+layer of the block, kv/host_pool.py).  A reader that finds another magic, another hash, a
 length that does not match the file or a digest that does not match the payload gets
 None: a torn, truncated or corrupted file is never served.
 

@@ -11,7 +11,7 @@
     also absorbs the step's device-to-host wait.
 
 On a CPU the interpreter lock defeats a thread, so asynchronous scheduling uses the
-worker process of worker_process.py behind the same two methods (``execute_model``,
+worker process of executor/process.py behind the same two methods (``execute_model``,
 ``shutdown``); process workers for tensor/expert parallel fit there too.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import concurrent.futures as cf
 import torch
 
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
-from server.engine.worker import Worker
+from server.engine.worker.worker import Worker
 
 
 class InProcessExecutor:
@@ -46,7 +46,7 @@ class InProcessExecutor:
         return fut
 
     def finish_step(self) -> None:
-        """The draft passes the last step left, once its outputs are out (worker.py).  A
+        """The draft passes the last step left, once its outputs are out (worker/worker.py).  A
         worker thread (asynchronous scheduling) drafts inside its steps."""
         if self._pool is None:
             self.worker.finish_step()

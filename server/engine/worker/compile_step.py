@@ -275,7 +275,7 @@ class BackgroundGraphs:
                 spec_file.write_bytes(pickle.dumps({**spec, "files": files[i::n]}))
                 log_file = Path(tmp) / f"compile{i}.log"
                 with open(log_file, "w") as out:
-                    proc = subprocess.Popen([sys.executable, "-m", "server.engine.compile_step", str(spec_file)],
+                    proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
                                             stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
                                             env=dict(os.environ, OMP_NUM_THREADS="1"))
                 children.append((proc, log_file))

@@ -30,10 +30,10 @@ from typing import Callable
 
 import torch
 
-from server.engine import sampler as S
-from server.engine.metadata import build_metadata
-from server.engine.request_state import RequestState
-from server.engine.spec_policy import SpecPolicy
+from server.engine.sample import sampler as S
+from server.engine.worker.metadata import build_metadata
+from server.engine.worker.request_state import RequestState
+from server.engine.spec.policy import SpecPolicy
 from server.model.batch import BatchMetadata, DecodeMetadata
 
 
@@ -178,7 +178,7 @@ class MTPProposer:
 
         ``defer``: build every input now (from the request states as they are before the
         step is committed) and return the model passes as a function to call later, after
-        the step's tokens went out (worker.py, "drafting after the tokens go out").
+        the step's tokens went out (worker/worker.py, "drafting after the tokens go out").
         """
         dev = self.device
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions

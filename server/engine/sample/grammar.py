@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding: llguidance matchers, compiled once per grammar (masks: grammar_masks.py).
+"""Grammar-constrained decoding: llguidance matchers, compiled once per grammar (masks: sample/grammar_masks.py).
 
 A constrained request carries its grammar as text (``SamplingParams.grammar``, llguidance's
 serialised grammar, built in server/api/grammars.py).  The worker keeps one compiled,
@@ -6,7 +6,7 @@ pristine matcher per distinct grammar (``GrammarBook``) and gives each request a
 the copy advances only by the tokens the request really emitted (``commit``), so a
 preempted or resumed request rebuilds it from its output tokens.
 
-Token masks (and how they keep MTP lossless): grammar_masks.py.  No torch here: the
+Token masks (and how they keep MTP lossless): sample/grammar_masks.py.  No torch here: the
 serving process validates grammars with a GrammarBook without loading it.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ class RequestState(TokenView):
     stop_ids: frozenset[int]
     max_output_tokens: int
     stopped: bool = False             # a token-level stop rule ended it (stop_rules.py)
-    matcher: Any = None               # its grammar's llguidance matcher (grammar.py), if any
+    matcher: Any = None               # its grammar's llguidance matcher (sample/grammar.py), if any
     export_kv: bool = False           # PD prefill: export the prompt blocks once computed
 
     @classmethod

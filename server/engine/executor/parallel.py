@@ -1,8 +1,8 @@
 """Tensor/expert-parallel execution: one worker process per rank, rank 0 driving.
 
 The engine (scheduler, output processing) stays in the daemon's process; it talks to
-rank 0 exactly as to the single worker process (worker_process.py: two pipes, results in
-step order).  Rank 0 broadcasts each step message to the group (rank_group.py) and every
+rank 0 exactly as to the single worker process (executor/process.py: two pipes, results in
+step order).  Rank 0 broadcasts each step message to the group (worker/rank_group.py) and every
 rank executes it on its shard; only rank 0 answers.  Each rank loads its own slices of
 the checkpoint (loader.py with a ParallelPlan), so the daemon never holds the whole model.
 
@@ -28,8 +28,8 @@ import torch
 import torch.multiprocessing as mp
 
 from server.engine.config import EngineConfig
-from server.engine.rank_group import PING, RankFailed, RankGroup, collective_error
-from server.engine.worker_process import ProcessExecutor, read_into_queue
+from server.engine.worker.rank_group import PING, RankFailed, RankGroup, collective_error
+from server.engine.executor.process import ProcessExecutor, read_into_queue
 
 log = logging.getLogger("server.engine")
 
@@ -58,7 +58,7 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
     group: RankGroup | None = None
     try:
         group = RankGroup.join(par, rank, "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
-        from server.engine.worker import Worker
+        from server.engine.worker.worker import Worker
         from server.model.loader import load_checkpoint
         from server.model.parallel import ParallelPlan
         plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep)

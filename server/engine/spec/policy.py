@@ -1,6 +1,6 @@
 """How many tokens to draft per step: the speculation policy (SpecPolicy), FixedK, AdaptiveK.
 
-Owned by the MTP proposer (mtp.py), which asks it once per step after verification and
+Owned by the MTP proposer (spec/proposer.py), which asks it once per step after verification and
 feeds it what it measures: each verified window (acceptance) and each clean decode step's
 execution time (cost).  No torch here.
 """

@@ -4,9 +4,9 @@ A slot is one byte row holding a whole block: for every cache layer (main layers
 MTP layer) every tensor the layer's cache stores per block (float rows; or int8 latent,
 float32 scale and RoPE rows), laid end to end.  So a block moves whole whatever its dtype,
 and one copy per direction crosses the host/device boundary per step.  The same row is
-what a disk tier file holds (kv_file.py).
+what a disk tier file holds (kv/block_file.py).
 
-The engine decides the moves (host_tier.py, block_manager.py); the step message carries
+The engine decides the moves (kv/host_tier.py, kv/block_manager.py); the step message carries
 them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, device block),
 and ``apply`` runs them before the step's forward.  Order inside one step: gather the
 device blocks being saved, gather the host slots being loaded, then write both.  That
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from server.engine.kv_file import write_block
+from server.engine.kv.block_file import write_block
 
 log = logging.getLogger("server.engine")
 GIB = 1 << 30
@@ -140,7 +140,7 @@ def _check_unique_slots(saves: Sequence[tuple[int, int]],
                         disk_writes: Sequence[tuple[int, int, str]]) -> None:
     """Refuse a step whose copies would file one block's rows under another's hash.
 
-    The engine never plans one (host_tier.py); this keeps a planning fault from turning
+    The engine never plans one (kv/host_tier.py); this keeps a planning fault from turning
     into wrong answers served later from the disk tier: the step fails instead."""
     slots = [s for _, s in saves]
     if len(set(slots)) != len(slots):

@@ -3,7 +3,7 @@
 "int8": int8 latent + per-token scale, RoPE part in the model dtype).
 
 Cache layers are the main decoder layers followed by the MTP layer(s); all share one block
-table per sequence (bookkeeping in block_manager.py).  MLA caches the compressed latent
+table per sequence (bookkeeping in kv/block_manager.py).  MLA caches the compressed latent
 plus the RoPE key per token (``kv_cache_dim``), not full K/V.
 
 Sizing (``num_blocks_for``), in order of precedence:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.kv_layout import kv_block_bytes, kv_bytes_per_token
+from server.engine.kv.layout import kv_block_bytes, kv_bytes_per_token
 from server.model.latent_cache import Int8LatentCache, LatentCache
 
 log = logging.getLogger("server.engine")
@@ -43,7 +43,7 @@ class KVCacheSpec:
     rope_dim: int = 0        # the part an int8 cache keeps in the model dtype
     int8_layers: frozenset[int] = frozenset()   # cache layers with an int8 latent
 
-    # Sized by kv_layout.py, which ``--check`` uses too (the disk tier's minimum).
+    # Sized by kv/layout.py, which ``--check`` uses too (the disk tier's minimum).
     def bytes_per_token(self, layer: int) -> int:
         return kv_bytes_per_token(self.kv_cache_dim, self.rope_dim, self._dtype_bytes,
                                   layer in self.int8_layers)
