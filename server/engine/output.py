@@ -19,7 +19,7 @@ from typing import Any
 
 from server.engine.messages import ModelRunnerOutput
 from server.engine.protocol import EngineOutput, FinishReason, TokenLogprob
-from server.engine.scheduler import StepResult
+from server.engine.scheduler import SequenceUpdate
 from server.engine.sequence import Sequence
 
 
@@ -116,7 +116,7 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def process(self, results: list[StepResult], out: ModelRunnerOutput, now: float
+    def process(self, results: list[SequenceUpdate], out: ModelRunnerOutput, now: float
                 ) -> tuple[list[tuple[Sequence, EngineOutput]], list[tuple[Sequence, str]],
                            list[tuple[Sequence, str]]]:
         """(seq, EngineOutput) for one applied step, plus (seq, stop string) for requests a

@@ -42,7 +42,7 @@ from server.engine.stop_rules import first_stop
 
 
 @dataclass(slots=True)
-class StepResult:                # what update() did to one sequence
+class SequenceUpdate:                # what update() did to one sequence
     seq: Sequence
     new_token_ids: list[int]     # emitted this step, cut after a stop
     num_drafts: int              # drafts verified
@@ -299,7 +299,7 @@ class Scheduler:
             num_tokens += n_new
 
     # ---- update ---------------------------------------------------------------------
-    def update(self, out: ModelRunnerOutput) -> list[StepResult]:
+    def update(self, out: ModelRunnerOutput) -> list[SequenceUpdate]:
         """Apply one executed step: roll back rejected drafts, append tokens, stop.
 
         A sequence's state is exact up to its previous step when this runs (steps are
@@ -336,7 +336,7 @@ class Scheduler:
                 self.finish(seq, reason, stop_reason)
             else:
                 seq.num_draft_tokens = n_next
-            results.append(StepResult(seq, emitted, n_drafts, accepted, reason is not None))
+            results.append(SequenceUpdate(seq, emitted, n_drafts, accepted, reason is not None))
         return results
 
     @staticmethod

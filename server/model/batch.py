@@ -20,6 +20,17 @@ from dataclasses import dataclass
 import torch
 
 
+def expand_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence counts -> (sequence of each row, offset of the row in its sequence).
+
+    Example: counts [2, 1, 3] -> seq [0, 0, 1, 2, 2, 2], offset [0, 1, 0, 0, 1, 2].
+    """
+    n = int(counts.sum())
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=n)
+    starts = torch.cumsum(counts, 0) - counts
+    return seq, torch.arange(n) - starts[seq]
+
+
 @dataclass(slots=True)
 class BatchMetadata:
     positions: torch.Tensor        # [num_tokens] int64, absolute position of each new token

@@ -10,6 +10,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineOutput, EngineRequest, SamplingParams
 from server.model.loader import load_checkpoint
+from server.testing.daemon import free_port  # noqa: F401  (tests import it from here)
 from server.testing.high_acceptance import make_high_acceptance
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
@@ -39,13 +40,6 @@ def make_engine(model, k: int = 0, *, num_blocks: int = 512, block_size: int = 8
                        max_queue_delay_us=0, max_batch_size=max_batch_size, max_seq_len=512, **kw)
     return LLMEngine(model, cfg, eos_token_ids=set() if eos is None else eos, policy=policy,
                      blocks=blocks)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int, *, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 512) -> list[list[int]]:

@@ -71,10 +71,10 @@ def test_lone_prefills_take_the_compiled_graphs_and_emit_what_the_varlen_path_em
     """A step prefilling one request (alone, or beside running decodes) runs its prompt
     through the lone-sequence graphs: same tokens as the uncompiled engine (varlen
     prefills), also after a cached prefix, with prompt logprobs equal to float precision."""
-    from server.engine.worker import runner as R
+    from server.engine.worker import runner
     used = []
-    real = R.ModelRunner._static_prefill
-    monkeypatch.setattr(R.ModelRunner, "_static_prefill",
+    real = runner.ModelRunner._static_prefill
+    monkeypatch.setattr(runner.ModelRunner, "_static_prefill",
                         lambda self, st, s0, n: used.append((s0, n)) or real(self, st, s0, n))
     eager, compiled = _models()
     shared = prompts(1, seed=11, lo=40, hi=41, vocab=1000)[0]

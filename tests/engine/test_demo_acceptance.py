@@ -1,6 +1,6 @@
 """The bundled demo model through the engine: lossless greedy MTP, and acceptance that
 agrees with the figure the model's own evaluation reports in its README
-(scripts/demo_model/evaluate.py: mtp_acceptance_k1 over the same held-out prompts).
+(training/evaluate.py: mtp_acceptance_k1 over the same held-out prompts).
 
 The engine only verifies drafts at step starts (a bonus token is never drafted), the
 evaluation scores every generated position, so the two are estimates of the same rate
@@ -36,8 +36,8 @@ def card_figure() -> float | None:
 
 @functools.lru_cache(maxsize=None)
 def demo():
-    from scripts.demo_model import corpus, render
-    from scripts.demo_model.spec import TrainSettings
+    from training import corpus, render
+    from training.spec import TrainSettings
     from server.model.loader import load_checkpoint
     from server.text.tokenizer import Tokenizer
 

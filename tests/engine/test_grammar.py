@@ -19,8 +19,8 @@ import torch
 
 from server.api.grammars import auto_tool_grammar, response_format_grammar, tool_call_grammar
 from server.api.protocol import Tool
-from server.engine.sample import grammar as G
-from server.engine.sample import grammar_masks as GM
+from server.engine.sample import grammar
+from server.engine.sample import grammar_masks
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
@@ -109,19 +109,19 @@ def check_follows(tok: Tokenizer, rid: str, ids: list[int]) -> None:
 # ---- masks (no model) -------------------------------------------------------------------
 def test_window_masks_reject_a_forbidden_draft_and_leave_the_matcher_as_it_was():
     _, tok = demo()
-    book = G.GrammarBook(DEMO, 2048)
+    book = grammar.GrammarBook(DEMO, 2048)
     g = schema_grammar({"enum": ["yes", "no"]})
     m = book.matcher(g, [])
     yes = tok.encode('"yes"')
     bad = tok.encode('"x')[-1]
-    applier = GM.MaskApplier(2048, torch.device("cpu"))
-    rows, bm = GM.window_masks([None, m], [[5, 6], [yes[0], bad, yes[-1]]], book.words)
+    applier = grammar_masks.MaskApplier(2048, torch.device("cpu"))
+    rows, bm = grammar_masks.window_masks([None, m], [[5, 6], [yes[0], bad, yes[-1]]], book.words)
     assert rows == [3, 4, 5, 6]                          # request 1 owns window rows 3..6
     allowed = applier.allowed(bm)
     assert allowed[0, yes[0]] and allowed[1].sum() < 2048
     assert not allowed[1, bad]                           # the forbidden draft: bit 0 -> rejected
     assert allowed[2:].all()                             # rows after it are never used
-    again = GM.window_masks([m], [[]], book.words)[1]
+    again = grammar_masks.window_masks([m], [[]], book.words)[1]
     assert torch.equal(again[0], bm[1 - 1])              # the matcher rolled back
     logits = torch.zeros(7, 2048)
     out = applier.apply(logits, torch.tensor(rows), bm)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from server.engine.sample import sampler as S
+from server.engine.sample import sampler
 from server.engine.spec.verifier import greedy_accept, verify
 from server.engine.protocol import SamplingParams
 
@@ -97,9 +97,9 @@ def test_one_hot_draft_probs_default():
 # ---- counter-based randomness ----------------------------------------------------------
 def test_counter_uniform_is_pure_and_uniform():
     seeds = torch.arange(50000, dtype=torch.int64)
-    a = S.counter_uniform(seeds, seeds * 0 + 7, S.STREAM_SAMPLE)
-    b = S.counter_uniform(seeds, seeds * 0 + 7, S.STREAM_SAMPLE)
-    c = S.counter_uniform(seeds, seeds * 0 + 7, S.STREAM_ACCEPT)
+    a = sampler.counter_uniform(seeds, seeds * 0 + 7, sampler.STREAM_SAMPLE)
+    b = sampler.counter_uniform(seeds, seeds * 0 + 7, sampler.STREAM_SAMPLE)
+    c = sampler.counter_uniform(seeds, seeds * 0 + 7, sampler.STREAM_ACCEPT)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert 0 <= a.min() and a.max() < 1
     hist = torch.histc(a.float(), bins=10, min=0, max=1)
@@ -109,10 +109,10 @@ def test_counter_uniform_is_pure_and_uniform():
 
 # ---- processors ------------------------------------------------------------------------
 def meta_for(params: SamplingParams, *, rows: int = 1, prompt=(), output=(), n_out: int | None = None,
-             stop_ids=frozenset(), seeds=(0,), v: int = V) -> S.SamplingMetadata:
-    seqs = [S.SeqSamplingInput(params, s, rows, 10, len(output) if n_out is None else n_out,
+             stop_ids=frozenset(), seeds=(0,), v: int = V) -> sampler.SamplingMetadata:
+    seqs = [sampler.SeqSamplingInput(params, s, rows, 10, len(output) if n_out is None else n_out,
                                list(prompt), list(output), frozenset(stop_ids)) for s in seeds]
-    return S.SamplingMetadata.build(seqs, v, "cpu")
+    return sampler.SamplingMetadata.build(seqs, v, "cpu")
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, 1.5]])
@@ -123,7 +123,7 @@ def test_penalties_bias_and_min_tokens_match_hand_computation():
                        presence_penalty=0.25, logit_bias={4: 3.0}, min_tokens=3)
     m = meta_for(p, rows=2, prompt=[3], output=[0, 0, 5], n_out=2, stop_ids={5})
     context = torch.tensor([[-1], [2]])          # row 1 follows draft token 2
-    out = S.process_logits(LOGITS.repeat(2, 1), m, context)
+    out = sampler.process_logits(LOGITS.repeat(2, 1), m, context)
     exp0 = torch.tensor([2.0 / 2 - 1.0 - 0.25, 1.0, 0.5, -1.0 * 2, 3.0, -math.inf])
     exp1 = exp0.clone()
     exp1[2] = 0.5 / 2 - 0.5 - 0.25
@@ -134,7 +134,7 @@ def test_penalties_bias_and_min_tokens_match_hand_computation():
 def test_top_k_top_p_min_p_supports():
     def support(**kw) -> list[int]:
         m = meta_for(SamplingParams(**kw))
-        return torch.nonzero(S.to_probs(S.process_logits(LOGITS, m), m)[0]).flatten().tolist()
+        return torch.nonzero(sampler.to_probs(sampler.process_logits(LOGITS, m), m)[0]).flatten().tolist()
 
     assert support(top_k=2) == [0, 5]
     probs = torch.softmax(LOGITS[0], -1)           # [0.38, 0.14, 0.08, 0.02, 0.05, 0.23]
@@ -165,22 +165,22 @@ def test_mtp_verification_follows_target_distribution(name, sampled_draft):
     seeds = list(range(N))
     # Target and draft see the same context (prompt [3], output [0, 5, 5]).
     m = meta_for(params, rows=2, prompt=[3], output=[0, 5, 5], seeds=seeds)
-    target = S.to_probs(S.process_logits(LOGITS.repeat(2 * N, 1), m), m).view(N, 2, V)
+    target = sampler.to_probs(sampler.process_logits(LOGITS.repeat(2 * N, 1), m), m).view(N, 2, V)
     exact = target[0, 0].double()
     md = meta_for(params, rows=1, prompt=[3], output=[0, 5, 5], seeds=seeds)
     if sampled_draft:                               # draft ~ q, ratio test p/q
-        drafts, q = S.sample_rows(DRAFT_LOGITS.repeat(N, 1), md, S.STREAM_DRAFT)
+        drafts, q = sampler.sample_rows(DRAFT_LOGITS.repeat(N, 1), md, sampler.STREAM_DRAFT)
         q = q.view(N, 1, V)
     else:                                           # greedy drafting: q one-hot
-        drafts, q = S.process_logits(DRAFT_LOGITS.repeat(N, 1), md).argmax(-1), None
+        drafts, q = sampler.process_logits(DRAFT_LOGITS.repeat(N, 1), md).argmax(-1), None
     seeds_t = torch.tensor(seeds)
     idx = torch.tensor([10, 11])
-    u_acc = S.counter_uniform(seeds_t[:, None], idx[None, :1], S.STREAM_ACCEPT)
-    u_smp = S.counter_uniform(seeds_t[:, None], idx[None, :], S.STREAM_SAMPLE)
+    u_acc = sampler.counter_uniform(seeds_t[:, None], idx[None, :1], sampler.STREAM_ACCEPT)
+    u_smp = sampler.counter_uniform(seeds_t[:, None], idx[None, :], sampler.STREAM_SAMPLE)
     tokens, acc = verify(target, target.argmax(-1), drafts.view(N, 1), q,
                            torch.ones(N, dtype=torch.long), u_acc, u_smp)
     with_mtp = torch.bincount(tokens[:, 0], minlength=V).double()
-    plain = torch.bincount(S.sample_inverse_cdf(target[:, 0], u_smp[:, 0]), minlength=V).double()
+    plain = torch.bincount(sampler.sample_inverse_cdf(target[:, 0], u_smp[:, 0]), minlength=V).double()
     assert 0.05 < acc.double().mean() < 0.95        # both accept and reject paths ran
     for counts in (with_mtp, plain):
         keep = exact > 0

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from server.engine.protocol import SamplingParams
+from server.model.batch import expand_rows
 
 STREAM_ACCEPT = 1
 STREAM_SAMPLE = 2
@@ -125,11 +126,8 @@ class SamplingMetadata:
     def build(cls, seqs: list[SeqSamplingInput], vocab_size: int,
               device: torch.device | str) -> "SamplingMetadata":
         rows = [s.num_rows for s in seqs]
-        nrows = torch.tensor(rows, dtype=torch.int64)
         num_rows = int(sum(rows))
-        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), nrows)
-        starts = torch.cumsum(nrows, 0) - nrows
-        row_offset = torch.arange(num_rows) - starts[row_seq]
+        row_seq, row_offset = expand_rows(torch.tensor(rows, dtype=torch.int64))
 
         def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype)[row_seq].to(device)
@@ -164,26 +162,8 @@ class SamplingMetadata:
                 prompt_mask = prompt_mask.to(device)
             output_counts = output_counts.to(device)
 
-        # Sparse per-(row, token) edits: logit_bias and the min_tokens stop-id mask.
-        b_rows, b_toks, b_vals, m_rows, m_toks = [], [], [], [], []
-        start = 0
-        for s, n in zip(seqs, rows):
-            if s.params.logit_bias:
-                for tok, val in s.params.logit_bias.items():
-                    for r in range(start, start + n):
-                        b_rows.append(r), b_toks.append(int(tok)), b_vals.append(float(val))
-            short = s.params.min_tokens - s.num_output_tokens
-            if short > 0 and s.stop_ids:
-                for r in range(start, start + min(n, short)):
-                    for tok in s.stop_ids:
-                        m_rows.append(r), m_toks.append(tok)
-            start += n
-        bias_index = bias_value = mask_index = None
-        if b_rows:
-            bias_index = (torch.tensor(b_rows, device=device), torch.tensor(b_toks, device=device))
-            bias_value = torch.tensor(b_vals, dtype=torch.float32, device=device)
-        if m_rows:
-            mask_index = (torch.tensor(m_rows, device=device), torch.tensor(m_toks, device=device))
+        bias_index, bias_value = _logit_bias(seqs, device)
+        mask_index = min_tokens_mask(seqs, device)
         coupled_l = [p.seed is not None and not p.greedy for p in ps]
         coupled = None
         if any(coupled_l):                # row indices built on the host: no sync to find them
@@ -195,6 +175,43 @@ class SamplingMetadata:
     @property
     def has_penalties(self) -> bool:
         return self.output_counts is not None
+
+
+def _logit_bias(seqs: list[SeqSamplingInput], device: torch.device | str
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+    """logit_bias as sparse (rows, tokens) -> value edits over every row of a sequence."""
+    rows, toks, vals = [], [], []
+    start = 0
+    for s in seqs:
+        for tok, val in (s.params.logit_bias or {}).items():
+            for r in range(start, start + s.num_rows):
+                rows.append(r), toks.append(int(tok)), vals.append(float(val))
+        start += s.num_rows
+    if not rows:
+        return None, None
+    return ((torch.tensor(rows, device=device), torch.tensor(toks, device=device)),
+            torch.tensor(vals, dtype=torch.float32, device=device))
+
+
+def min_tokens_mask(seqs: list[SeqSamplingInput], device: torch.device | str,
+                    ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, stop ids) to mask while a sequence has fewer than ``min_tokens`` outputs.
+
+    Row r of a sequence predicts its output token ``num_output_tokens + ahead + r``; the
+    stop ids are masked on the rows before ``min_tokens``.  ``ahead``: a chained draft
+    pass predicts that many tokens past the rows' own (spec/proposer.py)."""
+    rows, toks = [], []
+    start = 0
+    for s in seqs:
+        short = s.params.min_tokens - s.num_output_tokens - ahead
+        if short > 0 and s.stop_ids:
+            for r in range(start, start + min(s.num_rows, short)):
+                for tok in s.stop_ids:
+                    rows.append(r), toks.append(tok)
+        start += s.num_rows
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.tensor(toks, device=device)
 
 
 def _counts(lists: list[list[int]], vocab_size: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from server.engine.sample import sampler as S
+from server.engine.sample import sampler
 from server.engine.worker.metadata import build_metadata
 from server.engine.worker.request_state import RequestState
 from server.engine.spec.policy import SpecPolicy
@@ -180,56 +180,69 @@ class MTPProposer:
         step is committed) and return the model passes as a function to call later, after
         the step's tokens went out (worker/worker.py, "drafting after the tokens go out").
         """
-        dev = self.device
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
-        tables = [s.block_table for s in states]
-        if window is not None:
-            q = window.query_len
-            ids = [t for toks in sampled for t in toks + [0] * (q - len(toks))]
-            input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-            prev_hidden = hidden
-            first: BatchMetadata | DecodeMetadata = window
-            last_rows = torch.tensor([i * q + len(toks) - 1 for i, toks in enumerate(sampled)],
-                                     dtype=torch.int64).to(dev)
-        else:
-            ids: list[int] = []
-            rows: list[int] = []
-            for st, s0, n, toks, c0, mm in zip(states, starts, n_new, sampled, cu, m):
-                ids.extend(st.token_ids[s0 + 1:s0 + n])
-                ids.extend(toks)
-                rows.extend(range(c0, c0 + mm))
-            input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-            prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
-            if static_prefill:
-                first = DecodeMetadata.build(starts, m[0], tables, self.block_size, dev)
-                last_rows = torch.tensor([m[0] - 1], dtype=torch.int64, device=dev)
-            else:
-                first = build_metadata(starts, m, tables, self.block_size, dev)
-                last_rows = (first.query_start_loc[1:] - 1).to(torch.int64)
+        first, input_ids, prev_hidden, last_rows = self._first_pass(
+            states, starts, n_new, sampled, cu, hidden, m, window, static_prefill)
         base = [s0 + mm for s0, mm in zip(starts, m)]     # position of the emitted final token
+        tables = [s.block_table for s in states]
 
         def chain_meta(c: int) -> BatchMetadata | DecodeMetadata:
             starts_c = [b - 1 + c for b in base]
             if self.static_decode:
-                return DecodeMetadata.build(starts_c, 1, tables, self.block_size, dev)
-            return build_metadata(starts_c, [1] * len(states), tables, self.block_size, dev)
+                return DecodeMetadata.build(starts_c, 1, tables, self.block_size, self.device)
+            return build_metadata(starts_c, [1] * len(states), tables, self.block_size,
+                                  self.device)
 
-        samp: list[S.SeqSamplingInput] | None = [] if k else None
-        # Raw-argmax drafts: nothing to build (the min_tokens test is against the count
-        # before this step, so it also holds for every draft position).
-        if k and all(st.plain_greedy for st in states):
-            samp = None
-        for st, b, toks in zip(states, base, sampled if samp is not None else ()):
+        samp = self._draft_sampling(states, base, sampled, k)
+
+        def passes() -> DraftResult | None:
+            return run_draft_passes(self.model, self.kv_caches, k, first, input_ids, prev_hidden,
+                                    last_rows, samp, self.vocab_size, chain_meta, draft_mask)
+        return passes if defer else passes()
+
+    def _first_pass(self, states, starts, n_new, sampled, cu, hidden, m, window,
+                    static_prefill):
+        """The first MTP pass's (metadata, input ids, main hidden states, each sequence's
+        last row): over the verified positions ``start .. start + m - 1``."""
+        dev = self.device
+        tables = [s.block_table for s in states]
+        if window is not None:
+            q = window.query_len
+            ids = [t for toks in sampled for t in toks + [0] * (q - len(toks))]
+            last_rows = torch.tensor([i * q + len(toks) - 1 for i, toks in enumerate(sampled)],
+                                     dtype=torch.int64).to(dev)
+            return window, torch.tensor(ids, dtype=torch.int64).to(dev), hidden, last_rows
+        ids: list[int] = []
+        rows: list[int] = []
+        for st, s0, n, toks, c0, mm in zip(states, starts, n_new, sampled, cu, m):
+            ids.extend(st.token_ids[s0 + 1:s0 + n])
+            ids.extend(toks)
+            rows.extend(range(c0, c0 + mm))
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
+        if static_prefill:
+            first = DecodeMetadata.build(starts, m[0], tables, self.block_size, dev)
+            return first, input_ids, prev_hidden, torch.tensor([m[0] - 1], dtype=torch.int64,
+                                                               device=dev)
+        first = build_metadata(starts, m, tables, self.block_size, dev)
+        return first, input_ids, prev_hidden, (first.query_start_loc[1:] - 1).to(torch.int64)
+
+    @staticmethod
+    def _draft_sampling(states, base, sampled, k: int) -> list[sampler.SeqSamplingInput] | None:
+        """How each sequence's first draft is sampled; None: every draft is the raw argmax
+        (the min_tokens test is against the count before this step, so it also holds for
+        every draft position)."""
+        if not k or all(st.plain_greedy for st in states):
+            return None
+        samp = []
+        for st, b, toks in zip(states, base, sampled):
             prompt, output = st.penalty_context()
             if st.sampling.has_penalties:
                 output = output + toks
-            samp.append(S.SeqSamplingInput(st.sampling, st.seed, 1, b + 1,
-                                           st.num_output_tokens + len(toks), prompt, output,
-                                           st.stop_ids))
-        def passes() -> DraftResult | None:
-            return propose(self.model, self.kv_caches, k, first, input_ids, prev_hidden,
-                           last_rows, samp, self.vocab_size, chain_meta, draft_mask)
-        return passes if defer else passes()
+            samp.append(sampler.SeqSamplingInput(st.sampling, st.seed, 1, b + 1,
+                                                 st.num_output_tokens + len(toks), prompt,
+                                                 output, st.stop_ids))
+        return samp
 
     def commit(self, states: list[RequestState], drafts: "DraftResult | None", k: int,
                num_drafts: list[int], sampled: list[list[int]]) -> None:
@@ -260,10 +273,10 @@ class DraftResult:
     probs: torch.Tensor | None          # [S, k, V] q each draft was sampled from; None if all greedy
 
 
-def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
-            input_ids: torch.Tensor, prev_hidden: torch.Tensor, last_rows: torch.Tensor,
-            sampling: list[S.SeqSamplingInput] | None, vocab_size: int,
-            chain_meta, draft_mask=None) -> DraftResult | None:
+def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
+                     input_ids: torch.Tensor, prev_hidden: torch.Tensor,
+                     last_rows: torch.Tensor, sampling: list[sampler.SeqSamplingInput] | None,
+                     vocab_size: int, chain_meta, draft_mask=None) -> DraftResult | None:
     """Run the first MTP pass plus k-1 chained passes; sample one draft per sequence per pass.
 
     first / input_ids / prev_hidden: the first pass (see module docstring).
@@ -285,7 +298,7 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
                               kv_caches, layer=0)
     else:
         h = model.mtp_forward(input_ids, prev_hidden, first, kv_caches, layer=0)[last_rows]
-    meta = S.SamplingMetadata.build(sampling, vocab_size, device) if sampling is not None else None
+    meta = sampler.SamplingMetadata.build(sampling, vocab_size, device) if sampling is not None else None
     ids: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     context = None
@@ -301,7 +314,7 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
         if meta is None:
             tok, q = logits.argmax(-1), None
         else:
-            tok, q = S.sample_rows(logits, meta, S.STREAM_DRAFT, context)
+            tok, q = sampler.sample_rows(logits, meta, sampler.STREAM_DRAFT, context)
         ids.append(tok)
         if q is not None:
             probs.append(q)
@@ -310,15 +323,8 @@ def propose(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
     return DraftResult(torch.stack(ids, dim=1), torch.stack(probs, dim=1) if probs else None)
 
 
-def _advance_min_tokens(meta: S.SamplingMetadata, sampling: list[S.SeqSamplingInput], c: int) -> None:
+def _advance_min_tokens(meta: sampler.SamplingMetadata, sampling: list[sampler.SeqSamplingInput],
+                        c: int) -> None:
     """Chained pass c predicts c tokens further on: rebuild the min_tokens mask for that."""
-    if meta.mask_index is None:
-        return
-    rows, toks = [], []
-    for r, s in enumerate(sampling):
-        if s.params.min_tokens - s.num_output_tokens - c > 0:
-            for t in s.stop_ids:
-                rows.append(r), toks.append(t)
-    dev = meta.token_index.device
-    meta.mask_index = (torch.tensor(rows, dtype=torch.long, device=dev),
-                       torch.tensor(toks, dtype=torch.long, device=dev)) if rows else None
+    if meta.mask_index is not None:
+        meta.mask_index = sampler.min_tokens_mask(sampling, meta.token_index.device, ahead=c)

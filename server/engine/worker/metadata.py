@@ -3,18 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from server.model.batch import BatchMetadata
-
-
-def expand_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence counts -> (sequence of each row, offset of the row in its sequence).
-
-    Example: counts [2, 1, 3] -> seq [0, 0, 1, 2, 2, 2], offset [0, 1, 0, 0, 1, 2].
-    """
-    n = int(counts.sum())
-    seq = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=n)
-    starts = torch.cumsum(counts, 0) - counts
-    return seq, torch.arange(n) - starts[seq]
+from server.model.batch import BatchMetadata, expand_rows
 
 
 def build_metadata(starts: list[int], query_lens: list[int], tables: list[list[int]],

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from server.engine.sample import grammar_masks as GM
-from server.engine.sample import sampler as S
+from server.engine.sample import grammar_masks
+from server.engine.sample import sampler
 from server.engine.spec.verifier import greedy_accept, verify
 from server.engine.worker.metadata import build_metadata, expand_rows
 from server.engine.protocol import TokenLogprob
@@ -42,7 +42,7 @@ class _Window:
 
 
 @dataclass(slots=True)
-class StepResult:
+class VerifiedStep:
     """What one execution produced, not yet committed to the worker's state."""
     sampled: list[list[int]]                       # per request: accepted drafts + final token
     num_drafts: list[int]                          # drafts verified per request
@@ -68,28 +68,27 @@ class ModelRunner:
         # the static path (DecodeMetadata; server/model/static_decode.py).
         self.static_decode = static_decode
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.masks = GM.MaskApplier(self.vocab_size, self.device)
+        self.masks = grammar_masks.MaskApplier(self.vocab_size, self.device)
         self.masks_words = (self.vocab_size + 31) // 32
 
     @torch.inference_mode()
     def execute(self, states: list[RequestState], k: int | None = None,
-                defer_drafts: bool = False) -> StepResult:
+                defer_drafts: bool = False) -> VerifiedStep:
         """One step for ``states``; ``k``: drafts per request for the next step (default:
         the proposer's choice).  ``defer_drafts``: leave the MTP passes in
-        ``StepResult.drafting`` instead of running them (worker/worker.py)."""
+        ``VerifiedStep.drafting`` instead of running them (worker/worker.py)."""
         if k is None:
             k = self.proposer.choose_k(states)
         n_new = [s.num_new_tokens for s in states]
         nd = [self.proposer.num_held(s.request_id) for s in states]
-        if self.static_decode:
-            decode = [i for i, n in enumerate(n_new) if n == 1]
-            if 0 < len(decode) < len(states) and len({nd[i] for i in decode}) == 1:
-                # Prefills among decodes: the decodes still take the static path, the
-                # prefills the varlen one, as two forwards of one step.
-                rest = [i for i in range(len(states)) if n_new[i] != 1]
-                return _merge([self.execute([states[i] for i in decode], k, defer_drafts),
-                               self.execute([states[i] for i in rest], k, defer_drafts)],
-                              decode + rest)
+        split = self._static_split(n_new, nd)
+        if split is not None:
+            # Prefills among decodes: the decodes still take the static path, the
+            # prefills the varlen one, as two forwards of one step.
+            decode, rest = split
+            return _merge([self.execute([states[i] for i in decode], k, defer_drafts),
+                           self.execute([states[i] for i in rest], k, defer_drafts)],
+                          decode + rest)
         starts = [s.num_computed_tokens for s in states]
         uniform = self.static_decode and all(n == 1 for n in n_new) and min(nd) == max(nd)
         lone_prefill = not uniform and self._static_prefill_ok(states, starts, n_new, nd)
@@ -104,13 +103,43 @@ class ModelRunner:
         rows = hidden if w.logits_indices is None else hidden[w.logits_indices]
         logits = self.model.compute_logits(rows)                           # [R, V]
         prompt_lp = self._prompt_logprobs(states, starts, w.cu, hidden)
-        # Grammar masks on every verified row (sample/grammar_masks.py); logprobs stay the raw model's.
+        sampled, logprobs = self._sample(states, starts, n_new, nd, w, logits)
+
+        # ---- drafts for the next step (stay on the device) -----------------------------
+        draft_mask = None
+        if k and any(s.matcher is not None for s in states):   # the first draft, where cheap
+            rows, bitmask = grammar_masks.next_masks([s.matcher for s in states], sampled,
+                                                     self.masks_words)
+            draft_mask = (self.masks, torch.tensor(rows, device=self.device), bitmask)
+        drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
+                                       window=w.meta if uniform else None, draft_mask=draft_mask,
+                                       static_prefill=lone_prefill, defer=defer_drafts)
+        if defer_drafts:
+            return VerifiedStep(sampled, nd, logprobs, k, None, w.cu[-1], prompt_lp, drafts)
+        return VerifiedStep(sampled, nd, logprobs, k, drafts, w.cu[-1], prompt_lp)
+
+    def _static_split(self, n_new: list[int], nd: list[int]) -> tuple[list[int], list[int]] | None:
+        """(decode rows, the rest) when a step mixes one-token decodes holding the same
+        number of drafts with prefills, on the static path; else None."""
+        if not self.static_decode:
+            return None
+        decode = [i for i, n in enumerate(n_new) if n == 1]
+        if 0 < len(decode) < len(n_new) and len({nd[i] for i in decode}) == 1:
+            return decode, [i for i in range(len(n_new)) if n_new[i] != 1]
+        return None
+
+    def _sample(self, states, starts, n_new, nd, w: _Window, logits: torch.Tensor
+                ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """Verify every window: each request's accepted drafts and final token (after THE
+        host sync of the step), and their logprobs where asked."""
+        # Grammar masks on every verified row (sample/grammar_masks.py); logprobs stay the
+        # raw model's.
         matchers = [s.matcher for s in states]
         vlogits = logits
         if any(m is not None for m in matchers):
             held = w.drafts.tolist()                  # a host copy, constrained steps only
-            rows, bitmask = GM.window_masks(matchers, [h[:d] for h, d in zip(held, nd)],
-                                           self.masks_words)
+            rows, bitmask = grammar_masks.window_masks(
+                matchers, [h[:d] for h, d in zip(held, nd)], self.masks_words)
             vlogits = self.masks.apply(logits, torch.tensor(rows, device=logits.device), bitmask)
         want_lp = [s.sampling.logprobs for s in states]
         lp = None
@@ -121,24 +150,13 @@ class ModelRunner:
             tokens, num_acc = self._verify(states, starts, n_new, nd, w, vlogits)
             if any(want_lp):
                 row_tokens = tokens[w.row_seq, w.row_off]
-                lp = S.token_logprobs(logits, row_tokens, max(s.sampling.top_logprobs for s in states))
+                lp = sampler.token_logprobs(logits, row_tokens,
+                                            max(s.sampling.top_logprobs for s in states))
             # ---- the step's host sync: emitted tokens and acceptance counts, one transfer ----
             both = torch.cat([tokens, num_acc.to(tokens.dtype).unsqueeze(1)], dim=1).tolist()
             sampled = [row[:row[-1] + 1] for row in both]
-        logprobs = self._logprobs(sampled, [d + 1 for d in nd], want_lp, lp,
-                                  [s.sampling.top_logprobs for s in states])
-
-        # ---- drafts for the next step (stay on the device) -----------------------------
-        draft_mask = None
-        if k and any(m is not None for m in matchers):    # the first draft, where cheap
-            rows, bitmask = GM.next_masks(matchers, sampled, self.masks_words)
-            draft_mask = (self.masks, torch.tensor(rows, device=self.device), bitmask)
-        drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
-                                       window=w.meta if uniform else None, draft_mask=draft_mask,
-                                       static_prefill=lone_prefill, defer=defer_drafts)
-        if defer_drafts:
-            return StepResult(sampled, nd, logprobs, k, None, w.cu[-1], prompt_lp, drafts)
-        return StepResult(sampled, nd, logprobs, k, drafts, w.cu[-1], prompt_lp)
+        return sampled, self._logprobs(sampled, [d + 1 for d in nd], want_lp, lp,
+                                       [s.sampling.top_logprobs for s in states])
 
     def _prompt_logprobs(self, states, starts, cu, hidden) -> dict[str, list[TokenLogprob | None]]:
         """Logprobs of each prompt token for requests that asked (``prompt_logprobs``), from
@@ -159,13 +177,8 @@ class ModelRunner:
                 continue
             logits = self.model.compute_logits(hidden[cu[i]:cu[i] + n - 1])      # [n-1, V]
             target = torch.tensor(st.token_ids[1:n], dtype=torch.int64, device=logits.device)
-            chosen, top_ids, top_lp = S.token_logprobs(logits, target, n_top)
-            chosen_l = chosen.tolist()
-            ids_l = top_ids.tolist() if top_ids is not None else None
-            lp_l = top_lp.tolist() if top_lp is not None else None
-            out[st.request_id] = [None] + [
-                TokenLogprob(t, chosen_l[j], list(zip(ids_l[j], lp_l[j])) if ids_l else [])
-                for j, t in enumerate(st.token_ids[1:n])]
+            host = _to_host(sampler.token_logprobs(logits, target, n_top))
+            out[st.request_id] = [None] + _token_logprobs(st.token_ids[1:n], host, 0, n_top)
         return out
 
     def _window(self, states, starts, n_new, nd) -> _Window:
@@ -251,15 +264,15 @@ class ModelRunner:
             # metadata to build, no padding to scatter.
             nd_t = torch.full((S_,), K, dtype=torch.int64, device=dev)
             return verify(None, logits.argmax(-1).view(S_, K + 1), w.drafts, None, nd_t, None, None)
-        samp = [S.SeqSamplingInput(st.sampling, st.seed, d + 1, s0 + n, st.num_output_tokens,
+        samp = [sampler.SeqSamplingInput(st.sampling, st.seed, d + 1, s0 + n, st.num_output_tokens,
                                    *st.penalty_context(), st.stop_ids)
                 for st, d, s0, n in zip(states, nd, starts, n_new)]
-        smeta = S.SamplingMetadata.build(samp, self.vocab_size, dev)
+        smeta = sampler.SamplingMetadata.build(samp, self.vocab_size, dev)
         context = None
         if K and smeta.has_penalties:                 # accepted-draft prefix as context
             ctx = w.drafts[w.row_seq]                 # [R, K]
             context = torch.where(torch.arange(K, device=dev)[None] < w.row_off[:, None], ctx, -1)
-        processed = S.process_logits(logits, smeta, context)
+        processed = sampler.process_logits(logits, smeta, context)
         pad_index = w.row_seq * (K + 1) + w.row_off
         argmax_pad = torch.zeros(S_ * (K + 1), dtype=torch.int64, device=dev)
         argmax_pad[pad_index] = processed.argmax(-1)
@@ -267,14 +280,14 @@ class ModelRunner:
         nd_t = torch.tensor(nd, dtype=torch.int64, device=dev)
         if smeta.all_greedy:
             return verify(None, argmax_pad, w.drafts, None, nd_t, None, None)
-        probs = S.to_probs(processed, smeta)
+        probs = sampler.to_probs(processed, smeta)
         coupled = None
         if smeta.coupled is not None:
             # Seeded requests: coupled verification (sample/sampler.py): the target token of every
             # row is the sample MTP-off decoding would draw there; a draft must equal it.
             target = argmax_pad.flatten().clone()
             c = smeta.coupled
-            target[pad_index[c]] = S.gumbel_sample(probs[c], smeta.seeds[c], smeta.token_index[c])
+            target[pad_index[c]] = sampler.gumbel_sample(probs[c], smeta.seeds[c], smeta.token_index[c])
             coupled = verify(None, target.view(S_, K + 1), w.drafts, None, nd_t, None, None)
             is_coupled = [s.sampling.seed is not None and not s.sampling.greedy for s in states]
             if all(is_coupled):
@@ -285,8 +298,8 @@ class ModelRunner:
         seeds = torch.tensor([s.seed for s in states], dtype=torch.int64, device=dev)
         first = torch.tensor([s0 + n for s0, n in zip(starts, n_new)], dtype=torch.int64, device=dev)
         idx = first[:, None] + torch.arange(K + 1, device=dev)[None]    # token index of each row
-        u_smp = S.counter_uniform(seeds[:, None], idx, S.STREAM_SAMPLE)
-        u_acc = S.counter_uniform(seeds[:, None], idx[:, :K], S.STREAM_ACCEPT)
+        u_smp = sampler.counter_uniform(seeds[:, None], idx, sampler.STREAM_SAMPLE)
+        u_acc = sampler.counter_uniform(seeds[:, None], idx[:, :K], sampler.STREAM_ACCEPT)
         q = self.proposer.draft_probs(states, nd, K, w.drafts) if K else None
         tokens, num_acc = verify(probs_pad.view(S_, K + 1, -1), argmax_pad, w.drafts, q, nd_t,
                                  u_acc, u_smp)
@@ -298,26 +311,32 @@ class ModelRunner:
     @staticmethod
     def _logprobs(sampled, rows, want, lp, n_tops) -> list[list[TokenLogprob] | None]:
         out: list[list[TokenLogprob] | None] = []
-        lp_host = None
-        if lp is not None:
-            chosen, top_ids, top_lp = lp
-            lp_host = (chosen.tolist(), top_ids.tolist() if top_ids is not None else None,
-                       top_lp.tolist() if top_lp is not None else None)
+        host = _to_host(lp) if lp is not None else None
         r0 = 0
         for toks, r, w, nt in zip(sampled, rows, want, n_tops):
-            if not w or lp_host is None:
-                out.append(None)
-            else:
-                chosen, top_ids, top_lp = lp_host
-                out.append([TokenLogprob(t, chosen[r0 + j],
-                                         list(zip(top_ids[r0 + j][:nt], top_lp[r0 + j][:nt]))
-                                         if top_ids is not None and nt else [])
-                            for j, t in enumerate(toks)])
+            out.append(_token_logprobs(toks, host, r0, nt) if w and host is not None else None)
             r0 += r
         return out
 
 
-def _merge(parts: list[StepResult], order: list[int]) -> StepResult:
+def _to_host(lp: tuple) -> tuple[list, list | None, list | None]:
+    """sampler.token_logprobs' tensors as host lists (one transfer each)."""
+    chosen, top_ids, top_lp = lp
+    return (chosen.tolist(), top_ids.tolist() if top_ids is not None else None,
+            top_lp.tolist() if top_lp is not None else None)
+
+
+def _token_logprobs(tokens: list[int], host: tuple, first_row: int,
+                    num_top: int) -> list[TokenLogprob]:
+    """TokenLogprobs of ``tokens``, token j from logits row ``first_row + j``."""
+    chosen, top_ids, top_lp = host
+    return [TokenLogprob(t, chosen[first_row + j],
+                         list(zip(top_ids[first_row + j][:num_top], top_lp[first_row + j][:num_top]))
+                         if top_ids is not None and num_top else [])
+            for j, t in enumerate(tokens)]
+
+
+def _merge(parts: list[VerifiedStep], order: list[int]) -> VerifiedStep:
     """Results of groups of one step, back in the step's request order (``order[j]`` is the
     step index of the j-th request of the concatenated groups)."""
     back = sorted(range(len(order)), key=order.__getitem__)
@@ -329,7 +348,7 @@ def _merge(parts: list[StepResult], order: list[int]) -> StepResult:
     if any(f is not None for f in passes):
         def drafting() -> Any:
             return _merge_drafts([f() if f is not None else None for f in passes], back)
-    return StepResult(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k,
+    return VerifiedStep(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k,
                       _merge_drafts([p.drafts for p in parts], back),
                       sum(p.num_tokens for p in parts),
                       {rid: lp for p in parts for rid, lp in p.prompt_logprobs.items()}, drafting)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from server.engine.sample import grammar as G
+from server.engine.sample import grammar
 from server.engine.worker.compile_step import BackgroundGraphs, compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
 from server.engine.kv.block_rows import BlockRows
@@ -27,7 +27,7 @@ from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 from server.engine.spec.proposer import MTPProposer, NoProposer
 from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.request_state import RequestState
-from server.engine.worker.runner import ModelRunner, StepResult
+from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.runtime import lookahead_slots
 from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.model.static_decode import supports_static_decode
@@ -52,10 +52,10 @@ class Worker:
         self.model = model
         self.group = group
         self.draft_after_emit = draft_after_emit and group is None
-        # The last step's draft passes, not run yet: (states, StepResult, a clean cost
+        # The last step's draft passes, not run yet: (states, VerifiedStep, a clean cost
         # sample?, seconds of the step so far); the requests whose draft pass failed, to
         # fail in the next step.
-        self._pending: tuple[list[RequestState], StepResult, bool, float] | None = None
+        self._pending: tuple[list[RequestState], VerifiedStep, bool, float] | None = None
         self._draft_failures: dict[str, str] = {}
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
@@ -103,7 +103,7 @@ class Worker:
                                   self.static_decode)
         # Compiled grammars (sample/grammar.py); the API layer compiles into it before submitting
         # when this worker runs in its process, so the engine thread only copies.
-        self.grammars = G.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)
+        self.grammars = grammar.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}
 
     @property
@@ -219,7 +219,7 @@ class Worker:
             if new.sampling.grammar is not None:
                 try:
                     st.matcher = self.grammars.matcher(new.sampling.grammar, st.output_token_ids)
-                except G.GrammarError as exc:
+                except grammar.GrammarError as exc:
                     out.failed[new.request_id] = str(exc)
         states: list[RequestState] = []
         for cached in so.cached_requests:
@@ -288,15 +288,15 @@ class Worker:
                 out.kv_exports[st.request_id] = (n, self.block_rows.gather(st.block_table[:n]))
                 st.export_kv = False
 
-    def _commit(self, states: list[RequestState], res: StepResult, out: ModelRunnerOutput) -> None:
+    def _commit(self, states: list[RequestState], res: VerifiedStep, out: ModelRunnerOutput) -> None:
         if res.drafting is None:                  # else the drafts come in finish_step
             self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
         for st, toks, d, lp in zip(states, res.sampled, res.num_drafts, res.logprobs):
             st.advance(toks)
             if st.matcher is not None:
                 try:
-                    G.commit(st.matcher, toks, st.stopped)
-                except G.GrammarError as exc:
+                    grammar.commit(st.matcher, toks, st.stopped)
+                except grammar.GrammarError as exc:
                     out.failed[st.request_id] = str(exc)
                     continue
             out.request_ids.append(st.request_id)
