@@ -13,6 +13,11 @@ from typing import Any
 START_TIMEOUT_S = 300.0
 
 
+
+class EngineError(ValueError):
+    """The engine cannot be built from this configuration (message says what and why)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """The engine's parallel layout (EngineConfig.parallel); world_size 1 = one device."""

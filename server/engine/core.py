@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import hashlib
 import logging
 import os
 import random
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
-import torch
-
+from server.engine.config import EngineConfig, EngineError
+from server.engine.executor.base import make_executor
 from server.engine.kv.block_manager import BlockManager, RemoteRow
-from server.engine.config import EngineConfig
-from server.engine.executor.in_process import InProcessExecutor
-from server.engine.kv.disk_tier import DiskTier
-from server.engine.kv.host_tier import HostTier
-from server.engine.kv.layout import disk_tier_blocks
-from server.engine.executor.process import ProcessExecutor
-from server.engine.messages import ModelRunnerOutput, SchedulerOutput
+from server.engine.kv.tiers import fill_tier_stats, make_block_manager
+from server.engine.messages import CompileState, ModelRunnerOutput, SchedulerOutput
 from server.engine.output import OutputProcessor, final_output
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
@@ -44,36 +37,12 @@ from server.engine.worker.worker import Worker
 log = logging.getLogger("server.engine")
 
 
-class EngineError(ValueError):
-    """The engine cannot be built from this configuration (message says what and why)."""
-
-
 def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
     ids = set(tokenizer.eos_token_ids if tokenizer is not None else ())
     if not ids:
         eos = model.config.eos_token_id
         ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
     return frozenset(ids)
-
-
-def _make_executor(model: Any, cfg: EngineConfig, k: int, policy: SpecPolicy | None):
-    """Inline worker (synchronous); a worker process or thread (asynchronous scheduling)."""
-    if cfg.parallel.world_size > 1:
-        from server.engine.executor.parallel import ParallelExecutor
-        if policy is not None:
-            raise EngineError("a speculation policy object cannot be given to a parallel "
-                              "engine: each rank builds its own from the config")
-        return ParallelExecutor(str(model.path), cfg, k)
-    kind = cfg.async_executor
-    if kind == "auto":
-        kind = "thread" if torch.device(cfg.device).type == "cuda" else "process"
-    if kind not in ("process", "thread"):
-        raise EngineError(f"async_executor {cfg.async_executor!r}; allowed: auto, process, thread")
-    if cfg.async_scheduling and kind == "process":
-        return ProcessExecutor(model, cfg, k, policy)
-    worker = Worker(model, cfg, k, policy,
-                    draft_after_emit=cfg.draft_after_emit and not cfg.async_scheduling)
-    return InProcessExecutor(worker, async_scheduling=cfg.async_scheduling)
 
 
 class LLMEngine:
@@ -94,30 +63,25 @@ class LLMEngine:
                         "decoding without MTP", k)
             k = 0
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model)
-        self.executor = _make_executor(model, cfg, k, policy)
+        self.executor = make_executor(model, cfg, k, policy)
         self.worker: Worker | None = self.executor.worker   # None when it lives in another process
-        (num_kv_blocks, num_int8, decode_path, compile_s, host_blocks, block_bytes,
-         compile_state) = self.executor.info
+        info = self.executor.info
+        host_blocks = info.host_kv_blocks
         self.runtime = RuntimeInfo(
             num_speculative_tokens=k, configured_speculative_tokens=cfg.num_speculative_tokens,
             adaptive_speculation=bool(k) and cfg.adaptive_speculation,
-            async_scheduling=cfg.async_scheduling, num_kv_blocks=num_kv_blocks,
+            async_scheduling=cfg.async_scheduling, num_kv_blocks=info.num_kv_blocks,
             block_size=cfg.block_size, eos_token_ids=eos, max_seq_len=cfg.max_seq_len,
             vocab_size=model.config.vocab_size, num_kv_layers=model.num_kv_layers,
-            num_int8_kv_layers=num_int8, decode_path=decode_path, compile_seconds=compile_s,
-            compile_state=compile_state,
-            host_kv_blocks=host_blocks, kv_block_bytes=block_bytes,
+            num_int8_kv_layers=info.num_int8_kv_layers, decode_path=info.compile.decode_path,
+            compile_seconds=info.compile.seconds, compile_state=info.compile.state,
+            host_kv_blocks=host_blocks, kv_block_bytes=info.kv_block_bytes,
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
             swap_preemption=bool(host_blocks) and cfg.swap_preemption,
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
             moe_ep=cfg.parallel.moe_ep, engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
-        self.blocks = blocks or BlockManager(self.runtime.num_kv_blocks, cfg.block_size,
-                                             enable_prefix_cache=cfg.enable_prefix_cache,
-                                             hash_next_token=k > 0,
-                                             host=HostTier(host_blocks) if host_blocks else None,
-                                             host_prefix=cfg.host_cache_prefix,
-                                             disk=self._disk_tier(model, cfg))
+        self.blocks = blocks or make_block_manager(model.config, cfg, self.runtime)
         self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k,
                                    async_scheduling=cfg.async_scheduling, clock=clock)
         self.output_processor = OutputProcessor(tokenizer)
@@ -208,7 +172,7 @@ class LLMEngine:
     def fatal_error(self) -> str | None:
         """Why the worker group is gone for good (a rank died or hung), else None: every
         later step fails with it, so the daemon reports unhealthy and stops."""
-        return getattr(self.executor, "fatal_error", None)
+        return self.executor.fatal_error
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or self.scheduler.has_finished_to_report
@@ -266,19 +230,19 @@ class LLMEngine:
             return False
         before = self.runtime
         out = self.executor.execute_model(SchedulerOutput(step_id=0)).result()
-        if out.runtime_update is not None:
-            self._update_runtime(out.runtime_update)
+        if out.compile_update is not None:
+            self._update_runtime(out.compile_update)
         return self.runtime is not before
 
-    def _update_runtime(self, update: tuple[str, float | None, str]) -> None:
-        path, seconds, state = update
-        self.runtime = dataclasses.replace(self.runtime, decode_path=path,
-                                           compile_seconds=seconds, compile_state=state)
+    def _update_runtime(self, update: CompileState) -> None:
+        self.runtime = dataclasses.replace(self.runtime, decode_path=update.decode_path,
+                                           compile_seconds=update.seconds,
+                                           compile_state=update.state)
 
     def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput, t0: float) -> list[EngineOutput]:
         """Update the scheduler with one executed step and turn it into EngineOutputs."""
-        if out.runtime_update is not None:
-            self._update_runtime(out.runtime_update)
+        if out.compile_update is not None:
+            self._update_runtime(out.compile_update)
         failed = {**out.failed, **{rid: "the worker and the scheduler disagree on its stop"
                                    for rid in out.skipped}}
         emitted = [self._fail(self.scheduler.requests[rid], err) for rid, err in failed.items()
@@ -315,45 +279,14 @@ class LLMEngine:
         return EngineStats(**{f: (list(v) if isinstance(v, list) else v)
                               for f, v in ((f, getattr(st, f)) for f in EngineStats.__slots__)})
 
-    def _disk_tier(self, model: Any, cfg: EngineConfig) -> DiskTier | None:
-        """The disk tier, in a folder named after what makes a block's bytes mean something
-        (the model's config and files, block size, MTP-aware hashing, cache layout)."""
-        rt = self.runtime
-        if not (cfg.disk_cache_dir and rt.host_cache_prefix):
-            return None
-        ident = repr((model.config, cfg.tokenizer_dir, cfg.block_size, rt.mtp_enabled,
-                      rt.num_kv_layers, rt.num_int8_kv_layers, rt.kv_block_bytes))
-        fingerprint = hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
-        capacity = disk_tier_blocks(cfg.disk_cache_gb, rt.kv_block_bytes)   # as --check counts
-        disk = DiskTier(Path(cfg.disk_cache_dir) / fingerprint, capacity, rt.kv_block_bytes)
-        log.info("disk KV tier: %s, %d blocks (%d found)", disk.dir, capacity, disk.num_blocks)
-        return disk
-
     def _tier_stats(self, st: EngineStats) -> None:
-        """The host tier's figures (all 0 without one)."""
-        b, sched, host = self.blocks, self.scheduler, self.blocks.host
-        st.host_cache_hits = b.num_host_hits
-        st.host_blocks_total = host.num_blocks if host else 0
-        st.host_blocks_used = host.num_used_blocks if host else 0
-        st.host_blocks_cached = host.num_cached_blocks if host else 0
-        st.host_usage = host.usage() if host else 0.0
-        st.kv_blocks_saved = b.num_blocks_saved
-        st.host_saves_skipped = host.num_skipped if host else 0
-        st.kv_blocks_loaded = b.num_blocks_loaded
-        st.kv_bytes_saved = b.num_blocks_saved * self.runtime.kv_block_bytes
-        st.kv_bytes_loaded = b.num_blocks_loaded * self.runtime.kv_block_bytes
+        """The KV tiers' figures and the scheduler's swap counts (all 0 without a tier)."""
+        fill_tier_stats(st, self.blocks, self.runtime.kv_block_bytes)
+        sched = self.scheduler
         st.num_requests_swapped = sched.num_swapped
         st.num_swapped_out = sched.num_swapped_out
         st.num_swapped_in = sched.num_swapped_in
         st.num_preemptions_recomputed = sched.num_recomputed
-        disk = b.disk
-        st.disk_cache_hits = b.num_disk_hits
-        st.remote_cache_hits = b.num_remote_hits
-        st.disk_blocks_total = disk.capacity_blocks if disk else 0
-        st.disk_blocks_used = disk.num_blocks if disk else 0
-        st.disk_bytes_written = disk.num_written * self.runtime.kv_block_bytes if disk else 0
-        st.disk_bytes_read = disk.num_read * self.runtime.kv_block_bytes if disk else 0
-        st.disk_corrupt_files = disk.num_corrupt if disk else 0
 
     def idle_wait_s(self) -> float | None:
         """Seconds until queued prefills must run (maxQueueDelayMicroseconds), if idle."""

@@ -26,10 +26,10 @@ from server.engine.protocol import EngineOutput, EngineRequest
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
 from server.engine.streams import OutputStreams
+from server.model.dtypes import torch_dtype
 
 __all__ = ["AsyncEngine", "EngineError", "LLMEngine"]
 log = logging.getLogger("server.engine")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_engine(app_config: Any, model: Any = None, tokenizer: Any = None, *,
@@ -47,7 +47,7 @@ def build_engine(app_config: Any, model: Any = None, tokenizer: Any = None, *,
     elif model is None:
         from server.model.loader import load_checkpoint
         model, _info = load_checkpoint(app_config.model_weight_path,
-                                       dtype=_DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                                       dtype=torch_dtype(cfg.dtype),
                                        device=cfg.device)
     elif isinstance(model, tuple):
         model = model[0]

@@ -27,13 +27,13 @@ import contextlib
 import logging
 import multiprocessing as mp
 import pickle
-import signal
 import sys
 import threading
 import time
 import traceback
 from typing import Any, AsyncIterator
 
+from server.engine.child import init_child
 from server.engine.config import START_TIMEOUT_S
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
@@ -65,9 +65,7 @@ def _child(app_config: Any, log_level: int, requests: Any, results: Any,
     daemon starts its planes."""
     for conn in parent_ends:
         conn.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_child(log_level)
     from server.engine.engine import EngineLoop, build_engine
     send_lock = threading.Lock()
 

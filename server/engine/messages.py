@@ -14,8 +14,11 @@ Per step the scheduler sends one ``SchedulerOutput``:
     back later as new requests, recomputed from their tokens, or with their blocks loaded
     back from the host tier when they were swapped out);
   * ``kv_saves`` / ``kv_loads``: block copies between the device pool and the host tier
-    (kv/host_tier.py) that the worker runs before the step's forward, in step order;
-    ``kv_disk_writes`` / ``kv_disk_loads`` the same for the disk tier (kv/disk_tier.py).
+    (kv/host_tier.py) that the worker's KV transfer (kv/transfer.py) runs before the
+    step's forward, in step order; ``kv_disk_writes``: saved blocks also written to the
+    disk tier (kv/disk_tier.py); ``kv_row_loads``: whole block rows loaded into the pool,
+    read from the disk tier or pulled from a PD prefill instance (server/pd), verified
+    by the engine before they were matched.
 
 Placeholders (asynchronous scheduling).  When step n+1 is scheduled before step n's tokens
 reached the host, a cached request carries ``num_output_placeholders = 1 + d``: the most
@@ -72,11 +75,11 @@ class SchedulerOutput:
     kv_saves: tuple[tuple[int, int], ...] = ()    # (device block, host slot): copied out first
     kv_loads: tuple[tuple[int, int], ...] = ()    # (host slot, device block): then copied in
     kv_disk_writes: tuple[tuple[int, int, str], ...] = ()  # (host slot, hash, path): saved block to disk
-    kv_disk_loads: tuple[tuple[bytes, int], ...] = ()      # (verified payload, device block)
+    kv_row_loads: tuple[tuple[bytes, int], ...] = ()       # (verified row, device block): disk or PD
 
     @property
     def has_kv_transfers(self) -> bool:
-        return bool(self.kv_saves or self.kv_loads or self.kv_disk_writes or self.kv_disk_loads)
+        return bool(self.kv_saves or self.kv_loads or self.kv_disk_writes or self.kv_row_loads)
 
     @property
     def num_scheduled(self) -> int:
@@ -91,6 +94,27 @@ class SchedulerOutput:
         """Scheduled requests in batch order: new requests after cached ones."""
         return [r.request_id for r in self.cached_requests] + \
                [r.request_id for r in self.new_requests]
+
+
+@dataclass(frozen=True, slots=True)
+class CompileState:
+    """How the worker's uniform decode/verify steps run: ``decode_path`` compiled, static
+    (plain PyTorch) or eager (the varlen path); ``state`` off, compiling, compiled or
+    failed; ``seconds`` the compile took, once done."""
+    decode_path: str
+    seconds: float | None
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What the engine's RuntimeInfo needs from a worker, once it is built (sent across
+    processes)."""
+    num_kv_blocks: int
+    num_int8_kv_layers: int
+    host_kv_blocks: int               # the host tier's slots (0: no tier)
+    kv_block_bytes: int               # bytes one block moves (every cache layer)
+    compile: CompileState
 
 
 @dataclass(slots=True)
@@ -113,6 +137,6 @@ class ModelRunnerOutput:
     # PD prefill: request id -> (full prompt blocks, their rows end to end), in the step
     # that computed the last prompt position
     kv_exports: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    # (decode path, compile seconds, compile state) when the worker's step path changed
-    # (graphs compiled in the background were adopted, or compiling them failed)
-    runtime_update: tuple[str, float | None, str] | None = None
+    # the worker's step path when it changed (graphs compiled in the background were
+    # adopted, or compiling them failed)
+    compile_update: CompileState | None = None

@@ -210,7 +210,7 @@ class Scheduler:
         return SchedulerOutput(self._step_id, tuple(new), tuple(cached), finished,
                                tuple(s.request_id for s in preempted),
                                tuple(moves.saves), tuple(moves.loads),
-                               tuple(moves.disk_writes), tuple(moves.disk_loads))
+                               tuple(moves.disk_writes), tuple(moves.row_loads))
 
     def _schedule_running(self, cached: list[CachedRequestData], preempted: list[Sequence]) -> None:
         i = 0

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from server.model.dtypes import TORCH_DTYPES
 from server.model.config import DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Routing stays in float32 whatever the model dtype (as the reference implementations keep it).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
@@ -89,7 +89,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     path = Path(path)
     cfg = read_config(path)
     if dtype is None:
-        dtype = _DTYPES[cfg.torch_dtype]
+        dtype = TORCH_DTYPES[cfg.torch_dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported; allowed: float32, bfloat16, float16")
     block = _fp8_block(cfg, path)

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from server.model.dtypes import TORCH_DTYPES
 from server.model.config import DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import quantize_fp8
 from server.model.meta import meta_device
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Linear weights the official FP8 release stores in float8 (embedding, heads, router, norms,
 # eh_proj stay high precision).
 _FP8_PARTS = (".self_attn.", ".mlp.")
@@ -106,7 +106,7 @@ def make_tiny_checkpoint(dir: str | Path, *, seed: int = 0, yarn: bool = False, 
     with meta_device():
         shapes = {k: p.shape for k, p in DeepseekV3ForCausalLM(cfg).named_parameters()}
     g = torch.Generator().manual_seed(seed)
-    target = _DTYPES[dtype]
+    target = TORCH_DTYPES[dtype]
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):
         w = _init(name, shapes[name], cfg, g)

@@ -49,7 +49,7 @@ def _parallel(path: str, k: int, layout: str, **kw) -> dict[str, list[int]]:
     summary = inspect_checkpoint(path)
     engine = LLMEngine(summary, cfg, eos_token_ids=set())
     try:
-        assert engine.executor.info[0] > 0
+        assert engine.executor.info.num_kv_blocks > 0
         return run_tokens(engine, _requests(summary.config.vocab_size))
     finally:
         engine.shutdown()

@@ -121,12 +121,12 @@ def test_static_forward_matches_varlen_forward_and_ignores_unwritten_slots():
 
 def test_a_failed_compile_leaves_the_uncompiled_static_path(monkeypatch, caplog):
     """No C++ compiler, a torch without Inductor...: the engine still starts, says why."""
-    import server.engine.worker.worker as worker_module
+    import server.engine.worker.step_graphs as graphs_module
 
     def fail(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(worker_module, "compile_static_decoder", fail)
+    monkeypatch.setattr(graphs_module, "compile_static_decoder", fail)
     eng = make_engine(tiny_model(), 1, compile="on")
     assert eng.runtime.decode_path == "static" and eng.runtime.compile_seconds is None
     assert "no C++ compiler found" in caplog.text

@@ -1,7 +1,4 @@
-"""The executor: how the engine reaches its worker(s).
-
-``LLMEngine`` hands it one ``SchedulerOutput`` per step and gets a future of the
-``ModelRunnerOutput``.  Today there is one in-process worker:
+"""The in-process executor (executor/base.py): the worker in the engine's own process.
 
   * synchronous scheduling: the step runs on the caller's thread and the future is already
     done when ``execute_model`` returns (today's loop: schedule, execute, update);
@@ -11,8 +8,7 @@
     also absorbs the step's device-to-host wait.
 
 On a CPU the interpreter lock defeats a thread, so asynchronous scheduling uses the
-worker process of executor/process.py behind the same two methods (``execute_model``,
-``shutdown``); process workers for tensor/expert parallel fit there too.
+worker process of executor/process.py behind the same interface (executor/base.py).
 """
 from __future__ import annotations
 
@@ -56,6 +52,7 @@ class InProcessExecutor:
         return self.worker.num_held_requests
 
     worker_pids: tuple[int, ...] = ()           # the worker is in this process
+    fatal_error: str | None = None              # an inline worker fails steps, never for good
 
     def shutdown(self) -> None:
         if self._pool is not None:

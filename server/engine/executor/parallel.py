@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
-import signal
 import sys
 import traceback
 from typing import Any
@@ -27,9 +25,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from server.engine.child import init_child
 from server.engine.config import EngineConfig
+from server.engine.executor.process import ProcessExecutor, read_into_queue, serve_steps
 from server.engine.worker.rank_group import PING, RankFailed, RankGroup, collective_error
-from server.engine.executor.process import ProcessExecutor, read_into_queue
+from server.model.dtypes import torch_dtype
 
 log = logging.getLogger("server.engine")
 
@@ -47,10 +47,7 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
     """One rank: join the group, load the shard, then execute broadcast steps until told
     to stop.  Rank 0 reads the engine's messages from ``requests`` and answers on
     ``results``; a local follower uses ``results`` once, to report start-up."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    torch.set_num_threads(threads)
+    init_child(log_level, threads, log_prefix=f"rank{rank} ")
     par = cfg.parallel
     device = rank_device(cfg, rank - par.local_ranks.start)
     if device.startswith("cuda"):
@@ -62,9 +59,8 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
         from server.model.loader import load_checkpoint
         from server.model.parallel import ParallelPlan
         plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}.get(cfg.dtype or "")
-        model, _ = load_checkpoint(model_path, dtype=dtype, device=device, plan=plan)
+        model, _ = load_checkpoint(model_path, dtype=torch_dtype(cfg.dtype), device=device,
+                                   plan=plan)
         group.ready()
         # Compiled graphs would have to carry the collectives; the static step runs plain.
         worker = Worker(model, dataclasses.replace(cfg, device=device, compile="off"),
@@ -88,31 +84,16 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
 
 
 def _drive(group: RankGroup, worker: Any, requests: Any, results: Any) -> int:
-    """Rank 0: every engine message goes to the group, then to its own worker."""
-    inbox = read_into_queue(requests, "rank0-reader")
-    parent = os.getppid()
-    beat = max(0.2, min(2.0, group.par.timeout_s / 4))
+    """Rank 0: every engine message goes to the group, then to its own worker; while
+    idle, a heartbeat keeps the group's collectives from timing out."""
+    def step(so: Any) -> Any:
+        group.broadcast(so)
+        return None if so is None or so is PING else worker.execute_model(so)
+
     with torch.inference_mode():
-        while True:
-            try:
-                so = inbox.get(timeout=beat)
-            except queue.Empty:
-                so = PING
-                if os.getppid() != parent:
-                    so = None
-            try:
-                group.broadcast(so)
-                if so is None:
-                    return 0
-                if so is PING:
-                    continue
-                out = ("ok", worker.execute_model(so))
-            except BaseException as exc:         # noqa: BLE001
-                if collective_error(exc):
-                    results.send(("fatal", f"the rank group failed: {exc}"))
-                    return 1
-                out = ("error", f"{exc!r}\n{traceback.format_exc()}")
-            results.send(out)
+        return serve_steps(read_into_queue(requests, "rank0-reader"), results, step,
+                           idle_s=max(0.2, min(2.0, group.par.timeout_s / 4)), heartbeat=PING,
+                           fatal=collective_error)
 
 
 def _follow(group: RankGroup, worker: Any) -> int:

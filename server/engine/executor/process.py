@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
+from server.engine.child import init_child
 from server.engine.config import START_TIMEOUT_S, EngineConfig
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -48,21 +48,51 @@ def read_into_queue(conn: Any, name: str) -> queue.SimpleQueue:
     return inbox
 
 
+def serve_steps(inbox: queue.SimpleQueue, results: Any,
+                step: Callable[[Any], ModelRunnerOutput | None], *, idle_s: float,
+                heartbeat: Any = None, fatal: Callable[[BaseException], bool] = lambda e: False
+                ) -> int:
+    """A worker child's loop: run each message of ``inbox`` through ``step`` and send its
+    answer, until ``None`` (the parent's stop) or the parent is gone.
+
+    Results go back from this thread synchronously (a queue's feeder thread would wait for
+    the interpreter lock while the next step runs, delaying every result).  While idle for
+    ``idle_s`` the loop checks its parent and, with a ``heartbeat``, steps that instead (a
+    rank group's keep-alive).  ``step`` returns None for messages without an answer.  An
+    error is the step's ("error", the engine fails it); one ``fatal`` says ends the loop.
+    Returns the process's exit code."""
+    parent = os.getppid()
+    while True:
+        try:
+            so = inbox.get(timeout=idle_s)
+        except queue.Empty:
+            alive = os.getppid() == parent
+            if alive and heartbeat is None:
+                continue
+            so = heartbeat if alive else None
+        try:
+            out = step(so)
+        except BaseException as exc:           # noqa: BLE001 - reported to the engine
+            if fatal(exc):
+                results.send(("fatal", f"the rank group failed: {exc}"))
+                return 1
+            results.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+            continue
+        if so is None:
+            return 0
+        if out is not None:
+            results.send(("ok", out))
+
+
 def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, threads: int,
            log_level: int, requests: Any, results: Any) -> None:
     """The child: build the worker, then execute every message until ``None``.
 
     A reader thread drains ``requests`` at once, so the engine's send of step n+1 never
-    waits for step n to finish; results go back from this thread synchronously (a queue's
-    feeder thread would wait for the interpreter lock while the next step runs, delaying
-    every result).  Signals are the parent's business (it drains, then sends ``None``); a
-    child whose parent is gone exits by itself.
+    waits for step n to finish.  Signals are the parent's business (it drains, then sends
+    ``None``); a child whose parent is gone exits by itself.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(threads)
-    parent = os.getppid()
+    init_child(log_level, threads)
     from server.engine.worker.worker import Worker
     try:
         worker = Worker(model, cfg, num_spec_tokens, policy)
@@ -71,20 +101,8 @@ def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, thr
         return
     inbox = read_into_queue(requests, "worker-reader")
     results.send(("ready", worker.info()))
-    while True:
-        try:
-            so = inbox.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
-        if so is None:
-            return
-        try:
-            out = ("ok", worker.execute_model(so))
-        except BaseException as exc:           # reported to the engine, which fails the step
-            out = ("error", f"{exc!r}\n{traceback.format_exc()}")
-        results.send(out)
+    serve_steps(inbox, results, lambda so: None if so is None else worker.execute_model(so),
+                idle_s=1.0)
 
 
 class StepFuture:

@@ -64,11 +64,11 @@ class PrefixMatch:
 class Transfers:
     """Copies queued for the next step message: (device block, host slot) saves,
     (host slot, device block) loads, (host slot, hash, path) disk writes of saved blocks
-    and (payload, device block) loads from disk."""
+    and (row, device block) loads of rows read from disk or pulled from a PD peer."""
     saves: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     disk_writes: list[tuple[int, int, str]] = field(default_factory=list)
-    disk_loads: list[tuple[bytes, int]] = field(default_factory=list)
+    row_loads: list[tuple[bytes, int]] = field(default_factory=list)
 
 
 class RemoteRow(bytes):
@@ -252,7 +252,7 @@ class BlockManager:
                 block.block_hash = h       # findable at once: the load runs before any read
                 self._cached[h] = bid
             if isinstance(src, bytes):
-                self._transfers.disk_loads.append((src, bid))
+                self._transfers.row_loads.append((src, bid))
                 num_remote += isinstance(src, RemoteRow)
                 num_disk += not isinstance(src, RemoteRow)
             else:

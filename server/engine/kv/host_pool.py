@@ -8,12 +8,12 @@ what a disk tier file holds (kv/block_file.py).
 
 The engine decides the moves (kv/host_tier.py, kv/block_manager.py); the step message carries
 them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, device block),
-and ``apply`` runs them before the step's forward.  Order inside one step: gather the
-device blocks being saved, gather the host slots being loaded, then write both.  That
-makes a device block that is saved and then reused as a load's destination in the same
-step, or a host slot read by a load and reused by a save, come out right.  Disk writes
-(``kv_disk_writes``: a slot saved this step, to a file) follow the host writes; blocks
-read from disk (``kv_disk_loads``, already verified by the engine) are written last.
+and ``apply`` runs them before the step's forward (kv/transfer.py calls it).  Order
+inside one step: gather the device blocks being saved, gather the host slots being
+loaded, then write both.  That makes a device block that is saved and then reused as a
+load's destination in the same step, or a host slot read by a load and reused by a save,
+come out right.  Disk writes (``kv_disk_writes``: a slot saved this step, to a file)
+follow the host writes.  The device side of every copy is kv/block_rows.py's.
 
 On CUDA the host rows are pinned.  Saves go device -> pinned staging -> host rows; with
 ``async_write`` (kvPoolConfig.asyncWrite) the last step of that waits until the next
@@ -28,18 +28,18 @@ from typing import Sequence
 import torch
 
 from server.engine.kv.block_file import write_block
+from server.engine.kv.block_rows import BlockRows
 
 log = logging.getLogger("server.engine")
 GIB = 1 << 30
 
 
 class HostKVPool:
-    def __init__(self, caches: Sequence, num_slots: int, device: torch.device,
+    def __init__(self, caches: Sequence | BlockRows, num_slots: int, device: torch.device,
                  async_write: bool = False) -> None:
         self.device = torch.device(device)
-        self.tensors = [t for c in caches for t in c.block_tensors()]      # each [num_blocks, ...]
-        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
-        self.bytes_per_block = sum(self.row_bytes)
+        self.rows = caches if isinstance(caches, BlockRows) else BlockRows(caches, device)
+        self.bytes_per_block = self.rows.bytes_per_block
         self.num_slots = num_slots
         self.cuda = self.device.type == "cuda"
         self.async_write = async_write and self.cuda
@@ -54,29 +54,16 @@ class HostKVPool:
     def slots_for(bytes_per_block: int, mem_gb: float) -> int:
         return int(mem_gb * GIB) // bytes_per_block
 
-    # ---- device side ----------------------------------------------------------------
-    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """[n, bytes_per_block] uint8 on the device: the blocks ``ids``, every layer."""
-        n = ids.numel()
-        return torch.cat([t.index_select(0, ids).reshape(n, -1).view(torch.uint8)
-                          for t in self.tensors], dim=1)
-
-    def _scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        n = ids.numel()
-        for t, part in zip(self.tensors, rows.split(self.row_bytes, dim=1)):
-            t.index_copy_(0, ids, part.contiguous().view(t.dtype).view(n, *t.shape[1:]))
-
     # ---- the step's copies ----------------------------------------------------------
     def apply(self, saves: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]],
-              disk_writes: Sequence[tuple[int, int, str]] = (),
-              disk_loads: Sequence[tuple[bytes, int]] = ()) -> None:
+              disk_writes: Sequence[tuple[int, int, str]] = ()) -> None:
         self.flush()
         _check_unique_slots(saves, disk_writes)
         saved = None
         if saves:
             bids = torch.tensor([b for b, _ in saves], dtype=torch.long, device=self.device)
             save_slots = torch.tensor([s for _, s in saves], dtype=torch.long)
-            saved = self._gather(bids)
+            saved = self.rows.gather_tensor(bids)
         loaded = None
         if loads:
             load_slots = torch.tensor([s for s, _ in loads], dtype=torch.long)
@@ -92,11 +79,7 @@ class HostKVPool:
                 except OSError as exc:        # e.g. a full disk: a missing file is a miss later
                     log.warning("disk KV tier: writing %s failed: %s", path, exc)
         if loaded is not None:
-            self._scatter(load_bids, loaded)
-        if disk_loads:
-            rows = torch.frombuffer(bytearray(b"".join(p for p, _ in disk_loads)), dtype=torch.uint8)
-            ids = torch.tensor([b for _, b in disk_loads], dtype=torch.long, device=self.device)
-            self._scatter(ids, rows.view(len(disk_loads), self.bytes_per_block).to(self.device))
+            self.rows.scatter_tensor(load_bids, loaded)
 
     def _read_host(self, slots: torch.Tensor) -> torch.Tensor:
         if not self.cuda:

@@ -5,6 +5,13 @@ and their probabilities) and a ``RequestState`` per request.  It is driven only 
 ``SchedulerOutput`` messages and answers with ``ModelRunnerOutput``s (messages.py), so the
 same interface can sit in this process (executor/in_process.py) or in another one.
 
+Its optional parts are objects it is given or builds once, each behind one narrow call:
+the KV transfer (kv/transfer.py: host and disk tiers, PD rows; ``apply`` before a step,
+``export`` after a PD prefill), the step's graphs (worker/step_graphs.py: ``adopt``
+between steps), the grammar book (sample/grammar.py), the rank group
+(worker/rank_group.py: agreement between ranks) and the drafts left for after a step
+(``finish_step``).
+
 A step that raises is retried request by request: the ones that still fail are reported
 in ``ModelRunnerOutput.failed`` and the rest complete (their KV is simply rewritten).
 Nothing is committed (tokens, drafts) until a step has succeeded.
@@ -13,26 +20,35 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from server.engine.sample import grammar
-from server.engine.worker.compile_step import BackgroundGraphs, compile_static_decoder, should_compile
 from server.engine.config import EngineConfig
-from server.engine.kv.block_rows import BlockRows
-from server.engine.kv.host_pool import HostKVPool
 from server.engine.kv.cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
-from server.engine.messages import ModelRunnerOutput, SchedulerOutput
+from server.engine.kv.transfer import KVTransfer
+from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from server.engine.runtime import lookahead_slots
+from server.engine.sample import grammar
+from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.engine.spec.proposer import MTPProposer, NoProposer
 from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.request_state import RequestState
 from server.engine.worker.runner import ModelRunner, VerifiedStep
-from server.engine.runtime import lookahead_slots
-from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
+from server.engine.worker.step_graphs import StepGraphs
 from server.model.static_decode import supports_static_decode
 
 log = logging.getLogger("server.engine")
+
+
+@dataclass(slots=True)
+class _PendingDrafts:
+    """A step's draft passes, left to run after its tokens went out (``finish_step``)."""
+    states: list[RequestState]
+    step: VerifiedStep
+    clean: bool                       # a clean cost sample for the speculation policy
+    seconds: float                    # the step's time so far
 
 
 class Worker:
@@ -52,46 +68,17 @@ class Worker:
         self.model = model
         self.group = group
         self.draft_after_emit = draft_after_emit and group is None
-        # The last step's draft passes, not run yet: (states, VerifiedStep, a clean cost
-        # sample?, seconds of the step so far); the requests whose draft pass failed, to
-        # fail in the next step.
-        self._pending: tuple[list[RequestState], VerifiedStep, bool, float] | None = None
-        self._draft_failures: dict[str, str] = {}
+        self._pending: _PendingDrafts | None = None
+        self._draft_failures: dict[str, str] = {}     # request id -> why, failed next step
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
-        dtype = next(model.parameters()).dtype
-        # kv_cache_dtype "int8" quantizes every layer's latent; otherwise the layers the
-        # checkpoint's FA3 scales name (none for a float checkpoint).
-        int8_layers = frozenset(range(model.num_kv_layers)) if cfg.kv_cache_dtype == "int8" \
-            else model.kv_cache_int8_layers
-        spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim, dtype,
-                           rope_dim=model.config.qk_rope_head_dim, int8_layers=int8_layers)
-        self.num_int8_kv_layers = len(int8_layers)
-        per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
-        self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
-                                            max_useful_blocks=cfg.max_batch_size * per_seq + 1,
-                                            num_blocks=cfg.num_blocks)
-        if group is not None:
-            self.num_kv_blocks = group.agree_min(self.num_kv_blocks)
-        self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
-        self.host_pool = self._host_pool(cfg, spec)
-        self.block_rows = BlockRows(self.kv_caches, self.device)     # PD exports and imports
+        spec = self._allocate_kv(model, cfg, k)
+        self.kv_transfer = KVTransfer(
+            self.kv_caches, self.device, KVTransfer.host_slots_for(
+                spec.bytes_per_block, cfg.host_cache_blocks, cfg.host_cache_gb),
+            cfg.kv_pool_async_write)
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
-        self.compile_seconds: float | None = None
-        self.compile_state = "compiled" if model.static_decoder.compiled else "off"
-        self._background: BackgroundGraphs | None = None
-        # A model compiled for an engine with fewer drafts gains the graphs this one lacks.
-        if should_compile(cfg.compile, self.device, self.static_decode) and \
-                model.static_decoder.static_query_len < 1 + k:
-            if cfg.compile_wait or self.device.type != "cpu":
-                try:
-                    self.compile_seconds = compile_static_decoder(model, cfg.block_size, self.device, 1 + k)
-                    self.compile_state = "compiled"
-                except Exception as exc:        # noqa: BLE001 - e.g. no C++ compiler on the host
-                    self._compile_failed(exc)
-            else:                               # serve uncompiled until the graphs are ready
-                self._background = BackgroundGraphs(model, cfg.block_size, self.device, 1 + k)
-                self.compile_state = "compiling"
+        self.graphs = StepGraphs(model, cfg, self.device, self.static_decode, 1 + k)
         if k:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
@@ -106,58 +93,29 @@ class Worker:
         self.grammars = grammar.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}
 
-    @property
-    def decode_path(self) -> str:
-        """How uniform decode/verify steps run: compiled, static (plain PyTorch) or eager
-        (the varlen path, e.g. for int8 KV caches or quantized layers)."""
-        if not self.static_decode:
-            return "eager"
-        return "compiled" if self.model.static_decoder.compiled else "static"
+    def _allocate_kv(self, model: Any, cfg: EngineConfig, k: int) -> KVCacheSpec:
+        """The KV pool: as many blocks as the budget holds, no more than the batch can use
+        (agreed over a rank group, so every rank has the same pool)."""
+        # kv_cache_dtype "int8" quantizes every layer's latent; otherwise the layers the
+        # checkpoint's FA3 scales name (none for a float checkpoint).
+        int8_layers = frozenset(range(model.num_kv_layers)) if cfg.kv_cache_dtype == "int8" \
+            else model.kv_cache_int8_layers
+        spec = KVCacheSpec(model.num_kv_layers, cfg.block_size, model.kv_cache_dim,
+                           next(model.parameters()).dtype,
+                           rope_dim=model.config.qk_rope_head_dim, int8_layers=int8_layers)
+        self.num_int8_kv_layers = len(int8_layers)
+        per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
+        self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
+                                            max_useful_blocks=cfg.max_batch_size * per_seq + 1,
+                                            num_blocks=cfg.num_blocks)
+        if self.group is not None:
+            self.num_kv_blocks = self.group.agree_min(self.num_kv_blocks)
+        self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
+        return spec
 
-    def info(self) -> tuple[int, int, str, float | None, int, int, str]:
-        """What the engine's RuntimeInfo needs from the worker (sent across processes): also
-        the host tier's size in blocks, the bytes one block moves and the compile state."""
-        hp = self.host_pool
-        return (self.num_kv_blocks, self.num_int8_kv_layers, self.decode_path, self.compile_seconds,
-                hp.num_slots if hp else 0, self.block_rows.bytes_per_block, self.compile_state)
-
-    def _compile_failed(self, exc: BaseException) -> None:
-        self.compile_state = "failed"
-        log.warning("compiling the static decode step failed (%s: %s); serving it "
-                    "uncompiled ($MTP_SERVE_COMPILE=0 skips the attempt)",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-
-    def _adopt_graphs(self, out: ModelRunnerOutput) -> None:
-        """Between steps: switch to each round of background graphs once it is ready."""
-        try:
-            ready = self._background.poll()
-        except Exception as exc:                # noqa: BLE001 - the step path stays as it is
-            ready = None
-            self._background = None
-            self._compile_failed(exc)
-        if ready is not None:
-            graphs, last = ready
-            self.model.static_decoder.use_graphs(graphs)
-            self.compile_seconds = self._background.seconds
-            log.info("static decode step: switched to %d compiled graphs, %.1f s after start%s",
-                     len(graphs), self._background.elapsed(), "" if last else " (more to come)")
-            if last:
-                self.compile_state = "compiled"
-                self._background = None
-        if ready is not None or self._background is None:
-            out.runtime_update = (self.decode_path, self.compile_seconds, self.compile_state)
-
-    def _host_pool(self, cfg: EngineConfig, spec: KVCacheSpec) -> HostKVPool | None:
-        """The host tier's memory (cpuMemSize / kvPoolConfig), or None when there is none."""
-        n = cfg.host_cache_blocks
-        if n is None:
-            n = HostKVPool.slots_for(spec.bytes_per_block, cfg.host_cache_gb) if cfg.host_cache_gb > 0 else 0
-        if n <= 0:
-            return None
-        pool = HostKVPool(self.kv_caches, n, self.device, cfg.kv_pool_async_write)
-        log.info("host KV tier: %d blocks (%.1f MiB%s)", n, n * pool.bytes_per_block / (1 << 20),
-                 ", pinned" if pool.cuda else "")
-        return pool
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.num_kv_blocks, self.num_int8_kv_layers, self.kv_transfer.host_slots,
+                          self.kv_transfer.bytes_per_block, self.graphs.current())
 
     @property
     def policy(self) -> SpecPolicy | None:
@@ -184,33 +142,49 @@ class Worker:
         out, and without drafts they cannot take part in the step the scheduler plans."""
         if self._pending is None:
             return
-        (states, res, clean, seconds), self._pending = self._pending, None
+        p, self._pending = self._pending, None
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                drafts = res.drafting()
+                drafts = p.step.drafting()
         except Exception as exc:                # noqa: BLE001 - handed to the next step
-            log.exception("the draft pass of %d requests failed", len(states))
-            for st in states:
+            log.exception("the draft pass of %d requests failed", len(p.states))
+            for st in p.states:
                 self.proposer.drop(st.request_id)
                 self._draft_failures[st.request_id] = f"engine draft pass failed: {exc!r}"
             return
-        self.proposer.commit(states, drafts, res.k, res.num_drafts, res.sampled)
-        if clean:
-            self.proposer.observe_step(len(states), res.k, seconds + time.perf_counter() - t0)
+        self.proposer.commit(p.states, drafts, p.step.k, p.step.num_drafts, p.step.sampled)
+        if p.clean:
+            self.proposer.observe_step(len(p.states), p.step.k,
+                                       p.seconds + time.perf_counter() - t0)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
         self.finish_step()
         out.failed.update(self._draft_failures)
         self._draft_failures.clear()
-        if self._background is not None:
-            self._adopt_graphs(out)
-        if so.has_kv_transfers:               # before the forward, which reads or reuses them
-            if self.host_pool is not None:
-                self.host_pool.apply(so.kv_saves, so.kv_loads, so.kv_disk_writes, so.kv_disk_loads)
-            else:                             # rows pulled from a PD prefill instance only
-                self.block_rows.scatter(so.kv_disk_loads)
+        out.compile_update = self.graphs.adopt()
+        self.kv_transfer.apply(so)            # before the forward, which reads or reuses them
+        states = self._step_states(so, out)
+        out.num_held_requests = len(self.requests)
+        if not states:
+            return out
+        exports = any(new.export_kv for new in so.new_requests)
+        # PD prefill exports read the MTP layer's KV of the prompt: drafted in the step.
+        defer = self.draft_after_emit and not exports
+        t0 = time.perf_counter()
+        done = self._run(states, defer, out)
+        for group, res in done:
+            self._commit(group, res, out)
+        if exports:                           # a prompt is prefilled in one step
+            self._export_prompts(states, out)
+        out.execute_time_s = time.perf_counter() - t0
+        self._observe(so, states, done, out)
+        return out
+
+    def _step_states(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestState]:
+        """Apply the message's request changes; the states this step computes, in batch
+        order (cached requests, then new ones)."""
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
             self.proposer.drop(rid)
@@ -234,46 +208,43 @@ class Worker:
                 out.skipped.append(cached.request_id)
                 continue
             states.append(st)
-        states += [self.requests[new.request_id] for new in so.new_requests
-                   if new.request_id not in out.failed]
-        out.num_held_requests = len(self.requests)
-        if not states:
-            return out
-        decode_only = not so.new_requests and all(st.num_new_tokens == 1 for st in states)
-        # PD prefill exports read the MTP layer's KV of the prompt: drafted in the step.
-        defer = self.draft_after_emit and not any(new.export_kv for new in so.new_requests)
-        t0 = time.perf_counter()
+        return states + [self.requests[new.request_id] for new in so.new_requests
+                         if new.request_id not in out.failed]
+
+    def _run(self, states: list[RequestState], defer: bool, out: ModelRunnerOutput
+             ) -> list[tuple[list[RequestState], VerifiedStep]]:
+        """The step; if it raises, each request alone (the ones that fail again fail)."""
         try:
-            done = [(states, self.runner.execute(states, defer_drafts=defer))]
+            return [(states, self.runner.execute(states, defer_drafts=defer))]
         except Exception as exc:
             if self.group is not None and collective_error(exc):
                 raise                         # the group is broken: no retry can succeed
             log.exception("engine step failed; retrying its %d requests one by one", len(states))
-            done = []
-            for st in states:
-                try:
-                    done.append(([st], self.runner.execute([st])))
-                except Exception as exc:
-                    if self.group is not None and collective_error(exc):
-                        raise
-                    out.failed[st.request_id] = f"engine step failed: {exc!r}"
-        for group, res in done:
-            self._commit(group, res, out)
-        if any(new.export_kv for new in so.new_requests):   # a prompt is prefilled in one step
-            self._export_prompts(states, out)
-        out.execute_time_s = time.perf_counter() - t0
+        done = []
+        for st in states:
+            try:
+                done.append(([st], self.runner.execute([st])))
+            except Exception as exc:
+                if self.group is not None and collective_error(exc):
+                    raise
+                out.failed[st.request_id] = f"engine step failed: {exc!r}"
+        return done
+
+    def _observe(self, so: SchedulerOutput, states: list[RequestState],
+                 done: list[tuple[list[RequestState], VerifiedStep]], out: ModelRunnerOutput) -> None:
+        """Hold the step's draft passes for ``finish_step``, and give the speculation
+        policy the step's cost when it is a clean sample: decode only, every request
+        verified the same k it now drafted (the first step after a switch mixes two k's)."""
         res = done[0][1] if len(done) == 1 and len(done[0][0]) == len(states) else None
-        # A clean cost sample for the policy: decode only, every request verified the same k
-        # it now drafted (the first step after a switch mixes two k's).
+        decode_only = not so.new_requests and all(st.num_new_tokens == 1 for st in states)
         clean = res is not None and decode_only and all(d == res.k for d in res.num_drafts)
         if res is not None and res.drafting is not None:     # sampled once drafted
-            self._pending = (states, res, clean, out.execute_time_s)
+            self._pending = _PendingDrafts(states, res, clean, out.execute_time_s)
         elif clean:
             seconds = out.execute_time_s
             if self.group is not None and self.proposer.policy is not None:
                 seconds = self.group.agree_max(seconds)
             self.proposer.observe_step(len(states), res.k, seconds)
-        return out
 
     def _export_prompts(self, states: list[RequestState], out: ModelRunnerOutput) -> None:
         """PD prefill: the full prompt blocks' rows of each request whose prompt this step
@@ -285,7 +256,7 @@ class Worker:
             if st.export_kv and st.num_computed_tokens >= st.num_prompt_tokens \
                     and st.request_id not in out.failed:
                 n = (st.num_prompt_tokens - 1) // bs
-                out.kv_exports[st.request_id] = (n, self.block_rows.gather(st.block_table[:n]))
+                out.kv_exports[st.request_id] = (n, self.kv_transfer.export(st.block_table[:n]))
                 st.export_kv = False
 
     def _commit(self, states: list[RequestState], res: VerifiedStep, out: ModelRunnerOutput) -> None:
