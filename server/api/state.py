@@ -9,13 +9,14 @@ from server.api.auth import ApiKeys
 from server.api.limits import Admission
 from server.api.responses import TokenText
 from server.api.settings import ApiSettings
+from server.engine.client import EngineClient
 
 
 @dataclass
 class ServerState:
     settings: ApiSettings
     tokenizer: Any                 # server.text.tokenizer.Tokenizer
-    engine: Any                    # server.engine.engine.AsyncEngine
+    engine: EngineClient           # AsyncEngine, or EngineProcess (the daemon's default)
     metrics: Any                   # server.metrics.ServingMetrics | NullMetrics
     admission: Admission
     generation_defaults: dict = field(default_factory=dict)
