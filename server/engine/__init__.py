@@ -16,27 +16,56 @@ Public API (docs/interfaces.md, server.engine):
     engine.runtime -> RuntimeInfo                 # effective k, async scheduling, KV blocks, EOS
     await engine.shutdown(drain=True)
 
-Module map (one concept each; engine side, then the step messages, then the worker side):
-    protocol.py       API messages + glossary (no torch)
-    config.py         EngineConfig: the engine's slice of AppConfig
-    runtime.py        RuntimeInfo: what the engine really runs with (no torch)
-    sequence.py       the scheduler's per-request state, token counting (no torch)
-    kv/block_manager.py  block allocation, ref counts, prefix cache (no torch)
-    scheduler.py      continuous batching, budgets, preemption, placeholders (no torch)
-    output.py         OutputProcessor: detokenization, stop strings, EngineOutput
-    stats.py          EngineStats counters for /metrics, StatsRecorder
-    core.py           LLMEngine: step() = schedule, execute, update, emit
-    engine.py         AsyncEngine: the engine thread and the async front; EngineLoop
-    engine_process.py EngineProcess: the engine in a process of its own (the daemon's default)
-    streams.py        OutputStreams: one asyncio queue per open request (no torch)
-    messages.py       SchedulerOutput / ModelRunnerOutput (plain, picklable; no torch)
-    executor/in_process.py       InProcessExecutor: the worker inline or on a worker thread (async)
-    worker/worker.py         Worker: owns model, KV tensors, request states, the MTP proposer
-    worker/request_state.py  the worker's per-request state (no torch)
-    worker/runner.py         request states -> tensors -> model -> verify; the step's host sync
-    spec/proposer.py            MTPProposer: held drafts, draft passes, k per step; NoProposer
-    spec/policy.py    SpecPolicy: FixedK, AdaptiveK (no torch)
-    sample/sampler.py        logits processors, sampling, verification (pure functions)
-    worker/metadata.py       BatchMetadata from per-sequence host lists
-    kv/cache.py       pool tensors and their sizing
+Module map (the folders name the parts; engine side first, then what crosses to the
+worker, then the worker side):
+
+    protocol.py        API messages + the spec-decode glossary (no torch)
+    client.py          EngineClient: the interface both fronts give the API layer (no torch)
+    config.py          EngineConfig (the engine's slice of AppConfig), EngineError
+    runtime.py         RuntimeInfo: what the engine really runs with (no torch)
+    stats.py           EngineStats counters for /metrics, StatsRecorder
+    sequence.py        the scheduler's per-request state, token counting (no torch)
+    token_view.py      token-list views shared by Sequence and RequestState (no torch)
+    stop_rules.py      token-level stops, applied by the scheduler and the worker (no torch)
+    scheduler.py       continuous batching, budgets, preemption, placeholders (no torch)
+    output.py          OutputProcessor: detokenization, stop strings, EngineOutput
+    core.py            LLMEngine: step() = schedule, execute, update, emit
+    engine.py          AsyncEngine: the engine thread and the async front; EngineLoop
+    engine_process.py  EngineProcess: the engine in a process of its own (the daemon's default)
+    streams.py         OutputStreams: one asyncio queue per open request (no torch)
+    child.py           what every child process of the engine does first
+    messages.py        SchedulerOutput / ModelRunnerOutput / WorkerInfo (plain, picklable; no torch)
+
+    kv/                the KV pool and where blocks go besides it
+      block_manager.py   block allocation, ref counts, MTP-aware prefix cache (no torch)
+      host_tier.py       host tier bookkeeping: hash -> slot, swap slots (no torch)
+      disk_tier.py       disk tier: verified reads, write plans (no torch)
+      block_file.py      one block on disk: checksummed, written atomically (no torch)
+      tiers.py           the tiers built for one engine (disk fingerprint) and their figures
+      layout.py          bytes per token and per block, disk capacity (no torch; --check too)
+      cache.py           pool tensors and their sizing
+      block_rows.py      whole blocks as byte rows (device side of every copy)
+      host_pool.py       the host tier's memory and its copies
+      transfer.py        KVTransfer: the worker's one door for tier copies and PD rows
+    spec/              MTP speculative decoding
+      proposer.py        MTPProposer: held drafts, draft passes; NoProposer
+      policy.py          SpecPolicy: FixedK, AdaptiveK (no torch)
+      verifier.py        verification (pure functions over tensors; greedy on host lists)
+    sample/            sampling and structured-output masks
+      sampler.py         logits processors, sampling, counter-based randomness
+      grammar.py         llguidance matchers, GrammarBook (no torch)
+      grammar_masks.py   grammar masks for verified rows and first drafts
+    executor/          how the engine reaches its worker(s)
+      base.py            Executor protocol, make_executor
+      in_process.py      InProcessExecutor: the worker inline or on a worker thread
+      process.py         ProcessExecutor: the worker in its own process; serve_steps
+      parallel.py        ParallelExecutor: a tensor/expert-parallel rank group
+    worker/            device state and one step on it
+      worker.py          Worker: owns model, KV tensors, request states, the proposer
+      request_state.py   the worker's per-request state (no torch)
+      runner.py          request states -> tensors -> model -> verify; the step's host sync
+      metadata.py        BatchMetadata from per-sequence host lists
+      step_graphs.py     which graphs the static step runs; compiling them in the background
+      compile_step.py    compiling the static decode step (torch.compile, on-disk cache)
+      rank_group.py      a rank group: rendezvous, step broadcast, agreement, faults
 """
