@@ -1,11 +1,10 @@
 """The serving engine: scheduler, paged KV pool, MTP drafting and verification, sampler.
 
-Public API (docs/interfaces.md, server.engine):
+Public API (docs/interfaces.md), re-exported here and loaded on first use:
 
-    from server.engine.engine import AsyncEngine, LLMEngine, EngineError
-    from server.engine.config import EngineConfig, engine_config_from_app
-    from server.engine.stats import EngineStats
-    from server.engine.protocol import EngineRequest, EngineOutput, SamplingParams, FinishReason
+    from server.engine import (AsyncEngine, LLMEngine, EngineError, EngineConfig,
+                               engine_config_from_app, EngineStats, RuntimeInfo, EngineClient,
+                               EngineRequest, EngineOutput, SamplingParams, FinishReason)
 
     engine = AsyncEngine.from_config(app_config, model=None | model | (model, info),
                                      tokenizer=None, engine_config=None, device=None)
@@ -69,3 +68,26 @@ worker, then the worker side):
       compile_step.py    compiling the static decode step (torch.compile, on-disk cache)
       rank_group.py      a rank group: rendezvous, step broadcast, agreement, faults
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# The public names, loaded on first use: ``import server.engine.protocol`` (the serving
+# process does) must not import torch through this package.
+_PUBLIC = {
+    "AsyncEngine": "server.engine.engine", "LLMEngine": "server.engine.core",
+    "EngineClient": "server.engine.client", "EngineConfig": "server.engine.config",
+    "EngineError": "server.engine.config", "engine_config_from_app": "server.engine.config",
+    "EngineStats": "server.engine.stats", "RuntimeInfo": "server.engine.runtime",
+    "EngineRequest": "server.engine.protocol", "EngineOutput": "server.engine.protocol",
+    "SamplingParams": "server.engine.protocol", "FinishReason": "server.engine.protocol",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'server.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
