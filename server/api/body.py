@@ -48,6 +48,9 @@ async def _read(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
+            chunks.clear()
+            if size > TRIM_BYTES:      # give back what the refused chunks took
+                trim_soon()
             raise APIError(413, f"request body exceeds maxRequestLength ({limit} bytes)")
         chunks.append(chunk)
     return b"".join(chunks)

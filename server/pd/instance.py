@@ -151,10 +151,11 @@ class PDInstance:
         if not self.roles.is_peer(host):
             raise APIError(400, f"kv_transfer_params.remote_host {host!r} is not a peer of "
                                 "this decode instance", "kv_transfer_params")
-        want = self.roles.kv_port_of(host, self.settings.port)
-        if port != want:
+        allowed = self.roles.kv_ports_of(host, self.settings.port)
+        if port not in allowed:
             raise APIError(400, f"kv_transfer_params.remote_port {port} is not the KV port of "
-                                f"peer {host} ({want})", "kv_transfer_params")
+                                f"peer {host} ({', '.join(map(str, sorted(allowed)))})",
+                           "kv_transfer_params")
         return await self._pull(er, host, port, rid)
 
     def _reserve_export(self, er: EngineRequest) -> EngineRequest:
@@ -226,7 +227,7 @@ class PDInstance:
     def status(self) -> dict:
         ex = self.exports
         return {"role": self.roles.role, "peers": sorted(self.roles.peers),
-                "peer_kv_ports": dict(sorted(self.roles.kv_ports.items())),
+                "peer_kv_ports": {a: sorted(p) for a, p in sorted(self.roles.kv_ports.items())},
                 "kv_port": self.settings.port, "layout": self.layout,
                 "kv_transfer_key_id": key_id(self.roles.key),
                 "exports_held": ex.num_held, "exports_bytes": ex.bytes_held,

@@ -34,7 +34,8 @@ class RoleState:
     peers: frozenset[str] = frozenset()          # addresses of the peer instances
     local: Any = None
     version: int = 0                             # role switches so far
-    kv_ports: dict[str, int] = field(default_factory=dict)   # peer address -> its KV port
+    # peer address -> the KV ports of the prefill instances there (several P may share a host)
+    kv_ports: dict[str, frozenset[int]] = field(default_factory=dict)
     key: bytes | None = None                     # the deployment's KV transfer key
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -47,7 +48,7 @@ class RoleState:
         if not isinstance(peers, list) or not peers:
             raise RoleError("\"peers\" must be a non-empty list for a prefill or decode role")
         addrs: set[str] = set()
-        ports: dict[str, int] = {}
+        ports: dict[str, set[int]] = {}
         for i, peer in enumerate(peers):
             nodes = peer if api_version == 2 and isinstance(peer, list) else [peer]
             for node in nodes:
@@ -69,7 +70,7 @@ class RoleState:
                         raise RoleError(f"peers[{i}].{key}: {value!r} is not an IP address") from None
                     addrs.add(addr)
                     if port is not None:
-                        ports[addr] = port
+                        ports.setdefault(addr, set()).add(port)
         if not addrs:
             raise RoleError("no peer names an address (server_ip or host_ip)")
         key = body.get("kv_transfer_key")
@@ -82,7 +83,7 @@ class RoleState:
                 raise RoleError(str(exc)) from None
         with self._lock:
             self.role, self.peers, self.local = role, frozenset(addrs), body["local"]
-            self.kv_ports = ports
+            self.kv_ports = {a: frozenset(p) for a, p in ports.items()}
             if key is not None:
                 self.key = key
             self.version += 1
@@ -93,6 +94,7 @@ class RoleState:
         except ValueError:
             return False
 
-    def kv_port_of(self, host: str, default: int) -> int:
-        """The port a peer's rows are pulled from (its ``kv_port``, else ``default``)."""
-        return self.kv_ports.get(str(ipaddress.ip_address(host)), default)
+    def kv_ports_of(self, host: str, default: int) -> frozenset[int]:
+        """The ports a peer's rows may be pulled from (its nodes' ``kv_port``s, else
+        ``default``)."""
+        return self.kv_ports.get(str(ipaddress.ip_address(host)), frozenset((default,)))

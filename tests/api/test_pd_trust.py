@@ -244,16 +244,19 @@ def test_role_bodies_carry_the_key_and_kv_ports_and_refuse_integer_addresses():
     key = new_key()
     roles.assign("decode", {"local": {}, "kv_transfer_key": key.hex(),
                             "peers": [{"server_ip": "10.0.0.2", "kv_port": 1500}]})
-    assert roles.key == key and roles.kv_port_of("10.0.0.2", 1121) == 1500
-    roles.assign("decode", {"local": {}, "peers": [{"server_ip": "10.0.0.3"}]})
-    assert roles.key == key and roles.kv_port_of("10.0.0.3", 1121) == 1121   # key kept
+    assert roles.key == key and roles.kv_ports_of("10.0.0.2", 1121) == {1500}
+    roles.assign("decode", {"local": {}, "peers": [{"server_ip": "10.0.0.3"},
+                                                   {"server_ip": "10.0.0.4", "kv_port": 1500},
+                                                   {"server_ip": "10.0.0.4", "kv_port": 1501}]})
+    assert roles.key == key and roles.kv_ports_of("10.0.0.3", 1121) == {1121}   # key kept
+    assert roles.kv_ports_of("10.0.0.4", 1121) == {1500, 1501}     # two P on one host
     for body, why in [({"local": {}, "peers": [{"server_ip": 2130706433}]}, "string"),
                       ({"local": {}, "peers": [{"server_ip": "10.0.0.2", "kv_port": "1"}]}, "port"),
                       ({"local": {}, "peers": [{"server_ip": "10.0.0.2"}], "kv_transfer_key": "ab"},
                        "hex digits")]:
         with pytest.raises(RoleError, match=why):
             roles.assign("decode", body)
-    assert roles.peers == {"10.0.0.3"}                                      # previous kept
+    assert roles.peers == {"10.0.0.3", "10.0.0.4"}                          # previous kept
 
 
 def test_status_names_the_key_without_showing_it():
