@@ -6,13 +6,13 @@
 #   1. pytest: the CUDA decode paths (tests/gpu: static vs varlen path, MTP k=1/k=2 vs off,
 #      the host KV tier: pinned rows, staged copies, asyncWrite, swap;
 #      float32, token for token) and tests/engine/test_static_decode.py.
-#   2. gpu_bench eager: engine-level decode step time, tokens/s and tokens/step, MTP off vs
+#   2. engine_step eager: engine-level decode step time, tokens/s and tokens/step, MTP off vs
 #      k=1 vs k=2 at batch 1 and 16, on a ~1.6B-parameter DeepSeek-V3-shaped random model
 #      (bf16) edited for high MTP acceptance; plus a greedy lossless check.
-#   3. gpu_bench compiled: the same with EngineConfig(compile="on"), i.e. torch.compile of
+#   3. engine_step compiled: the same with EngineConfig(compile="on"), i.e. torch.compile of
 #      the static decode step (Inductor generating Triton kernels).  This is NOT CUDA
 #      graphs: there is no CUDA-graph capture path in the engine yet.
-#   4. bench_http: the bundled demo model through the HTTP daemon (scripts/bench.py,
+#   4. bench_http: the bundled demo model through the HTTP daemon (benchmarks/serve.py,
 #      MTP off vs k=1 vs k=2, concurrency 1/16/64).
 #   5. bench_tp: one process vs tensor parallel over two GPUs (only with >= 2 GPUs).
 # Outputs: $OUT_DIR/<step>.log for every step, gpu_bench_eager.json, gpu_bench_compiled.json,
@@ -33,7 +33,7 @@ FAILED=0
 
 # run_step NAME MAX_SECONDS CMD...: output tee'd to $OUT_DIR/NAME.log; cut after
 # min(MAX_SECONDS, what is left of the budget) with SIGINT (pytest then prints its summary,
-# scripts/bench.py stops its daemons), SIGKILL 15 s later.
+# benchmarks.serve stops its daemons), SIGKILL 15 s later.
 run_step() {
   local name="$1" max="$2"; shift 2
   local left=$((BUDGET_S - (SECONDS - START) - 5))
@@ -69,19 +69,19 @@ run_step() {
 [[ -d /tmp/site ]] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 
 run_step pytest 110 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/engine/test_static_decode.py -x
-run_step bench_eager 50 python3 scripts/gpu_bench.py --size big --dtype bf16 --compile off \
+run_step bench_eager 50 python3 -m benchmarks.engine_step --size big --dtype bf16 --compile off \
   --json "$OUT_DIR/gpu_bench_eager.json"
 # torch.compile (Inductor -> Triton kernels) of the static decode step; not CUDA graphs,
 # which the engine does not have yet.
-run_step bench_compiled 100 python3 scripts/gpu_bench.py --size big --dtype bf16 --compile on \
+run_step bench_compiled 100 python3 -m benchmarks.engine_step --size big --dtype bf16 --compile on \
   --json "$OUT_DIR/gpu_bench_compiled.json"
-run_step bench_http 300 python3 scripts/bench.py --quick --no-peer --concurrency 1,16,64 \
+run_step bench_http 300 python3 -m benchmarks.serve --quick --no-peer --concurrency 1,16,64 \
   --json "$OUT_DIR/gpu_bench_http.json"
 
 # Tensor parallel over two GPUs (NCCL for the model's collectives): only where the device
 # machine has at least two; one H200 (today's loan) skips it and says so.
 if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
-  run_step bench_tp 120 python3 scripts/bench.py --compare tp --quick --concurrency 1,16 \
+  run_step bench_tp 120 python3 -m benchmarks.serve --compare tp --quick --concurrency 1,16 \
     --json "$OUT_DIR/gpu_bench_tp.json"
 else
   echo "=== bench_tp: skipped (tensor parallel needs two GPUs; this machine has fewer)" \

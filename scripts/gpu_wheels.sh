@@ -5,9 +5,9 @@
 #
 # Each package is pinned to the version installed in .venv (so the GPU run uses what the
 # tests here use); a package the venv lacks is left unpinned.  --no-deps: the list below
-# is the whole runtime closure of the daemon, scripts/bench.py, the engine tests and
-# pytest, minus what the torch image already carries (torch, its CUDA wheels, sympy,
-# networkx, numpy).
+# is the whole runtime closure of the daemon, benchmarks.serve and benchmarks.engine_step,
+# the engine tests and pytest, minus what the torch image already carries (torch, its CUDA
+# wheels, sympy, networkx, numpy).
 #
 # Env: PYVER (default 3.12), WHL_DIR (default .whl), PYTHON (default python3).
 set -euo pipefail
@@ -24,7 +24,7 @@ PACKAGES=(
   orjson prometheus-client safetensors tokenizers jinja2 markupsafe
   # tokenizers -> huggingface-hub (imported lazily; small)
   huggingface-hub hf-xet filelock fsspec pyyaml tqdm packaging
-  # HTTP clients: scripts/bench.py (httpx), tests/api (openai -> httpx2)
+  # HTTP clients: benchmarks/ (httpx), tests/api (openai -> httpx2)
   httpx httpcore anyio sniffio idna certifi
   openai distro jiter httpx2 httpcore2 truststore
   # test runner

@@ -1,11 +1,11 @@
-#!/usr/bin/env python
 """Build the bundled demo model: corpus, tokenizer, joint main + MTP training, evaluation.
 
-    .venv/bin/python scripts/train_demo_model.py                 # full run (~80 min, 1 thread), writes models/deepseek-v3-tiny-mtp
-    .venv/bin/python scripts/train_demo_model.py --eval-only     # re-run the evaluation on the committed model
-    .venv/bin/python scripts/train_demo_model.py --no-copy-pretrain --stage3-from DIR --copy-steps 600   # EXPERIMENTAL: only stage 3 (copy), from an older stage-2 output
+    .venv/bin/python -m training                 # full run (~80 min, 1 thread), writes models/deepseek-v3-tiny-mtp
+    .venv/bin/python -m training --eval-only     # re-run the evaluation on the committed model
+    .venv/bin/python -m training --no-copy-pretrain --stage3-from DIR --copy-steps 600   # EXPERIMENTAL: only stage 3 (copy), from an older stage-2 output
 
-Everything is offline and seeded (see scripts/demo_model/spec.py); modules in scripts/demo_model/.
+Run from the repository root.  Everything is offline and seeded (see training/spec.py);
+the recipe's modules are in training/.
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from demo_model import copy_heads, copy_layers, corpus, evaluate, export, render, spec, train  # noqa: E402
-from demo_model.card import write_card  # noqa: E402
 from server.text import special_tokens as st  # noqa: E402
 
+from . import copy_heads, copy_layers, corpus, evaluate, export, render, spec, train  # noqa: E402
+from .card import write_card  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "models" / "deepseek-v3-tiny-mtp"
 
 
@@ -163,8 +162,9 @@ def heads_copy_stage(model, tok, rows3, keep3, w3, s: spec.TrainSettings, s3: sp
     return history
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--eval-only", action="store_true", help="evaluate the model in --out and exit")
     ap.add_argument("--eval-n", type=int, default=60, help="prompts per evaluation set (the card's figures)")
@@ -192,7 +192,7 @@ def main() -> int:
     ap.add_argument("--no-eval", action="store_true", help="skip the evaluation (probes)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override any spec.TrainSettings field (repeatable; tuples as 2,3,4)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     s = spec.TrainSettings()
     overrides = {"steps": args.steps, "sft_steps": args.sft_steps, "num_chats": args.num_chats,

@@ -18,13 +18,13 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
     last1 = pre[-1] if pre else {}
     stage_s = train_info.get("stage_seconds", [0.0, 0.0])
     runs = train_info.get("sft_runs", [])
-    cmds = [".venv/bin/python scripts/train_demo_model.py --out /tmp/demo-run1"
+    cmds = [".venv/bin/python -m training --out /tmp/demo-run1"
              + ("" if not runs or runs[0]["steps"] == s.sft_steps else f" --sft-steps {runs[0]['steps']}")
              + "   # corpus, tokenizer, stage 1, first SFT run, evaluation"]
     chained = [r for r in runs[1:] if not r.get("refresh")]      # a refresh run is part of the one command
     for i, r in enumerate(chained, 2):
         dest = "models/deepseek-v3-tiny-mtp" if i == len(chained) + 1 else f"/tmp/demo-run{i}"
-        cmds.append(f".venv/bin/python scripts/train_demo_model.py --stage2-from /tmp/demo-run{i - 1} --out {dest} "
+        cmds.append(f".venv/bin/python -m training --stage2-from /tmp/demo-run{i - 1} --out {dest} "
                     f"--sft-steps {r['steps']} --sft-lr {r['lr']:g}   # SFT run {i} from the previous result")
     if not chained:
         total_min = train_info.get("total_seconds", 0) / 60
@@ -35,7 +35,7 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
         opts += "" if s.threads == base.threads else f" --threads {s.threads}"
         opts += "".join(f" --set {k}={v}" for k, v in spec_set_args(s, base,
                                                                     skip=("copy_pretrain", "sft_arg_weight", "threads")))
-        cmds[0] = (f".venv/bin/python scripts/train_demo_model.py{opts}   # corpus, tokenizer, all stages, "
+        cmds[0] = (f".venv/bin/python -m training{opts}   # corpus, tokenizer, all stages, "
                    f"evaluation; writes this folder (~{total_min:.0f} min, {s.threads} thread"
                    f"{'s' if s.threads > 1 else ''})")
     copy = train_info.get("copy_run")
@@ -45,14 +45,14 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
                     - copy.get("seconds", 0)) / 60
         # stage 3 runs at copy_threads whatever --threads says, so the thread count is left out
         sets = "".join(f" --set {k}={v}" for k, v in spec_set_args(s, TrainSettings(), skip=("copy_steps", "threads")))
-        cmds = [f".venv/bin/python scripts/train_demo_model.py --copy-steps {copy['steps']}{sets}"
+        cmds = [f".venv/bin/python -m training --copy-steps {copy['steps']}{sets}"
                 "   # corpus, tokenizer, stages 1-3, evaluation; "
                 f"writes this folder (~{full_min:.0f} min on 2 cores)"]
         if train_info.get("stage3_from"):
             cmds.append("# this folder was written by the stage-3 shortcut, from the stage-2 result of the same "
                         "command (the previous\n# committed model, model.safetensors sha256 "
                         f"{train_info.get('stage3_base_sha256', '?')[:16]}...; ~{total_min:.0f} min):\n"
-                        f".venv/bin/python scripts/train_demo_model.py --stage3-from STAGE2_FOLDER --copy-steps {copy['steps']}{sets}")
+                        f".venv/bin/python -m training --stage3-from STAGE2_FOLDER --copy-steps {copy['steps']}{sets}")
     reproduce = "\n".join(cmds)
     arg_text = (f"; the tokens of every tool-call argument value (and the quote closing it) weigh "
                 f"{s.sft_arg_weight:g}x in the loss" if s.sft_arg_weight != 1.0 else "")
@@ -92,7 +92,7 @@ def write_card(out: Path, s: TrainSettings, cfg: dict[str, Any], res: EvalResult
    capitalised words and vocabulary pieces; never an evaluation city) and {len(corpus.COPY_WEATHER_PHRASINGS)} weather /
    {len(corpus.COPY_TIME_PHRASINGS)} time phrasings, plus the prose and {copy.get('drills', 0)} copying drills
    (name lists said twice, requests followed by their JSON arguments){piece_text}; copy heads
-   (`scripts/demo_model/copy_heads.py`): head 0 of layer {copy.get('prev_layer')} is supervised to attend
+   (`training/copy_heads.py`): head 0 of layer {copy.get('prev_layer')} is supervised to attend
    to the previous token, head 0 of layers {', '.join(map(str, copy.get('copy_layers', [])))}{" and of the MTP layer" if copy.get('mtp_supervision') else ""}
    to an earlier occurrence of the name piece to be written next (weight {copy.get('supervision', 0):g}), and
    those heads' value/output path starts from a least-squares fit that reads the piece back through
@@ -136,7 +136,7 @@ It is the daemon's built-in default model, so a fresh clone can serve it with MT
 decoding without downloading anything. It knows only its synthetic training world: a few dozen
 countries, chemical elements, small sums, unit conversions, word tasks and five demo tools.
 
-Produced by `scripts/train_demo_model.py`: the script builds the corpus, trains the tokenizer
+Produced by `python -m training` (the recipe in training/): it builds the corpus, trains the tokenizer
 and the model (the daemon's own `server.model.DeepseekV3ForCausalLM`, main model and MTP layer
 together), writes this folder and runs the evaluation.
 
@@ -217,7 +217,7 @@ DeepSeek-V3 tool call to the right function with the schema's keys as JSON. `thi
 
 ```
 {reproduce}
-.venv/bin/python scripts/train_demo_model.py --eval-only   # evaluation of the committed model (~{res.seconds / 60:.0f} min; {res.counts.get('n_tool', 0)} prompts a set, {res.counts.get('n_copy', 0)} copy prompts)
+.venv/bin/python -m training --eval-only   # evaluation of the committed model (~{res.seconds / 60:.0f} min; {res.counts.get('n_tool', 0)} prompts a set, {res.counts.get('n_copy', 0)} copy prompts)
 ```
 
 Re-running the training reproduces the figures within noise (same seeds; floating-point
@@ -255,7 +255,7 @@ def _appended_layers_text(copy: dict, cfg: dict, last: dict, piece_text: str, mi
     chat = (f", cross-entropy of the chats' other assistant tokens (weight {copy['chat_ce']:g})"
             if copy.get("chat_ce") else "")
     return f"""
-3. copy stage (`scripts/demo_model/copy_layers.py`): the stage-2 model stays as it is, frozen, and
+3. copy stage (`training/copy_layers.py`): the stage-2 model stays as it is, frozen, and
    {n_new} decoder layers of the same kind are appended after its {n2} (layers {n2}-{n2 + n_new - 1}; the MTP layer
    moves to index {n2 + n_new}). Heads 0-1 of layer {n2} are supervised to attend to the previous token; heads 0-1
    of layers {n2 + 1}-{n2 + n_new - 1} to an earlier occurrence of the tool-argument piece to be written next, and

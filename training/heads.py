@@ -6,18 +6,17 @@ after the current token's earlier occurrence).  This prints, per layer and head,
 attention weight at offset -1 on a text, and at the induction target on a random id
 sequence said twice; a copying model shows a head near 1 in each.
 
-    .venv/bin/python scripts/demo_model/heads.py [MODEL_DIR]
+    .venv/bin/python -m training.heads [MODEL_DIR]
 """
 from __future__ import annotations
 
 import contextlib
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -65,12 +64,16 @@ def head_profile(model, text_ids: list[int], vocab_size: int, seed: int = 0) -> 
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from tokenizers import Tokenizer
 
     from server.model.loader import load_checkpoint
 
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "deepseek-v3-tiny-mtp"
+    ap = argparse.ArgumentParser(prog="python -m training.heads", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path, nargs="?", default=ROOT / "models" / "deepseek-v3-tiny-mtp")
+    folder = ap.parse_args(argv).model_dir
     model, _info = load_checkpoint(folder, dtype=torch.float32)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ids = tok.encode((ROOT / "README.md").read_text()[:3000]).ids[:300]
@@ -81,5 +84,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

@@ -1,16 +1,18 @@
-#!/usr/bin/env python
 """Quantize a float DeepSeek-V3 checkpoint (this repo's Hugging Face layout) into the int8
 formats the server loads, so tests and benchmarks can rebuild them in seconds.
 
-  scripts/quantize.py SRC DST                        # msModelSlim W8A8 mixed (MindIE's format)
-  scripts/quantize.py SRC DST --w4a8-experts         # ... with W4A8_DYNAMIC routed experts
-  scripts/quantize.py SRC DST --quant-mtp float      # ... with the MTP layer kept float
-  scripts/quantize.py SRC DST --fa-quant             # ... with FA3 (FAKQuant) KV scales
-  scripts/quantize.py SRC DST --format compressed-tensors   # vLLM's int8 (channel / token)
+  python -m training.quantize SRC DST                        # msModelSlim W8A8 mixed (MindIE's format)
+  python -m training.quantize SRC DST --w4a8-experts         # ... with W4A8_DYNAMIC routed experts
+  python -m training.quantize SRC DST --quant-mtp float      # ... with the MTP layer kept float
+  python -m training.quantize SRC DST --fa-quant             # ... with FA3 (FAKQuant) KV scales
+  python -m training.quantize SRC DST --format compressed-tensors   # vLLM's int8 (channel / token)
+  python -m training.quantize SRC DST --calibration FILE     # calibrate on FILE's text
 
 msModelSlim layout (the "W8A8 mixed" DeepSeek recipe: MLA W8A8, MoE W8A8 dynamic):
   * ``self_attn`` linears except ``kv_b_proj``: W8A8 static, activations per tensor,
-    asymmetric, calibrated on chats of the demo model's training split;
+    asymmetric, calibrated on ``--calib-samples`` texts: windows of up to 512 tokens of
+    ``--calibration FILE`` (UTF-8 text), or by default chats of the demo model's training
+    split (training/corpus.py, seeded by ``--seed``);
   * every MLP linear (dense layers, shared and routed experts): W8A8_DYNAMIC
     (``--w4a8-experts``: routed experts of the main layers W4A8_DYNAMIC, two int4 per byte
     along the output dimension, with ``scale_bias``);
@@ -36,11 +38,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from server.model.loader import _tensor_index, load_checkpoint  # noqa: E402
-from server.model.quant import pack_int4_rows  # noqa: E402
+from server.model.loader import _tensor_index, load_checkpoint
+from server.model.quant import pack_int4_rows
 
 COPY = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -52,13 +51,30 @@ def per_channel(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
+CALIB_TOKENS = 512
+
+
+def calibration_ids(tok, samples: int, seed: int, text_file: Path | None = None) -> list[list[int]]:
+    """``samples`` token sequences of at most CALIB_TOKENS: consecutive windows of
+    ``text_file``'s text (fewer when it is short), or rendered training chats of the demo
+    model's corpus (seeded)."""
+    if text_file is not None:
+        ids = tok.encode(text_file.read_text(encoding="utf-8"))
+        windows = [ids[i:i + CALIB_TOKENS] for i in range(0, len(ids), CALIB_TOKENS)][:samples]
+        if not windows or not windows[0]:
+            raise SystemExit(f"{text_file}: no text to calibrate on")
+        return windows
+    from .corpus import make_chat
+    from .render import render_chat
+    rng = random.Random(seed)
+    return [tok.encode(render_chat(make_chat(rng, "train")))[:CALIB_TOKENS] for _ in range(samples)]
+
+
 def calibrate(src: Path, prefixes: list[str], samples: int, seed: int,
-              latent_layers: list[int] = ()) -> tuple[dict[str, tuple[float, float]], dict[int, float]]:
+              latent_layers: list[int] = (), text_file: Path | None = None,
+              ) -> tuple[dict[str, tuple[float, float]], dict[int, float]]:
     """(min, max) of each listed linear's input, and max |latent| of each listed layer's
-    MLA cache rows, over rendered training chats."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from demo_model.corpus import make_chat
-    from demo_model.render import render_chat
+    MLA cache rows, over the calibration texts (``calibration_ids``)."""
     from server.text.tokenizer import Tokenizer
     model, _ = load_checkpoint(src, dtype=torch.float32)
     tok = Tokenizer.from_dir(src)
@@ -81,10 +97,8 @@ def calibrate(src: Path, prefixes: list[str], samples: int, seed: int,
 
     handles += [model.model.layers[i].self_attn.kv_a_layernorm.register_forward_hook(latent_hook(i))
                 for i in latent_layers]
-    rng = random.Random(seed)
     with torch.inference_mode():
-        for _ in range(samples):
-            ids = tok.encode(render_chat(make_chat(rng, "train")))[:512]
+        for ids in calibration_ids(tok, samples, seed, text_file):
             model.forward_full(torch.tensor([ids]))
     for h in handles:
         h.remove()
@@ -122,15 +136,20 @@ def dynamic_w4a8(w: torch.Tensor, row_parallel: bool) -> dict[str, torch.Tensor]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m training.quantize", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
     ap.add_argument("--format", choices=("msmodelslim", "compressed-tensors"), default="msmodelslim")
     ap.add_argument("--w4a8-experts", action="store_true")
     ap.add_argument("--quant-mtp", choices=("mix", "float"), default="mix")
     ap.add_argument("--fa-quant", action="store_true", help="add FA3 (FAKQuant) KV scales")
-    ap.add_argument("--calib-samples", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--calibration", type=Path, metavar="FILE",
+                    help="UTF-8 text to calibrate the static activation ranges on (default: "
+                         "chats of the demo model's training split, made by training/corpus.py)")
+    ap.add_argument("--calib-samples", type=int, default=64,
+                    help="calibration texts (windows of up to 512 tokens)")
+    ap.add_argument("--seed", type=int, default=1234, help="of the default calibration chats")
     args = ap.parse_args(argv)
 
     src, dst = args.src, args.dst
@@ -170,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {p: kind(p) for p in linears}
     fa_layers = list(range(1, n_main)) if args.fa_quant and args.format == "msmodelslim" else []
     ranges, latent_max = calibrate(src, [p for p, k in kinds.items() if k == "W8A8"],
-                                   args.calib_samples, args.seed, fa_layers)
+                                   args.calib_samples, args.seed, fa_layers, args.calibration)
     out: dict[str, torch.Tensor] = {}
     desc: dict[str, str] = {}
     for name, t in tensors.items():

@@ -4,7 +4,7 @@
 predicts what the main model says next (tests and benchmarks of speculative decoding need
 acceptance well above what random weights give).  ``big_config`` / ``build_model`` make a
 ~1.5B-parameter DeepSeek-V3-shaped model directly on a device, for GPU benchmarks
-(scripts/gpu_bench.py) where writing and loading a checkpoint would only cost time.
+(benchmarks/engine_step.py) where writing and loading a checkpoint would only cost time.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The copy-head supervision of the demo model's stage 3 (scripts/demo_model/copy_heads.py).
+"""The copy-head supervision of the demo model's stage 3 (training/copy_heads.py).
 
 Why: the shipped model copies a city from the prompt because these targets tell two heads
 where to look; a target shifted by one position teaches a head to look at the wrong token,
@@ -8,16 +8,11 @@ and the model would write made-up names with nothing but a lower card figure to 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from demo_model import copy_heads, corpus, facts, spec, train  # noqa: E402
-from server.model.config import DeepseekConfig  # noqa: E402
+from server.model.config import DeepseekConfig
+from training import copy_heads, corpus, spec, train
 
 
 class _Vocab:

@@ -1,4 +1,4 @@
-"""The appended copy layers of the demo model's stage 3 (scripts/demo_model/copy_layers.py).
+"""The appended copy layers of the demo model's stage 3 (training/copy_layers.py).
 
 Why: stage 3 must leave the stage-2 model's behaviour where it was except where the new
 layers speak. A weight mapped to the wrong layer (the MTP layer moves up behind the new ones),
@@ -8,18 +8,11 @@ silently change what every other prompt gets; these tests pin each.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from demo_model import copy_heads, copy_layers, export, spec, train  # noqa: E402
-from server.model.config import DeepseekConfig  # noqa: E402
-
-from tests.demo.test_demo_copy_heads import ID, PIECES, _ids, _Vocab  # noqa: E402
+from server.model.config import DeepseekConfig
+from tests.demo.test_demo_copy_heads import ID, PIECES, _ids, _Vocab
+from training import copy_heads, copy_layers, export, spec, train
 
 
 def _stage2(seed: int = 0):
@@ -153,8 +146,8 @@ def test_chat_positions_mark_documents_with_an_assistant_turn():
 
 def test_card_of_an_appended_layer_run_reproduces_its_settings(tmp_path):
     """The card's command must rebuild this model: every setting that differs goes on it."""
-    from demo_model.card import write_card
-    from demo_model.evaluate import EvalResult
+    from training.card import write_card
+    from training.evaluate import EvalResult
 
     s = spec.with_overrides(spec.TrainSettings(), ["copy_steps=1200", "copy_append_layers=2", "copy_retain=2",
                                                    "threads=1"])

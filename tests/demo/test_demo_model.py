@@ -8,20 +8,18 @@ actually predict the main model's tokens (otherwise speculative decoding gains n
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from server.model.loader import load_checkpoint
+from server.text.tokenizer import Tokenizer
+from training import corpus, evaluate, render
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "deepseek-v3-tiny-mtp"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from demo_model import corpus, evaluate, render  # noqa: E402
-from server.model.loader import load_checkpoint  # noqa: E402
-from server.text.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.demo
 

@@ -12,22 +12,20 @@ so only copying gets them right. Greedy, batched through the serving engine with
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from server.engine.protocol import EngineRequest, SamplingParams
+from server.model.loader import load_checkpoint
+from server.text.tokenizer import Tokenizer
+from server.text.tool_calls import DeepSeekV3ToolParser
+from tests.engine.helpers import make_engine, run_tokens
+from training import corpus, evaluate, facts, render
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "deepseek-v3-tiny-mtp"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from demo_model import corpus, evaluate, facts, render  # noqa: E402
-from server.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
-from server.model.loader import load_checkpoint  # noqa: E402
-from server.text.tokenizer import Tokenizer  # noqa: E402
-from server.text.tool_calls import DeepSeekV3ToolParser  # noqa: E402
-from tests.engine.helpers import make_engine, run_tokens  # noqa: E402
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow]
 

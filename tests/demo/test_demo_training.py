@@ -1,4 +1,4 @@
-"""Pieces of the demo model's training (scripts/demo_model/train.py) that decide what it learns.
+"""Pieces of the demo model's training (training/train.py) that decide what it learns.
 
 Why: the shipped model's MTP acceptance comes from these losses and masks; a shifted index
 or a wrong mask trains the MTP layer on the wrong token and nothing downstream would say so
@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from server.model.config import DeepseekConfig
+from training import spec, train
 
-from demo_model import spec, train  # noqa: E402
-from server.model.config import DeepseekConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny_model(seed: int = 0):
@@ -129,7 +128,7 @@ def test_copy_weights_mark_the_argument_values_and_names_tokenize_alike():
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from demo_model import corpus, render
+    from training import corpus, render
 
     base = HFTokenizer.from_file(str(ROOT / "models" / "deepseek-v3-tiny-mtp" / "tokenizer.json"))
     tok = render.with_name_split(base)
@@ -155,7 +154,7 @@ def test_copy_weights_mark_the_argument_values_and_names_tokenize_alike():
 def test_spelt_names_are_the_same_letters_in_the_prompt_the_call_and_the_result():
     """render.SPELL_NAMES: a capitalised word is one letter a piece wherever it stands, lowercase
     words keep their merges, and decoding gives the text back byte for byte."""
-    from demo_model import render
+    from training import render
 
     texts = ["What is the weather in Bergen today? The weather in Bergen is sunny.",
              'get_weather {"city": "Bergen"} the weather in Paris', "Überlingen and ÉCOLE, 12 pm."] * 40
@@ -188,7 +187,7 @@ def test_mixed_encoding_keeps_stage2_pieces_but_for_the_copied_values():
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from demo_model import corpus, render
+    from training import corpus, render
     from server.text import special_tokens as st
 
     base = HFTokenizer.from_file(str(ROOT / "models" / "deepseek-v3-tiny-mtp" / "tokenizer.json"))
@@ -267,11 +266,10 @@ def test_settings_overrides_parse_each_field_type():
 def test_training_cli_refuses_unknown_settings_and_copy_heads_without_the_name_split():
     import subprocess
 
-    script = ROOT / "scripts" / "train_demo_model.py"
     for extra, message in ((["--set", "nope=1"], "TrainSettings' fields"),
                            (["--no-copy-pretrain", "--set", "copy_heads_from_start=1"], "needs --copy-pretrain")):
-        r = subprocess.run([sys.executable, str(script), "--out", "/nonexistent/never-written", *extra],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "training", "--out", "/nonexistent/never-written", *extra],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
 
 

@@ -53,7 +53,7 @@ def demo():
     from server.text.tokenizer import Tokenizer
     model, _ = load_checkpoint(DEMO)
     tok = Tokenizer.from_dir(DEMO)
-    prompts = json.loads((ROOT / "scripts" / "bench_prompts.json").read_text())["prompts"]
+    prompts = json.loads((ROOT / "benchmarks" / "prompts.json").read_text())["prompts"]
     ids = [tok.encode(tok.apply_chat_template(p, add_generation_prompt=True)) for p in prompts]
     return model, tok, (ids * 2)[:50]
 

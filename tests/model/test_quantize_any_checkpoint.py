@@ -1,10 +1,7 @@
-"""scripts/quantize.py on a checkpoint it was not built around: a random tiny DeepSeek-V3
+"""training/quantize.py on a checkpoint it was not built around: a random tiny DeepSeek-V3
 (server.testing), quantized to msModelSlim W8A8 mixed and compressed-tensors int8, loads
 and agrees with its float source (top-1 on random token sequences)."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +10,10 @@ from server.model.loader import load_checkpoint
 from server.model.quant import QuantLinear
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.parametrize("fmt", ["msmodelslim", "compressed-tensors"])
 def test_random_checkpoint_quantizes_and_agrees(tmp_path, fmt):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from scripts import quantize
+    from training import quantize
     src = make_tiny_checkpoint(tmp_path / "float", seed=3)
     dst = tmp_path / "q"
     assert quantize.main([str(src), str(dst), "--format", fmt, "--calib-samples", "16"]) == 0

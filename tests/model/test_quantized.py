@@ -1,4 +1,4 @@
-"""Quantized checkpoints: the demo model through scripts/quantize.py in msModelSlim's W8A8
+"""Quantized checkpoints: the demo model through training/quantize.py in msModelSlim's W8A8
 mixed and W4A8 layouts and in compressed-tensors int8, loaded by our loader.
 
 Checked against the float model on held-out prompts (teacher-forced top-1 agreement over
@@ -37,8 +37,7 @@ WEIGHTS = "quant_model_weights.safetensors"
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory) -> dict[str, Path]:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from scripts import quantize
+    from training import quantize
     out = {}
     for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
                         ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
@@ -51,8 +50,8 @@ def quantized(tmp_path_factory) -> dict[str, Path]:
 def heldout(num_prompts: int = 50, new_tokens: int = 32) -> tuple[list[list[int]], list[list[int]]]:
     """Held-out prompts (the demo model's evaluation split) and the float model's greedy
     continuations of them."""
-    from scripts.demo_model import corpus, render
-    from scripts.demo_model.spec import TrainSettings
+    from training import corpus, render
+    from training.spec import TrainSettings
     from server.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(DEMO)
     sets = corpus.eval_prompts(TrainSettings().eval_seed + 1, n_chat=20, n_tool=15, n_think=15)

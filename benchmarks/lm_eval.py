@@ -1,15 +1,14 @@
-#!/usr/bin/env python
 """lm-evaluation-harness against the daemon, end to end, on a small local data file.
 
 Starts a daemon on the demo model (MTP k=1, conf/config.json), runs lm-eval's
-``local-completions`` model on ``scripts/eval_data/capitals.yaml`` (8 multiple-choice
+``local-completions`` model on ``benchmarks/eval_data/capitals.yaml`` (8 multiple-choice
 questions scored by loglikelihood: lm-eval sends ``echo: true, logprobs: 1,
 max_tokens: 1`` with token-id prompts to /v1/completions and sums the prompt-token
 logprobs of each choice), then checks every loglikelihood lm-eval logged against the
 same sum computed in process from an engine with MTP off (within 1e-4).
 
     pip install -e '.[eval]'          # lm-eval is heavy: its own extra, not the test extra
-    scripts/eval_lm_harness.py [--keep DIR]
+    python -m benchmarks.lm_eval [--keep DIR]
 
 Exit status 0 when lm-eval finished and every loglikelihood matched.  No network: the
 data file is local and the tokenizer is the model folder's.
@@ -26,13 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-from bench import model_id, start_daemon, stop_daemon  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import DEFAULT_CONFIG, start_daemon, stop_daemon
+from server.testing.daemon import DEMO_MODEL as WEIGHTS
 
-DATA = ROOT / "scripts" / "eval_data"
-WEIGHTS = ROOT / "models" / "deepseek-v3-tiny-mtp"
+DATA = Path(__file__).resolve().parent / "eval_data"
 TOL = 1e-4
 
 
@@ -94,8 +91,9 @@ def reference_loglikelihoods(pairs: list[tuple[str, str]]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config-file", type=Path, default=ROOT / "conf" / "config.json")
+    ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-file", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--keep", type=Path, help="keep lm-eval's output here")
     args = ap.parse_args(argv)
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import asyncio
         write_task(work)
-        samples = run_lm_eval(target.base_url, asyncio.run(model_id(target)), work, work)
+        samples = run_lm_eval(target.base_url, asyncio.run(harness.model_id(target)), work, work)
     finally:
         stop_daemon(target)
     rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]

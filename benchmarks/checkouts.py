@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The serving path of two checkouts, side by side: this one and ``--base`` (for example
 ``git worktree add /tmp/base HEAD~1``), each a daemon on the demo model with MTP k=1.
 
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -22,9 +20,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (DEFAULT_CONFIG, PROMPTS_FILE, ROOT, model_id, one_request,  # noqa: E402
-                   start_daemon, stop_daemon)
+from benchmarks import harness
+from benchmarks.harness import DEFAULT_CONFIG, ROOT, start_daemon, stop_daemon, stream_chat
 
 
 def _min_delay(cfg: dict) -> None:
@@ -32,7 +29,7 @@ def _min_delay(cfg: dict) -> None:
 
 
 async def _measure(targets: list, prompts: list, n: int) -> dict[str, dict[str, list[float]]]:
-    model = await model_id(targets[0])
+    model = await harness.model_id(targets[0])
     rows = {t.name: {"GET /v1/models": [], "1-token chat": [], "streamed TTFT": [],
                      "streamed answer": []} for t in targets}
     async with httpx.AsyncClient(timeout=60) as client:
@@ -47,18 +44,18 @@ async def _measure(targets: list, prompts: list, n: int) -> dict[str, dict[str, 
                 (await client.post(t.base_url + "/v1/chat/completions", json={
                     "model": model, "messages": messages, "max_tokens": 1})).raise_for_status()
                 row["1-token chat"].append(time.perf_counter() - t0)
-                r = await one_request(client, t.base_url, model, messages, 64)
+                r = await stream_chat(client, t.base_url, model, messages, 64)
                 row["streamed TTFT"].append(r.ttft)
                 row["streamed answer"].append(r.latency)
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", type=Path, required=True, help="the other checkout")
     ap.add_argument("--requests", type=int, default=80, help="of each kind, per daemon")
-    args = ap.parse_args()
-    prompts = json.loads(PROMPTS_FILE.read_text())["prompts"]
+    args = ap.parse_args(argv)
+    prompts = harness.load_prompts()["prompts"]
     targets = []
     try:
         for name, root in (("base", args.base.resolve()), ("this", ROOT)):

@@ -1,5 +1,5 @@
-#!/usr/bin/env python
-"""Throughput cost of constraints (``scripts/bench.py --compare structured``): daemons on the
+"""Throughput cost of constraints (``python -m benchmarks.structured``, or
+``benchmarks.serve --compare structured``): daemons on the
 demo model with MTP k=1 (synchronous scheduling, and asynchronous with the worker
 process), the same chat prompts with and without a ``json_schema`` ``response_format``,
 greedy, at each concurrency level (default 16).
@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import _machine, model_id, scrape, start_daemon, stop_daemon  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import RequestResult, Target, burst_of, start_daemon, stop_daemon
 
 CITIES = ["Paris", "Tokyo", "London", "Cairo", "Madrid", "Oslo", "Rome", "Berlin", "Lima", "Perth",
           "Seattle", "Milan", "Naples", "Dublin", "Vienna", "Prague"]
@@ -34,41 +33,37 @@ SCHEMA = {"type": "object", "properties": {
 FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
 
 
-async def _burst(base: str, metrics: str, model: str, constrained: bool, concurrency: int,
-                 n: int, max_tokens: int) -> dict:
-    before = await scrape(metrics)
-    sem = asyncio.Semaphore(concurrency)
-    tokens, valid, errors = [], [], []
-    async with httpx.AsyncClient(timeout=600) as client:
-        async def one(i: int) -> None:
-            body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [
-                {"role": "user", "content": f"What is the weather in {CITIES[i % len(CITIES)]}?"}]}
-            if constrained:
-                body["response_format"] = FORMAT
-            async with sem:
-                r = await client.post(base + "/v1/chat/completions", json=body)
-            if r.status_code != 200:
-                errors.append(r.text[:200])
-                return
-            data = r.json()
-            tokens.append(data["usage"]["completion_tokens"])
-            if constrained:
-                try:
-                    obj = json.loads(data["choices"][0]["message"]["content"])
-                    valid.append(set(obj) == set(SCHEMA["required"]))
-                except ValueError:
-                    valid.append(False)
+def _request(base_url: str, model: str, constrained: bool, max_tokens: int) -> harness.Request:
+    """A whole (not streamed) greedy weather question, with the schema when ``constrained``;
+    valid: the answer parses as the schema's object (constrained only)."""
+    async def request(client: httpx.AsyncClient, i: int) -> RequestResult:
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [
+            {"role": "user", "content": f"What is the weather in {CITIES[i % len(CITIES)]}?"}]}
+        if constrained:
+            body["response_format"] = FORMAT
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(n)))
-        wall = time.perf_counter() - t0
-    after = await scrape(metrics)
-    drafts = after.get("spec_decode_num_draft_tokens_total", 0) - before.get("spec_decode_num_draft_tokens_total", 0)
-    acc = after.get("spec_decode_num_accepted_tokens_total", 0) - before.get("spec_decode_num_accepted_tokens_total", 0)
-    if errors:
-        raise RuntimeError(f"{len(errors)} failed requests, first: {errors[0]}")
-    return {"output_tok_s": sum(tokens) / wall, "tokens_per_request": statistics.mean(tokens),
-            "acceptance_rate": acc / drafts if drafts else None,
-            "valid": (sum(valid) / len(valid)) if valid else None}
+        r = await client.post(base_url + "/v1/chat/completions", json=body)
+        latency = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(r.text[:200])
+        data = r.json()
+        valid = None
+        if constrained:
+            try:
+                valid = set(json.loads(data["choices"][0]["message"]["content"])) == set(SCHEMA["required"])
+            except ValueError:
+                valid = False
+        return RequestResult(latency, latency, data["usage"]["completion_tokens"],
+                             data["usage"]["prompt_tokens"], valid)
+    return request
+
+
+def _burst(t: Target, model: str, constrained: bool, concurrency: int, n: int,
+           max_tokens: int) -> dict:
+    r = asyncio.run(burst_of(t, concurrency, n, _request(t.base_url, model, constrained, max_tokens)))
+    if r["errors"]:
+        raise RuntimeError(f"{t.name}: {r['errors']} failed requests")
+    return r
 
 
 def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> dict:
@@ -108,9 +103,9 @@ def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> d
             "apply_ms_per_step": 1e3 * apply_s / steps}
 
 
-def main(args) -> int:
+def run(args) -> int:
     """Two daemons, MTP k=1: synchronous scheduling and asynchronous (worker process)."""
-    levels = [int(x) for x in (args.concurrency or "16").split(",")]
+    levels = harness.levels(args.concurrency, "16")
     reps = args.reps or (1 if args.quick else 3)
     kinds = ("plain", "json_schema")
     targets = []
@@ -120,26 +115,23 @@ def main(args) -> int:
             print(f"starting daemon {name} ...", file=sys.stderr)
             targets.append(start_daemon(name, args.config_file, 1, args.threads, on))
             raw[name] = {kind: {c: [] for c in levels} for kind in kinds}
-        model = asyncio.run(model_id(targets[0]))
-        for t in targets:        # warm-up; compiles the grammar
-            for constrained in (True, False):
-                asyncio.run(_burst(t.base_url, t.metrics_url, model, constrained, 4, 4, 8))
+        model = asyncio.run(harness.model_id(targets[0]))
+        warmup = {f"{t.name} {kind}": harness.warm_up(t, _request(t.base_url, model, kind == "json_schema", 8))
+                  for t in targets for kind in ("json_schema", "plain")}     # compiles the grammar
         for _ in range(reps):
             for c in levels:
                 n = max(3 * c, 8)
                 for t in targets:
                     for kind in kinds:        # alternate so drift hits every row
-                        r = asyncio.run(_burst(t.base_url, t.metrics_url, model,
-                                               kind == "json_schema", c, n, args.max_tokens))
+                        r = _burst(t, model, kind == "json_schema", c, n, args.max_tokens)
                         raw[t.name][kind][c].append(r)
                         print(f"  {t.name} {kind} c={c}: {r['output_tok_s']:.1f} tok/s", file=sys.stderr)
     finally:
         for t in targets:
             stop_daemon(t)
-    med = {name: {kind: {c: {key: (statistics.median(r[key] for r in runs) if runs[0][key] is not None
-                                   else None) for key in runs[0]} for c, runs in per.items()}
+    med = {name: {kind: {c: harness.medians(runs) for c, runs in per.items()}
                   for kind, per in by_kind.items()} for name, by_kind in raw.items()}
-    print(f"\nconstraints, MTP k=1, demo model, {_machine()}, {reps} rep(s), max_tokens {args.max_tokens}")
+    print(f"\nconstraints, MTP k=1, demo model, {harness.machine()}, {reps} rep(s), max_tokens {args.max_tokens}")
     print(f"{'sched':>6} {'c':>4} {'plain tok/s':>12} {'json_schema tok/s':>18} {'ratio':>6} "
           f"{'accept plain':>13} {'accept json':>12} {'tokens/req plain':>17} {'json':>5} {'valid':>6}")
     for name in med:
@@ -149,15 +141,20 @@ def main(args) -> int:
                   f"{j['output_tok_s'] / p['output_tok_s']:>6.2f} {p['acceptance_rate'] or 0:>13.2f} "
                   f"{j['acceptance_rate'] or 0:>12.2f} {p['tokens_per_request']:>17.1f} "
                   f"{j['tokens_per_request']:>5.1f} {j['valid']:>6.2f}")
-    base_cfg = json.loads(args.config_file.read_text())
-    weights = Path(base_cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"])
-    if not weights.is_absolute():
-        weights = (args.config_file.parent / weights).resolve()
-    cost = mask_cost(weights, batch=max(levels), threads=args.threads)
+    cost = mask_cost(harness.weights_of(args.config_file), batch=max(levels), threads=args.threads)
     print(f"grammar work per verify step, {cost['batch']} constrained requests x {cost['k'] + 1} rows: "
           f"masks {cost['masks_ms_per_step']:.2f} ms, applying them {cost['apply_ms_per_step']:.2f} ms")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": _machine(), "reps": reps, "max_tokens": args.max_tokens,
-                                         "results": med, "mask_cost": cost,
-                                         "command": " ".join(sys.argv)}, indent=2))
+    print("warm-up (4 requests of 8 tokens, not in the medians): " + ", ".join(
+        f"{n} {w['output_tok_s']:.1f} tok/s" for n, w in warmup.items()))
+    harness.save_report({**harness.report_header(reps=reps, max_tokens=args.max_tokens),
+                         "results": med, "mask_cost": cost, "warmup": warmup}, args.json)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__, "default 16")
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

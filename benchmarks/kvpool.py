@@ -1,6 +1,5 @@
-#!/usr/bin/env python
-"""KV pool benchmark (``scripts/bench.py --compare kvpool``): the prefix cache with and
-without the host KV tier (kvPoolConfig backend "host"), on the demo model, MTP k=1.
+"""KV pool benchmark (``python -m benchmarks.kvpool``, or ``benchmarks.serve --compare
+kvpool``): the prefix cache with and without the host KV tier (kvPoolConfig backend "host"), on the demo model, MTP k=1.
 
 Both daemons get a device pool capped at ``maxBatchSize * ceil((maxSeqLen + 1) /
 block) + 1`` blocks (maxBatchSize 4, maxSeqLen 1152: 293 blocks of 16 tokens, 4,688
@@ -28,68 +27,39 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, Target, _free_port, _machine, stop_daemon  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import Target, start_daemon, status_of, stop_daemon
 
 WORDS = ("the engine verifies each draft token against the main model and keeps the accepted "
          "prefix before it drafts again while blocks of the cache move between device and host "
          "memory when the pool runs short").split()
 
 
-def _config(base: Path, workdir: Path, tier: bool,
-            disk: Path | None = None) -> tuple[Path, int, int]:
-    cfg = json.loads(base.read_text())
-    port, mport = _free_port(), _free_port()
-    cfg["ServerConfig"].update(ipAddress="127.0.0.1", managementIpAddress="127.0.0.1", port=port,
-                               managementPort=mport, metricsPort=mport, httpsEnabled=False)
-    be = cfg["BackendConfig"]
-    be["kvPoolConfig"] = {"backend": "host" if tier else "", "configPath": "", "asyncWrite": False}
-    if disk is not None:
-        (workdir / "pool.json").write_text(json.dumps({"disk_path": str(disk), "disk_size_gb": 1}))
-        be["kvPoolConfig"]["configPath"] = "pool.json"
-    dep = be["ModelDeployConfig"]
-    dep.update(maxSeqLen=1152, maxInputTokenLen=1100)
-    mc = dep["ModelConfig"][0]
-    weights = Path(mc["modelWeightPath"])
-    if not weights.is_absolute():
-        mc["modelWeightPath"] = str((base.parent / weights).resolve())
-    mc["plugin_params"] = json.dumps({"plugin_type": "mtp,prefix_cache", "num_speculative_tokens": 1})
-    mc["cpuMemSize"] = 1 if tier else 0
-    be["ScheduleConfig"].update(maxBatchSize=4, maxPrefillBatchSize=4, cacheBlockSize=16,
-                                maxIterTimes=64)
-    path = workdir / "config.json"
-    path.write_text(json.dumps(cfg, indent=2))
-    return path, port, mport
-
-
-def _start(name: str, base: Path, tier: bool, threads: int, disk: Path | None = None) -> Target:
-    import os
-    import subprocess
-    import tempfile
-    workdir = Path(tempfile.mkdtemp(prefix=f"bench-kvpool-{name}-"))
-    cfg, port, mport = _config(base, workdir, tier, disk)
-    log = open(workdir / "daemon.log", "w")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MTP_SERVE_COMPILE="0",
-               MINDIE_ASYNC_SCHEDULING_ENABLE="0")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--config-file", str(cfg)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300:
-        if "Daemon start success!" in (workdir / "daemon.log").read_text(errors="replace"):
-            return Target(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics",
-                          proc, workdir, time.monotonic() - t0)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"daemon {name} did not start:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
+def _start(name: str, base: Path, tier: bool, threads: int, pool_file: Path | None = None) -> Target:
+    """MTP k=1 and the prefix cache on a small device pool (maxBatchSize 4, maxSeqLen 1152),
+    uncompiled; the host tier on with ``tier`` (``pool_file``: its settings, the disk tier)."""
+    def edit(cfg: dict) -> None:
+        be = cfg["BackendConfig"]
+        be["kvPoolConfig"] = {"backend": "host" if tier else "", "asyncWrite": False,
+                              "configPath": str(pool_file) if pool_file is not None else ""}
+        dep = be["ModelDeployConfig"]
+        dep.update(maxSeqLen=1152, maxInputTokenLen=1100)
+        mc = dep["ModelConfig"][0]
+        mc["plugin_params"] = json.dumps({"plugin_type": "mtp,prefix_cache", "num_speculative_tokens": 1})
+        mc["cpuMemSize"] = 1 if tier else 0
+        be["ScheduleConfig"].update(maxBatchSize=4, maxPrefillBatchSize=4, cacheBlockSize=16,
+                                    maxIterTimes=64)
+    return start_daemon(f"kvpool-{name}", base, 1, threads, extra_env={"MTP_SERVE_COMPILE": "0"},
+                        edit_config=edit)
 
 
 def _prompt(seed: int, words: int = 425) -> str:      # ~1,000 tokens (demo tokenizer)
@@ -118,13 +88,9 @@ def _complete(client: httpx.Client, t: Target, prompt: str) -> tuple[float, str,
     return ttft or time.perf_counter() - t0, "".join(text), n
 
 
-def _engine(client: httpx.Client, t: Target) -> dict:
-    return client.get(t.metrics_url.rsplit("/metrics", 1)[0] + "/v1/status").json()
-
-
 def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> dict:
     with httpx.Client(timeout=600) as client:
-        st0 = _engine(client, t)
+        st0 = status_of(t, client)
         pool_tokens = st0["kv_cache"]["total_blocks"] * st0["kv_cache"]["block_size"]
         texts: dict[str, str] = {}
         marks = []
@@ -132,7 +98,7 @@ def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> 
         for r in range(rounds):
             for i in range(num_prompts):
                 _, texts[f"r{r}-p{i}"], n_tokens = _complete(client, t, _prompt(i))
-            marks.append(_engine(client, t)["engine"])
+            marks.append(status_of(t, client)["engine"])
         a, b = marks[0], marks[-1]
         queried = b["prefix_cache_queries"] - a["prefix_cache_queries"]
         device = b["prefix_cache_hits"] - a["prefix_cache_hits"]
@@ -143,13 +109,13 @@ def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> 
             _complete(client, t, _prompt(seed))                     # its blocks are now cached
             for j in range(flush):                                  # ... and pushed out
                 _complete(client, t, _prompt(20_000 + rep * 100 + j))
-            before = _engine(client, t)["engine"]
+            before = status_of(t, client)["engine"]
             ttft, texts[f"ttft{rep}"], _ = _complete(client, t, _prompt(seed))
-            after = _engine(client, t)["engine"]
+            after = status_of(t, client)["engine"]
             ttfts.append(ttft)
             restored.append((after["host_cache_hits"] - before["host_cache_hits"],
                              after["prefix_cache_hits"] - before["prefix_cache_hits"]))
-        st = _engine(client, t)
+        st = status_of(t, client)
     return {"device_pool_tokens": pool_tokens, "prompt_tokens": n_tokens,
             "prefix_tokens_over_pool": round(num_prompts * (n_tokens // 16 * 16) / pool_tokens, 2),
             "hit_rate": (device + host) / queried, "device_hit_rate": device / queried,
@@ -160,29 +126,30 @@ def run_one(t: Target, num_prompts: int, rounds: int, reps: int, flush: int) -> 
 
 
 def disk_restart(base: Path, threads: int, reps: int, flush: int) -> dict:
-    import tempfile
     folder = Path(tempfile.mkdtemp(prefix="bench-kvpool-disk-"))
+    pool_file = folder / "pool.json"
+    (folder / "blocks").mkdir()
+    pool_file.write_text(json.dumps({"disk_path": str(folder / "blocks"), "disk_size_gb": 1}))
     seeds = [30_000 + r for r in range(reps)]
     try:
-        t = _start("disk-write", base, True, threads, folder)
+        t = _start("disk-write", base, True, threads, pool_file)
         try:
             with httpx.Client(timeout=600) as client:
                 for rep, seed in enumerate(seeds):
                     _complete(client, t, _prompt(seed))
                     for j in range(flush):
                         _complete(client, t, _prompt(40_000 + rep * 100 + j))
-                written = _engine(client, t)["host_kv_tier"]["disk"]
+                written = status_of(t, client)["host_kv_tier"]["disk"]
         finally:
             stop_daemon(t)
-        t = _start("disk-read", base, True, threads, folder)
+        t = _start("disk-read", base, True, threads, pool_file)
         try:
             with httpx.Client(timeout=600) as client:
                 ttfts = [_complete(client, t, _prompt(seed))[0] for seed in seeds]
-                read = _engine(client, t)["host_kv_tier"]["disk"]
+                read = status_of(t, client)["host_kv_tier"]["disk"]
         finally:
             stop_daemon(t)
     finally:
-        import shutil
         shutil.rmtree(folder, ignore_errors=True)
     return {"ttft_1000_s": statistics.median(ttfts), "ttft_all_s": [round(x, 4) for x in ttfts],
             "blocks_written": written["used_blocks"], "hit_tokens_after_restart": read["hit_tokens"],
@@ -223,7 +190,8 @@ def preemption(weights: Path, threads: int) -> dict:
     return out
 
 
-def main(args) -> int:
+def run(args) -> int:
+    """The comparison, on parsed flags (``main``'s, or benchmarks.serve's)."""
     num_prompts, rounds, reps, flush = (12, 2, 2, 6) if args.quick else (20, 3, 5, 6)
     results = {}
     for name, tier in (("no-tier", False), ("host-tier", True)):
@@ -234,23 +202,17 @@ def main(args) -> int:
         finally:
             stop_daemon(t)
     off, on = results["no-tier"], results["host-tier"]
-    base = json.loads(args.config_file.read_text())
-    weights = Path(base["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"])
-    if not weights.is_absolute():
-        weights = (args.config_file.parent / weights).resolve()
-    pre = preemption(weights, args.threads)
+    pre = preemption(harness.weights_of(args.config_file), args.threads)
     print("starting daemons disk-write, disk-read ...", file=sys.stderr)
     disk = disk_restart(args.config_file, args.threads, reps, flush)
     report = {
-        "machine": _machine(), "threads": args.threads,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **harness.report_header(threads=args.threads),
         "prompts": num_prompts, "rounds": rounds, "reps": reps,
         "outputs_identical": off["texts"] == on["texts"],
         "ttft_speedup": off["ttft_1000_s"] / on["ttft_1000_s"],
         "results": {k: {kk: vv for kk, vv in v.items() if kk != "texts"} for k, v in results.items()},
         "preemption": pre, "disk_restart": disk,
-        "ttft_speedup_disk": off["ttft_1000_s"] / disk["ttft_1000_s"],
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+        "ttft_speedup_disk": off["ttft_1000_s"] / disk["ttft_1000_s"]}
     print(f"\nKV pool ({report['machine']}; {num_prompts} prompts x {rounds} rounds, "
           f"{off['prompt_tokens']} tokens each = {off['prefix_tokens_over_pool']}x the device pool "
           f"of {off['device_pool_tokens']} tokens)")
@@ -265,6 +227,14 @@ def main(args) -> int:
     print("preemption (engine, MTP k=1, 8 requests, 40-block pool):")
     for name, r in pre.items():
         print(f"  {name:9} {r}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    harness.save_report(report, args.json)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__, "not used: the work is sequential")
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Soak and chaos run against a real daemon: bounded, reproducible, one command.
 
-    .venv/bin/python scripts/soak.py --minutes 20 --concurrency 64 --out soak.json
+    .venv/bin/python -m benchmarks.soak --minutes 20 --concurrency 64 --out soak.json
 
 Starts the daemon on free loopback ports with the bundled demo model, MTP k=1 and the
 prefix cache on, and keeps ``--concurrency`` clients busy for ``--minutes`` with a seeded
@@ -33,10 +33,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.api.daemon_proc import DEMO_MODEL, MODEL_NAME, Daemon, make_config  # noqa: E402
+from benchmarks import harness
+from server.testing.daemon import DEMO_MODEL, MODEL_NAME, Daemon, make_config
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -240,7 +238,7 @@ def verdict(rep: dict, max_rss_growth: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--sample-s", type=float, default=10.0)

@@ -1,6 +1,6 @@
 """Do hostile requests slow everyone else, or keep memory?  Bounded, one command.
 
-    .venv/bin/python scripts/hostile_check.py [--rounds 3]
+    .venv/bin/python -m benchmarks.hostile [--rounds 3]
 
 Starts the daemon (bundled demo model, MTP k=1, maxRequestLength 40 MB) and
 
@@ -24,10 +24,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.api.daemon_proc import DEMO_MODEL, MODEL_NAME, Daemon, make_config  # noqa: E402
+from benchmarks import harness
+from server.testing.daemon import DEMO_MODEL, MODEL_NAME, Daemon, make_config
 
 USER = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count to one hundred."}],
         "max_tokens": 128, "ignore_eos": True, "temperature": 0}
@@ -87,7 +85,7 @@ async def big_bodies(base: str, pid: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="poison-") as tmp:

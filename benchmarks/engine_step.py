@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Engine-level decode timing: MTP off vs k=1 vs k=2 on one model, plus a lossless check.
 
 One seeded random-weight DeepSeek-V3-shaped model (``--size big``: ~1.6B parameters,
@@ -22,18 +21,16 @@ from the rest of the step (heads, norms, verification, bookkeeping).  The layer 
 bound what MTP can give on the machine: with every other part of the step free, k=1
 would give at most (tokens per step) x (off's layer time) / (k=1's layer time).
 
-Usage:
-  scripts/gpu_bench.py --size big --dtype bf16 --compile off --json out.json   # on a GPU
-  scripts/gpu_bench.py --size small --device cpu                               # anywhere
-  scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1
-  scripts/gpu_bench.py --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1,16 --reps 5 --split
+Usage (from the repository root):
+  python -m benchmarks.engine_step --size big --dtype bf16 --compile off --json out.json   # on a GPU
+  python -m benchmarks.engine_step --size small --device cpu                               # anywhere
+  python -m benchmarks.engine_step --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1
+  python -m benchmarks.engine_step --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1,16 --reps 5 --split
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import platform
 import statistics
 import sys
 import time
@@ -41,14 +38,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from server.engine.config import EngineConfig  # noqa: E402
-from server.engine.core import LLMEngine  # noqa: E402
-from server.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
-from server.testing.high_acceptance import (big_config, build_model, make_high_acceptance,  # noqa: E402
-                                            num_parameters)
+from benchmarks import harness
+from server.engine.config import EngineConfig
+from server.engine.core import LLMEngine
+from server.engine.protocol import EngineRequest, SamplingParams
+from server.testing.high_acceptance import big_config, build_model, make_high_acceptance, num_parameters
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = (("off", 0), ("k1", 1), ("k2", 2))
@@ -64,13 +58,7 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=160, moe_intermed
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"CPU: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return f"CPU: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return f"CPU: {harness.cpu_model()} ({torch.get_num_threads()} threads)"
 
 
 def make_engine(model, k: int, args, device: torch.device, max_batch: int) -> LLMEngine:
@@ -167,8 +155,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__.split("\n", 1)[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", choices=("big", "small"), default="big")
     ap.add_argument("--model", type=Path, default=None,
@@ -189,8 +177,9 @@ def main() -> int:
                     help="time each batch this many times, the modes' order alternating; medians")
     ap.add_argument("--split", action="store_true",
                     help="CPU: time the decoder-layer calls inside each step apart from the rest")
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    ap.add_argument("--json", type=Path,
+                    help="write the report (JSON) here; a bare file name goes under docs/bench/")
+    args = ap.parse_args(argv)
     if args.split and args.device != "cpu":
         ap.error("--split times host calls, which an accelerator runs asynchronously: CPU only")
 
@@ -220,7 +209,7 @@ def main() -> int:
             "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": dtype_name, "size": args.size,
             "compile": args.compile, "parameters": params, "max_tokens": args.max_tokens,
             "prompt_len": PROMPT_LEN, "alpha": args.alpha, "build_s": round(build_s, 2)}
-    print(f"# gpu_bench {meta['date']}  device: {meta['device']}  torch {meta['torch']} "
+    print(f"# engine_step {meta['date']}  device: {meta['device']}  torch {meta['torch']} "
           f"(cuda {meta['cuda']})", flush=True)
     print(f"# size {args.size}: {params / 1e9:.2f}B parameters ({params:,}), dtype {dtype_name}, "
           f"compile {args.compile}, built in {build_s:.1f}s; prompt {PROMPT_LEN}, "
@@ -318,15 +307,14 @@ def main() -> int:
     wall = time.perf_counter() - t_start
     print(f"# total {wall:.1f}s")
 
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            **meta, "wall_s": round(wall, 1), "rows": rows,
-            "summary": {str(b): {k: round(v, 3) for k, v in s.items()} for b, s in summary.items()},
-            "compile_s": {m: e.runtime.compile_seconds for m, e in engines.items()},
-            "decode_path": {m: e.runtime.decode_path for m, e in engines.items()},
-            "lossless": "OK" if not mismatches else "MISMATCH", "mismatches": mismatches,
-        }, indent=2) + "\n")
+    harness.save_report({
+        **meta, "machine": harness.machine(), "command": harness.command_line(),
+        "wall_s": round(wall, 1), "rows": rows,
+        "summary": {str(b): {k: round(v, 3) for k, v in s.items()} for b, s in summary.items()},
+        "compile_s": {m: e.runtime.compile_seconds for m, e in engines.items()},
+        "decode_path": {m: e.runtime.decode_path for m, e in engines.items()},
+        "lossless": "OK" if not mismatches else "MISMATCH", "mismatches": mismatches,
+    }, args.json)
     return 1 if mismatches else 0
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """MTP acceptance of seeded vs unseeded sampling on the demo model, in process.
 
 Seeded sampled requests are verified by coupling (server/engine/sample/sampler.py) and emit
@@ -6,33 +5,30 @@ exactly what MTP off emits; unseeded ones keep probability-ratio verification.  
 prints the acceptance rate of each at k=1 and k=2 (the same 48 chat prompts, temperature
 0.9, top_p 0.95, 64 tokens, 8 at a time) and checks the seeded outputs against MTP off.
 
-    scripts/acceptance_seeded.py [--constrained]   # --constrained: a json_schema grammar on every request
+    python -m benchmarks.acceptance [--constrained]   # --constrained: a json_schema grammar on every request
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from server.engine.config import EngineConfig  # noqa: E402
-from server.engine.core import LLMEngine  # noqa: E402
-from server.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
-from server.model.loader import load_checkpoint  # noqa: E402
-from server.text.tokenizer import Tokenizer  # noqa: E402
-
-DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
+from benchmarks import harness
+from server.engine.config import EngineConfig
+from server.engine.core import LLMEngine
+from server.engine.protocol import EngineRequest, SamplingParams
+from server.model.loader import load_checkpoint
+from server.testing.daemon import DEMO_MODEL as DEMO
+from server.text.tokenizer import Tokenizer
 TOPICS = ["the weather in Paris", "Tokyo", "the moon", "prime numbers", "Rome", "baking bread",
           "the ocean", "Oslo", "music", "Cairo", "trains", "Lima"]
 ASKS = ["Tell me about {}.", "What do you know about {}?", "Write a sentence on {}.", "Explain {} briefly."]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--constrained", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(DEMO)

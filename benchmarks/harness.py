@@ -1,0 +1,396 @@
+"""What every benchmark shares: daemons (started and stopped through
+server.testing.daemon), bursts of requests at a concurrency, medians, the warm-up (run
+before the measured bursts, its figures kept apart from theirs), the machine line, the
+common command-line flags and the JSON report.
+
+Why ratios from one run: the machines are shared and noisy, so absolute figures drift
+between runs.  The comparisons run every configuration in the same process lifetime,
+alternate bursts between configurations so that drift hits all of them, and report
+medians over repetitions.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import httpx
+
+from server.testing.daemon import DEFAULT_CONFIG, ROOT, Daemon, daemon_config, write_config
+
+PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.json"
+REPORTS = ROOT / "docs" / "bench"
+
+
+# --------------------------------------------------------------------------- daemons
+
+@dataclass
+class Target:
+    name: str                       # "off", "k1", "k2", "sync", "async" or "url"
+    base_url: str
+    metrics_url: str
+    daemon: Daemon | None = None
+    workdir: Path | None = None     # its config (and its log, when kept)
+    start_s: float = 0.0            # launch to "Daemon start success!"
+    compiled_s: float | None = None  # launch to compiled graphs in use (background compile)
+    decode_compiled_s: float | None = None  # launch to the decode graphs in use (first round)
+
+    @property
+    def mgmt_url(self) -> str:
+        return self.metrics_url.rsplit("/metrics", 1)[0]
+
+
+def weights_of(config: Path) -> Path:
+    """The weight folder a MindIE config serves (a relative path is the config's folder's)."""
+    mc = json.loads(config.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    weights = Path(mc["modelWeightPath"])
+    return weights if weights.is_absolute() else (config.parent / weights).resolve()
+
+
+def start_daemon(name: str, base_config: Path, spec_tokens: int, threads: int,
+                 async_scheduling: bool = False, weights: Path | None = None,
+                 kv_int8: bool = False, timeout: float = 300.0,
+                 extra_env: dict[str, str] | None = None, world_size: int = 1,
+                 edit_config: Callable[[dict], None] | None = None, root: Path = ROOT) -> Target:
+    """A daemon on ``base_config`` (free loopback ports) with MTP k=``spec_tokens`` (0: off),
+    at least 64 sequences a batch, ready and with its step graphs in use.
+
+    ``edit_config``: a function that changes the config dict before the daemon reads it;
+    ``root``: the checkout whose ``server`` package runs (benchmarks.checkouts)."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    cfg = daemon_config(base_config)
+    srv = cfg["ServerConfig"]
+    srv["maxLinkNum"] = max(int(srv.get("maxLinkNum", 300)), 256)
+    mc = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    if weights is not None:
+        mc["modelWeightPath"] = str(weights.resolve())
+    if kv_int8:
+        models = mc.setdefault("models", {})
+        key = next(iter(models), "deepseekv2")
+        models.setdefault(key, {}).setdefault("kv_cache_options", {})["kv_cache_dtype"] = "int8"
+    mc["plugin_params"] = (json.dumps({"plugin_type": "mtp", "num_speculative_tokens": spec_tokens})
+                           if spec_tokens > 0 else "")
+    if world_size > 1:                     # tensor parallel over world_size rank processes
+        mc["worldSize"] = world_size
+        cfg["BackendConfig"]["npuDeviceIds"] = [list(range(world_size))]
+    sched = cfg["BackendConfig"]["ScheduleConfig"]
+    sched["maxBatchSize"] = max(int(sched.get("maxBatchSize", 64)), 64)
+    sched["maxPrefillBatchSize"] = min(int(sched.get("maxPrefillBatchSize", 16)), sched["maxBatchSize"])
+    if edit_config is not None:
+        edit_config(cfg)
+    env = {"MIES_SERVICE_MONITOR_MODE": "1", "OMP_NUM_THREADS": str(threads),
+           "MINDIE_ASYNC_SCHEDULING_ENABLE": "1" if async_scheduling else "0", **(extra_env or {})}
+    daemon = Daemon(write_config(workdir, cfg), env, log_level=None, cwd=root, new_session=True)
+    try:
+        daemon.start(timeout)
+    except RuntimeError as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise RuntimeError(f"daemon {name} did not start: {exc}") from None
+    t = Target(name, daemon.base, daemon.metrics + "/metrics", daemon, workdir, daemon.start_s)
+    wait_compiled(t)
+    return t
+
+
+def stop_daemon(t: Target, keep_logs: bool = False) -> None:
+    """SIGTERM to the daemon's process group (30 s to drain, then SIGKILL); its log is kept
+    in its workdir with ``keep_logs``, else the workdir goes."""
+    if t.daemon is None:
+        return
+    try:
+        t.daemon.terminate(timeout_s=30)
+    except Exception:
+        t.daemon.kill()
+    if t.workdir and keep_logs:
+        (t.workdir / "daemon.log").write_text(t.daemon.output())
+        print(f"daemon {t.name} log kept: {t.workdir / 'daemon.log'}", file=sys.stderr)
+    elif t.workdir:
+        shutil.rmtree(t.workdir, ignore_errors=True)
+
+
+def wait_compiled(target: Target, timeout: float = 900.0) -> None:
+    """Block until the daemon's step graphs are in use (they compile or load in the
+    background after the ports open), so no measurement straddles the switch.  A tiny
+    request per poll gives the worker the step at which it adopts them."""
+    t0 = target.daemon.launched
+    model = asyncio.run(model_id(target))
+    deadline = time.monotonic() + timeout
+    while (rt := runtime_of(target)).get("compile_state") == "compiling":
+        if rt.get("decode_path") == "compiled" and target.decode_compiled_s is None:
+            target.decode_compiled_s = time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"daemon {target.name}: graphs not ready after {timeout:.0f} s")
+        httpx.post(target.base_url + "/v1/completions", timeout=60,
+                   json={"model": model, "prompt": "Hi", "max_tokens": 1})
+        time.sleep(0.5)
+    if runtime_of(target).get("compile_state") == "compiled":
+        target.compiled_s = time.monotonic() - t0
+        if target.decode_compiled_s is None:
+            target.decode_compiled_s = target.compiled_s
+
+
+def status_of(target: Target, client: httpx.Client | None = None) -> dict:
+    """The daemon's /v1/status (management plane)."""
+    get = client.get if client is not None else httpx.get
+    return get(target.mgmt_url + "/v1/status", timeout=30).json()
+
+
+def runtime_of(target: Target) -> dict:
+    """The daemon's RuntimeInfo (/v1/status on the management plane), {} if unavailable."""
+    try:
+        return status_of(target).get("runtime", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+async def model_id(target: Target) -> str:
+    async with httpx.AsyncClient(timeout=30) as c:
+        return (await c.get(target.base_url + "/v1/models")).json()["data"][0]["id"]
+
+
+# --------------------------------------------------------------------------- load
+
+@dataclass
+class RequestResult:
+    ttft: float
+    latency: float
+    completion_tokens: int
+    prompt_tokens: int = 0
+    valid: bool | None = None       # the answer passed the comparison's own check
+
+    @property
+    def tpot(self) -> float | None:
+        if self.completion_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.completion_tokens - 1)
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
+                      max_tokens: int, ignore_eos: bool = False) -> RequestResult:
+    """One streamed greedy chat completion, timed (TTFT: the first content delta)."""
+    # Greedy and lossless: every configuration emits the same tokens, so stopping at EOS
+    # still gives each configuration identical work, on text the model was trained for.
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = prompt_tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+            choices = chunk.get("choices") or []
+            if ttft is None and choices:
+                delta = choices[0].get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content"):
+                    ttft = time.perf_counter() - t0
+    latency = time.perf_counter() - t0
+    return RequestResult(ttft if ttft is not None else latency, latency, tokens, prompt_tokens)
+
+
+Request = Callable[[httpx.AsyncClient, int], Awaitable[RequestResult]]
+
+
+async def burst_of(target: Target, concurrency: int, num_requests: int, request: Request) -> dict:
+    """``num_requests`` calls of ``request(client, i)`` with at most ``concurrency`` in
+    flight; aggregate figures, and the MTP counters' change from the daemon's /metrics.
+    A request that fails (HTTP error, or RuntimeError) is counted in "errors", not fatal."""
+    before = await scrape(target.metrics_url)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[RequestResult] = []
+    errors: list[str] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def run(i: int) -> None:
+            async with sem:
+                try:
+                    results.append(await request(client, i))
+                except (httpx.HTTPError, RuntimeError) as exc:   # counted, reported, not fatal
+                    errors.append(repr(exc))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(i) for i in range(num_requests)))
+        wall = time.perf_counter() - t0
+    after = await scrape(target.metrics_url)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+    drafts, draft_toks = grew("spec_decode_num_drafts_total"), grew("spec_decode_num_draft_tokens_total")
+    accepted = grew("spec_decode_num_accepted_tokens_total")
+    if errors:
+        print(f"\n{target.name} c={concurrency}: {len(errors)} failed requests, first: {errors[0]}",
+              file=sys.stderr)
+    if not results:
+        raise RuntimeError(f"every request of the burst failed: {errors[0]}")
+    tokens = sum(r.completion_tokens for r in results)
+    tpots = [r.tpot for r in results if r.tpot is not None]
+    checked = [r.valid for r in results if r.valid is not None]
+    return {
+        "output_tok_s": tokens / wall,
+        "req_s": len(results) / wall,
+        "ttft_median": statistics.median(r.ttft for r in results),
+        "ttft_p99": pct([r.ttft for r in results], 99),
+        "tpot_median": statistics.median(tpots) if tpots else None,
+        "tpot_p99": pct(tpots, 99) if tpots else None,
+        "acceptance_rate": accepted / draft_toks if draft_toks else None,
+        "mean_accepted_len": 1 + accepted / drafts if drafts else None,
+        "prompt_tokens": statistics.median(r.prompt_tokens for r in results),
+        "tokens_per_request": tokens / len(results),
+        "valid": sum(checked) / len(checked) if checked else None,
+        "errors": len(errors),
+        "steps_per_k": {k: grew(f"spec_decode_steps_total[{k}]") for k in range(3)},
+    }
+
+
+async def burst(target: Target, model: str, prompts: list[list[dict]], concurrency: int,
+                num_requests: int, max_tokens: int, ignore_eos: bool = False) -> dict:
+    """``burst_of`` streamed greedy chats, the prompts in turn."""
+    async def request(client: httpx.AsyncClient, i: int) -> RequestResult:
+        return await stream_chat(client, target.base_url, model, prompts[i % len(prompts)],
+                                 max_tokens, ignore_eos)
+    return await burst_of(target, concurrency, num_requests, request)
+
+
+def warm_up(target: Target, request: Request) -> dict:
+    """The first requests pay one-off costs (allocations, lazy imports, grammar compiles):
+    4 of them at concurrency 4, before any measured burst.  Their figures go in the
+    report's "warmup", never into the medians."""
+    return asyncio.run(burst_of(target, 4, 4, request))
+
+
+def chat_warm_up(target: Target, model: str, prompts: list[list[dict]]) -> dict:
+    """``warm_up`` with 8-token streamed chats of ``prompts``."""
+    return asyncio.run(burst(target, model, prompts, 4, 4, 8))
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """Sum every sample of each metric family (labels folded) from a Prometheus page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            text = (await c.get(url)).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith(("_created", "_bucket")):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + s.value
+            if "k" in s.labels:                      # adaptive speculation: steps per k
+                key = f"{s.name}[{s.labels['k']}]"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    idx = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[idx]
+
+
+def medians(runs: list[dict]) -> dict:
+    """Repetitions of one row: the median of each figure; "errors" and per-k step counts
+    summed over the repetitions."""
+    out = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs if r[key] is not None]
+        if key == "errors":
+            out[key] = sum(vals)
+        elif vals and isinstance(vals[0], dict):          # counts (steps per k): summed over reps
+            out[key] = {k: sum(v.get(k, 0) for v in vals) for k in vals[0]}
+        else:
+            out[key] = statistics.median(vals) if vals else None
+    return out
+
+
+# --------------------------------------------------------------------------- reports
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """The machine line of every report: CPU model and core count."""
+    return f"{cpu_model()}, {os.cpu_count()} cores"
+
+
+def program() -> str:
+    """How this program was started: ``python -m benchmarks.<name>``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return f"python -m {spec.name}" if spec is not None else Path(sys.argv[0]).name
+
+
+def command_line() -> str:
+    return " ".join([program()] + sys.argv[1:])
+
+
+def report_header(**fields) -> dict:
+    """The fields every JSON report starts with: machine, date (UTC), command."""
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": command_line(), **fields}
+
+
+def save_report(report: dict, path: Path | None) -> Path | None:
+    """Write ``report`` as JSON to ``path`` (--json); a bare file name goes under
+    docs/bench/.  Nothing without a path."""
+    if path is None:
+        return None
+    dest = REPORTS / path if not path.is_absolute() and path.parent == Path(".") else path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {dest}", file=sys.stderr)
+    return dest
+
+
+def load_prompts() -> dict:
+    """The bench prompt set (prompts.json: held-out prompts of the demo model's domain)."""
+    return json.loads(PROMPTS_FILE.read_text())
+
+
+def levels(arg: str | None, default: str) -> list[int]:
+    """Concurrency levels from ``--concurrency 1,16,64``."""
+    return [int(x) for x in (arg or default).split(",")]
+
+
+def parser(description: str, concurrency_help: str) -> argparse.ArgumentParser:
+    """The flags the daemon comparisons share (benchmarks.serve adds its own)."""
+    ap = argparse.ArgumentParser(prog=program(), description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-file", type=Path, default=DEFAULT_CONFIG)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and levels (< 10 min)")
+    ap.add_argument("--concurrency", default=None, help=concurrency_help)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for every daemon and for the reference rows (default 1: "
+                         "on a small shared machine more threads oversubscribe the cores and "
+                         "OpenMP spin-waits, measured 70x slower on 2 busy cores)")
+    ap.add_argument("--json", type=Path,
+                    help="write the report (JSON) here; a bare file name goes under docs/bench/")
+    return ap
