@@ -167,7 +167,7 @@ class ServingMetrics:
     def _note(self, prompt_tokens: int, gen_tokens: int) -> None:
         """Record tokens for the throughput window, dropping what fell out of it: trimmed
         only at a scrape, the window grew by an entry per token chunk for as long as
-        nobody scraped /metrics (3 MB a minute in a 64-client scripts/soak.py run)."""
+        nobody scraped /metrics (3 MB a minute in a 64-client benchmarks.soak run)."""
         now = time.monotonic()
         self._drop_before(now)
         self._recent.append((now, prompt_tokens, gen_tokens))

@@ -30,7 +30,7 @@ from server.model.fp8 import BLOCK, dequantize_fp8
 from server.model.layers import column_major
 from server.model.meta import meta_device
 from server.model.parallel import ParallelPlan, ShardError, TensorSlice, shard_model
-from server.model.quant import QuantLinear
+from server.model.quant import QuantLinear, fastest_int8_backend
 from server.model.quant_loader import (QuantConfigError, check_fa_scales, detect, install,
                                       load_layers)
 
@@ -83,8 +83,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     sharded tensor's slice through ``safe_open(...).get_slice`` (parallel.py says which).
 
     ``int8_backend`` (int8 checkpoints): "int_mm" (torch._int_mm), "float" (the same exact
-    integer products through a float GEMM) or "auto" (int_mm on CUDA, float on CPU; see
-    server/model/quant.py for why)."""
+    integer products through a float GEMM) or "auto" (the faster of the two, measured once:
+    server/model/quant.py)."""
     start = time.perf_counter()
     path = Path(path)
     cfg = read_config(path)
@@ -122,7 +122,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                                   f"(moe_tp {plan.moe_tp}, moe_ep {plan.moe_ep}): {e}") from e
     if spec is not None:
         if int8_backend == "auto":
-            int8_backend = "int_mm" if torch.device(device).type == "cuda" else "float"
+            int8_backend = fastest_int8_backend(device)
         install(model, spec, int8_backend)
     expected = dict(model.named_parameters())                  # tied duplicates appear once
     if spec is not None:                                       # loaded by quant_loader below

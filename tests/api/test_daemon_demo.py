@@ -60,7 +60,7 @@ def test_tool_call_auto(client):
     assert "city" in json.loads(call.function.arguments)
 
 
-# Held-out cities (scripts/demo_model/facts.py EVAL_CITIES) in held-out phrasings
+# Held-out cities (training/facts.py EVAL_CITIES) in held-out phrasings
 # (corpus.HELDOUT_*_PHRASINGS): never trained, so only copying from the prompt gets them right.
 COPY_ASKS = [("What is the weather in Paris?", "get_weather", "Paris"),
              ("What is the weather in Florence?", "get_weather", "Florence"),

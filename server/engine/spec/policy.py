@@ -72,7 +72,7 @@ class AdaptiveK:
     an average, one such sample of k=1 made k=0 look better, and k=1, run again only for
     a few probe steps every ``probe_every`` decisions, took hundreds of steps to earn its
     place back: a k=1 daemon at concurrency 1 spent 74% of its steps at k=0 and served
-    0.88x of MTP off, where fixed k=1 served 1.14x (scripts/bench.py, stop at EOS).
+    0.88x of MTP off, where fixed k=1 served 1.14x (benchmarks.serve, stop at EOS).
     Interference only ever adds time, so the lower median also leans to the step's own
     cost.
 
