@@ -215,6 +215,7 @@ class MoE(nn.Module):
         self._stack_key: tuple | None = None
         self._stack_params: list[nn.Parameter] | None = None
         self._stack: tuple | None = None
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None    # expert_stacks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -274,6 +275,35 @@ class MoE(nn.Module):
         routed = act[:, :sizes[0]].view(T, len(self.experts), -1)
         routed.mul_(scale[:, :, None].to(act.dtype))         # weight before the (linear) down proj
         return self.combine(F.linear(act, w_down))           # [T, H]
+
+    @property
+    def can_gather(self) -> bool:
+        """Plain float experts on one device: what the gathered form of the static step
+        (static_decode.gathered_moe) reads by index."""
+        return self.expert_offset == 0 and isinstance(self.combine, nn.Identity) and all(
+            type(p) is nn.Linear for m in self.experts
+            for p in (m.gate_proj, m.up_proj, m.down_proj))
+
+    def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' weights as [E, 2I, H] (gate rows, then up rows) and
+        [E, H, I] (down), read by index in the gathered MoE.  Built once, and each
+        expert's own weights become views into them, so nothing is held twice; built
+        again if an expert's weight was replaced since."""
+        first = self.experts[0].gate_proj.weight
+        if self._gather is not None and first.data_ptr() == self._gather[0].data_ptr():
+            return self._gather
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                                   for m in self.experts])
+            down = torch.stack([m.down_proj.weight for m in self.experts])
+        for e, m in enumerate(self.experts):
+            i = m.gate_proj.out_features
+            for lin, view in ((m.gate_proj, gate_up[e, :i]), (m.up_proj, gate_up[e, i:]),
+                              (m.down_proj, down[e])):
+                lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
+        self._stack_params = self._stack_key = self._stack = None   # the dense stack re-reads
+        self._gather = (gate_up, down)
+        return self._gather
 
     def local_scale(self, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Routing weights [T, k] at expert ids [T, k] -> dense [T, local experts] float32

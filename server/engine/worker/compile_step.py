@@ -65,7 +65,7 @@ from server.model.meta import meta_device
 log = logging.getLogger("server.engine")
 
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
-_ROOT = Path(__file__).resolve().parents[2]        # where ``server`` imports from
+_ROOT = Path(__file__).resolve().parents[3]        # where ``server`` imports from
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py")
 
 
@@ -114,7 +114,8 @@ def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]
     plan = []
     for kind, index in model.static_decoder.layer_kinds().items():
         plan += [(kind, index, f"q{q}", lone) for lone in (False, True) for q in range(1, max_query_len + 1)]
-        plan.append((kind, index, "many", True))
+        if kind != "gmoe":                  # the gathered MoE is for few tokens only
+            plan.append((kind, index, "many", True))
     return plan
 
 
@@ -123,7 +124,7 @@ def _file(kind: str, window: str, lone: bool) -> str:
 
 
 def _example(model, index: int, q: int, lone: bool, block_size: int, device: torch.device,
-             static: bool = False) -> tuple:
+             static: bool = False, kind: str | None = None) -> tuple:
     """Call arguments of the layer function for layer ``index``: 1 (``lone``) or 2
     sequences x q tokens on a scratch cache (nothing the engine owns).  ``static``: mark
     the only sizes a static graph keeps symbolic: the context (block-table width), the
@@ -136,7 +137,8 @@ def _example(model, index: int, q: int, lone: bool, block_size: int, device: tor
     x = torch.zeros(len(starts) * q, model.config.hidden_size, dtype=dtype, device=device)
     scratch = torch.zeros(4, block_size, model.kv_cache_dim, dtype=dtype, device=device)
     windowed = static and not lone
-    args = model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch, windowed)
+    args = model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch,
+                                           windowed, kind)
     if static:
         torch._dynamo.mark_dynamic(meta.block_tables, 1)
         torch._dynamo.mark_dynamic(scratch, 0)
@@ -181,7 +183,7 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
                 continue
             static = window.startswith("q")
             q = int(window[1:]) if static else 2 if window == "many" else 1
-            args = _example(model, index, q, lone, block_size, device, static)
+            args = _example(model, index, q, lone, block_size, device, static, kind)
             fn, hit = _load_or_compile(model.static_decoder.function(kind, static and not lone),
                                        args, path, device, static)
             # Guards were checked when the graph was made; the calls the decoder makes

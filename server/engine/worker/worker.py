@@ -78,6 +78,8 @@ class Worker:
                 spec.bytes_per_block, cfg.host_cache_blocks, cfg.host_cache_gb),
             cfg.kv_pool_async_write)
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
+        if self.static_decode:
+            model.static_decoder.prepare()
         self.graphs = StepGraphs(model, cfg, self.device, self.static_decode, 1 + k)
         if k:
             if policy is None:
