@@ -292,7 +292,9 @@ class MoE(nn.Module):
         first = self.experts[0].gate_proj.weight
         if self._gather is not None and first.data_ptr() == self._gather[0].data_ptr():
             return self._gather
-        with torch.no_grad():
+        # Plain tensors even when first asked inside inference mode: the dense stack keys
+        # its cache on the weights' version counters, which inference tensors lack.
+        with torch.inference_mode(False), torch.no_grad():
             gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight])
                                    for m in self.experts])
             down = torch.stack([m.down_proj.weight for m in self.experts])

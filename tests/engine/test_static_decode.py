@@ -132,3 +132,22 @@ def test_a_failed_compile_leaves_the_uncompiled_static_path(monkeypatch, caplog)
     assert "no C++ compiler found" in caplog.text
     out = run_staggered(eng, requests(prompts(2), GREEDY))
     assert all(len(v) == GREEDY.max_tokens for v in out.values())
+
+
+def test_gathered_moe_equals_the_routed_and_dense_moe():
+    """The gathered MoE (each token through its top-k experts, weights read by index)
+    computes what the routed MoE computes, on one token and on a few; building the
+    experts' stacks leaves the experts' own weights as views of them (nothing copied)."""
+    from server.model.static_decode import gathered_moe
+    model = tiny_model()
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    assert moe.can_gather
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        w_gate_up, w_down = moe.expert_stacks()
+        assert moe.experts[1].up_proj.weight.data_ptr() == \
+            w_gate_up[1, moe.experts[1].gate_proj.out_features:].data_ptr()
+        for t in (1, 3):
+            x = torch.randn(t, model.config.hidden_size, generator=g)
+            torch.testing.assert_close(gathered_moe(moe, x, w_gate_up, w_down), moe(x),
+                                       rtol=1e-5, atol=1e-5)
