@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     grammar = None
     if args.constrained:
-        from server.api.grammars import response_format_grammar
+        from server.api.openai.grammars import response_format_grammar
         grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
             "type": "object", "properties": {"topic": {"type": "string", "maxLength": 30},
                                              "fact": {"type": "string", "maxLength": 60}},

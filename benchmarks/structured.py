@@ -73,7 +73,7 @@ def mask_cost(weights: Path, batch: int = 16, k: int = 1, threads: int = 1) -> d
     the tokens of a schema-valid answer."""
     import torch
     torch.set_num_threads(threads)            # as the daemons run (OMP_NUM_THREADS=--threads)
-    from server.api.grammars import response_format_grammar
+    from server.api.openai.grammars import response_format_grammar
     from server.engine.sample import grammar as G
     from server.engine.sample import grammar_masks as GM
     from server.text.tokenizer import Tokenizer

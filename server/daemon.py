@@ -29,12 +29,13 @@ from typing import Any
 import uvicorn
 
 from server.api.app import build_app
-from server.api.auth import ApiKeys
-from server.api.http_protocol import header_timeout_protocol
 from server.api.limits import Admission
 from server.api.settings import settings_from_config
 from server.api.state import ServerState
-from server.api.tls import TlsError, listener_contexts
+from server.api.tls import listener_contexts
+from server.web.api_keys import ApiKeys
+from server.web.header_timeout import header_timeout_protocol
+from server.web.tls_files import TlsError
 from server.metrics import make_metrics
 from server.pd.instance import PDInstance, pd_settings
 from server.pd.kv_server import KVServer

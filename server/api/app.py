@@ -11,8 +11,8 @@ from server.api.business import add_business_routes
 from server.api.errors import install_error_handlers
 from server.api.management import add_management_routes, add_metrics_route
 from server.api.openapi import business_openapi
+from server.api.pd_routes import add_pd_routes
 from server.api.state import ServerState
-from server.pd.routes import add_pd_routes
 
 PLANES = ("business", "management", "metrics")
 

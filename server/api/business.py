@@ -8,13 +8,13 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI, Request
 from starlette.responses import Response
 
-from server.api.body import read_json
-from server.api.errors import APIError
-from server.api.offload import PLAN_INLINE_BYTES
-from server.api.serving_chat import create_chat_completion
-from server.api.serving_completions import create_completion
+from server.api.serving.chat import create_chat_completion
+from server.api.serving.completions import create_completion
 from server.api.sse import json_response
 from server.api.state import ServerState
+from server.web.body import read_json
+from server.web.errors import APIError
+from server.web.offload import PLAN_INLINE_BYTES
 
 
 def model_card(state: ServerState) -> dict:

@@ -1,85 +1,24 @@
-"""Error shapes and the exception that carries them.
+"""The daemon's exception handlers: every failure answered in the shapes of
+server/web/errors.py, OpenAI's on ``/v1/*`` and MindIE's on the native endpoints.
 
-Two shapes, because two kinds of client read them:
-  /v1/*  (OpenAI SDK, LangChain)  {"error": {"message", "type", "param", "code"}}
-  native endpoints (MindIE tools)  {"error": "<message>", "error_type": "<MindIE type>"}
-The openai SDK picks its exception class from the HTTP status only, so the status is
-what must be right; ``type`` uses OpenAI's categories and ``code`` the status number.
+A ``PDError`` (server/pd/errors.py) becomes the ``APIError`` of its status (``api_error``);
+the serving layer converts it where PD is called (pd_serving.py), the handler here is
+for one that escapes elsewhere.  FastAPI's 422 never reaches a client.
 """
 from __future__ import annotations
 
-from http import HTTPStatus
-
-import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-_OPENAI_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    501: "not_implemented_error",
-    503: "service_unavailable_error",
-}
-
-# MindIE's WrapperJson status -> error_type table (reference mindie.md 4.2).
-_MINDIE_TYPES = {
-    400: "Bad Request",
-    404: "NotFoundError",
-    413: "Bad Request",
-    422: "Input Validation Error",
-    424: "Generation Error",
-    500: "Incomplete Generation",
-    503: "Service Unavailable",
-}
+from server.web.errors import APIError, error_response
+from server.pd.errors import PDError
 
 
-class APIError(Exception):
-    """A refusal with everything a client needs: status, message, offending parameter."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after: int | None = None, retry: bool | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
-        self.retry = retry            # x-should-retry for the openai SDK; None: its default
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
-
-
-def openai_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message,
-                      "type": _OPENAI_TYPES.get(status, HTTPStatus(status).phrase),
-                      "param": param, "code": status}}
-
-
-def mindie_body(status: int, message: str) -> dict:
-    return {"error": message,
-            "error_type": _MINDIE_TYPES.get(status, HTTPStatus(status).phrase)}
-
-
-def error_response(status: int, message: str, param: str | None = None, *,
-                   native: bool = False, retry_after: int | None = None,
-                   retry: bool | None = None) -> Response:
-    body = mindie_body(status, message) if native else openai_body(status, message, param)
-    headers = {}
-    if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
-    if retry is not None:
-        headers["x-should-retry"] = "true" if retry else "false"
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json",
-                    headers=headers)
+def api_error(exc: PDError) -> APIError:
+    """The APIError a client sees for ``exc``: its status, message and parameter."""
+    return APIError(exc.status, exc.message, exc.param)
 
 
 def _is_native(request: Request) -> bool:
@@ -105,6 +44,10 @@ def install_error_handlers(app) -> None:
         return error_response(exc.status, exc.message, exc.param,
                               native=_is_native(request), retry_after=exc.retry_after,
                               retry=exc.retry)
+
+    @app.exception_handler(PDError)
+    async def _pd_error(request: Request, exc: PDError) -> Response:
+        return await _api_error(request, api_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

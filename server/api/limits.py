@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from server.api.errors import APIError
+from server.web.errors import APIError
 
 RETRY_AFTER_S = 1
 

@@ -23,11 +23,11 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from server.api.auth import guard_state_change
-from server.api.errors import APIError, error_response
 from server.api.sse import json_response
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
 from server.engine.stats import EngineStats
+from server.web.errors import APIError, error_response
 
 DEFAULT_TIMED_WAIT_S = 10
 MAX_TIMED_WAIT_S = 600

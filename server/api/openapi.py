@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 _REF = "#/components/schemas/{model}"
 

@@ -1,4 +1,5 @@
-"""Server-sent-events framing as the openai SDK parses it: ``data: <json>\\n\\n`` then ``[DONE]``."""
+"""JSON responses, and server-sent-events framing as the openai SDK parses it:
+``data: <json>\\n\\n`` then ``[DONE]``."""
 from __future__ import annotations
 
 from typing import Any

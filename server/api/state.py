@@ -5,11 +5,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from server.api.auth import ApiKeys
 from server.api.limits import Admission
-from server.api.responses import TokenText
+from server.api.openai.responses import TokenText
 from server.api.settings import ApiSettings
 from server.engine.client import EngineClient
+from server.web.api_keys import ApiKeys
 
 
 @dataclass

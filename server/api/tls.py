@@ -21,36 +21,19 @@ they share the business plane's.
   checked.  CRL files of a mutual-TLS plane that exist are loaded and a revoked client
   certificate is refused; a named CRL file that does not exist is skipped with a warning
   (MindIE's shipped file names one that few installations have).
+
+Here: which files each plane uses (``plane_tls``) and one context per listener; the file
+set and the context it gives are server/web/tls_files.py, shared with the KV link.
 """
 from __future__ import annotations
 
-import logging
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("server.daemon")
+from server.web.tls_files import PlaneTls, TlsError, resolve, server_context
+
 PLANE_PREFIX = {"business": "tls", "management": "managementTls", "metrics": "metricsTls"}
-
-
-class TlsError(RuntimeError):
-    """A TLS file or password that cannot be used; the message names the key and file."""
-
-
-@dataclass(frozen=True)
-class PlaneTls:
-    """The files one plane serves with (absolute paths); equal values: same TLS."""
-    cert: Path
-    key: Path
-    password_file: Path | None
-    ca_files: tuple[Path, ...]
-    crl_files: tuple[Path, ...]
-    keys: tuple[str, str, str, str, str]     # config keys: cert, key, pwd, CA, CRL
-
-    @property
-    def mutual(self) -> bool:
-        return bool(self.ca_files)
 
 
 def _field(server: Any, alias: str) -> tuple[str, Any, bool]:
@@ -59,11 +42,6 @@ def _field(server: Any, alias: str) -> tuple[str, Any, bool]:
         if info.alias == alias:
             return name, getattr(server, name), name in server.model_fields_set
     raise KeyError(alias)
-
-
-def _resolve(path: str, base: Path) -> Path:
-    p = Path(path)
-    return p if p.is_absolute() else base / p
 
 
 def plane_tls(cfg: Any, plane: str) -> PlaneTls:
@@ -80,77 +58,16 @@ def plane_tls(cfg: Any, plane: str) -> PlaneTls:
     _, pwd, _ = _field(s, pwd_key)
     _, ca_files, ca_set = _field(s, ca_key)
     _, crl_files, crl_set = _field(s, crl_key)
-    ca_dir = _resolve(s.tls_ca_path, base)
+    ca_dir = resolve(s.tls_ca_path, base)
     _, crl_dir, _ = _field(s, p + "CrlPath")
-    crl_dir = _resolve(crl_dir, base)
+    crl_dir = resolve(crl_dir, base)
     return PlaneTls(
-        cert=_resolve(cert, base), key=_resolve(key, base),
-        password_file=_resolve(pwd, base) if pwd else None,
-        ca_files=tuple(_resolve(f, ca_dir) for f in ca_files) if ca_set else (),
-        crl_files=tuple(_resolve(f, crl_dir) for f in crl_files) if ca_set and crl_set else (),
+        cert=resolve(cert, base), key=resolve(key, base),
+        password_file=resolve(pwd, base) if pwd else None,
+        ca_files=tuple(resolve(f, ca_dir) for f in ca_files) if ca_set else (),
+        crl_files=tuple(resolve(f, crl_dir) for f in crl_files) if ca_set and crl_set else (),
         # (CRL files matter only when client certificates are checked)
         keys=(cert_key, key_key, pwd_key, ca_key, crl_key))
-
-
-def _password(tls: PlaneTls) -> bytes | None:
-    """The key's password, or None when the key is not encrypted."""
-    encrypted = b"ENCRYPTED" in tls.key.read_bytes()[:4096]
-    pwd_key = tls.keys[2]
-    if not encrypted:
-        return None
-    if tls.password_file is None or not tls.password_file.is_file():
-        where = f" ({tls.password_file} not found)" if tls.password_file else ""
-        raise TlsError(f"{tls.keys[1]} {tls.key} is encrypted and its password file "
-                       f"{pwd_key}{where} cannot be read; provide the file")
-    return tls.password_file.read_bytes().strip()
-
-
-def server_context(tls: PlaneTls) -> ssl.SSLContext:
-    """A server SSLContext for ``tls``, or TlsError naming what is wrong."""
-    names = tls.keys
-    for key, path in ((names[0], tls.cert), (names[1], tls.key)):
-        if not path.is_file():
-            raise TlsError(f"httpsEnabled is true but {key} {path} not found (relative paths "
-                           "are resolved from the config folder); provide the file or set "
-                           "httpsEnabled to false")
-    for path in tls.ca_files:
-        if not path.is_file():
-            raise TlsError(f"{names[3]} names {path}, which is not found (CA files are "
-                           "resolved from tlsCaPath); provide it, or set the key to [] for "
-                           "no client-certificate check")
-    crls = [p for p in tls.crl_files if p.is_file()]
-    for path in sorted(set(tls.crl_files) - set(crls)):
-        log.warning("%s names %s, which is not found: revocation is not checked against it",
-                    names[4], path)
-    password = _password(tls)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        # A callable, never None: with None OpenSSL would prompt on stdin for a password.
-        ctx.load_cert_chain(tls.cert, tls.key, password=lambda: password or b"")
-    except ssl.SSLError as exc:
-        if password is not None:
-            raise TlsError(f"{names[1]} {tls.key} cannot be decrypted with the password in "
-                           f"{names[2]} {tls.password_file} (wrong password?): "
-                           f"{exc.reason or exc}") from None
-        raise TlsError(f"{names[0]} {tls.cert} and {names[1]} {tls.key} cannot be loaded "
-                       f"(not PEM, or not a matching pair): {exc.reason or exc}") from None
-    if tls.ca_files:
-        for path in tls.ca_files:
-            _load(ctx, path, names[3])
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    if crls:
-        for path in crls:
-            _load(ctx, path, names[4])
-        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
-    return ctx
-
-
-def _load(ctx: ssl.SSLContext, path: Path, key: str) -> None:
-    try:
-        ctx.load_verify_locations(cafile=str(path))
-    except (ssl.SSLError, ValueError) as exc:
-        raise TlsError(f"{key} {path} is not a PEM certificate or CRL: {exc}") from None
 
 
 def listener_contexts(cfg: Any, listeners: list[Any]) -> list[ssl.SSLContext | None]:

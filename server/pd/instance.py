@@ -13,7 +13,8 @@ co-located daemon's) and decodes with MTP.  A pull that fails (P gone, timed out
 expired, a layout that is not D's) is counted and D computes the whole prompt instead:
 the answer is the same, only slower.  Requests without params are served co-located.
 A request whose params are for the other role (the role changed under it) gets 503, so
-the coordinator sends it elsewhere.
+the coordinator sends it elsewhere.  Refusals are errors.py's ``PDError`` classes; the
+serving layer (server/api/pd_serving.py) answers each with its status.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from server.api.errors import APIError
 from server.config.pd_link import parse_peer, read_key_file
 from server.engine.protocol import EngineRequest
+from server.pd.errors import PDError, PDRefused, PDUnavailable
 from server.pd.kv_client import pull_kv
 from server.pd.kv_exports import KVExports
 from server.pd.roles import RoleState
@@ -117,7 +118,7 @@ class PDInstance:
     # -- the serving layer's side ------------------------------------------------------
     def check_role(self) -> None:
         if self.roles.role is None:
-            raise APIError(503, "this PD instance has no role yet: POST /v1/role/prefill or "
+            raise PDUnavailable("this PD instance has no role yet: POST /v1/role/prefill or "
                                 "/v1/role/decode on its management plane (or set "
                                 "ServerConfig.pdRole)")
 
@@ -130,32 +131,32 @@ class PDInstance:
         if role == "prefill":
             if params.get("do_remote_decode") is not True:
                 if "remote_request_id" in params:        # a decode request: the role changed
-                    raise APIError(503, "this PD instance is a prefill instance now; "
+                    raise PDUnavailable("this PD instance is a prefill instance now; "
                                         "send decode requests to a decode instance")
-                raise APIError(400, "a prefill instance takes kv_transfer_params "
-                                    "{\"do_remote_decode\": true}", "kv_transfer_params")
+                raise PDRefused("a prefill instance takes kv_transfer_params "
+                                "{\"do_remote_decode\": true}", "kv_transfer_params")
             return self._reserve_export(er)
         if params.get("do_remote_decode") is True:       # a prefill request: the role changed
-            raise APIError(503, "this PD instance is a decode instance now; send prefill "
+            raise PDUnavailable("this PD instance is a decode instance now; send prefill "
                                 "requests to a prefill instance")
         host, port, rid = (params.get("remote_host"), params.get("remote_port"),
                            params.get("remote_request_id"))
         if not isinstance(host, str) or type(port) is not int or not isinstance(rid, str):
-            raise APIError(400, "kv_transfer_params needs remote_host (string), remote_port "
-                                "(integer) and remote_request_id (string)", "kv_transfer_params")
+            raise PDRefused("kv_transfer_params needs remote_host (string), remote_port "
+                            "(integer) and remote_request_id (string)", "kv_transfer_params")
         try:
             verify_params(self.roles.key, params)
         except TrustError as exc:
             self.on_failed("untrusted")
-            raise APIError(400, str(exc), "kv_transfer_params") from None
+            raise PDRefused(str(exc), "kv_transfer_params") from None
         if not self.roles.is_peer(host):
-            raise APIError(400, f"kv_transfer_params.remote_host {host!r} is not a peer of "
-                                "this decode instance", "kv_transfer_params")
+            raise PDRefused(f"kv_transfer_params.remote_host {host!r} is not a peer of "
+                            "this decode instance", "kv_transfer_params")
         allowed = self.roles.kv_ports_of(host, self.settings.port)
         if port not in allowed:
-            raise APIError(400, f"kv_transfer_params.remote_port {port} is not the KV port of "
-                                f"peer {host} ({', '.join(map(str, sorted(allowed)))})",
-                           "kv_transfer_params")
+            raise PDRefused(f"kv_transfer_params.remote_port {port} is not the KV port of "
+                            f"peer {host} ({', '.join(map(str, sorted(allowed)))})",
+                            "kv_transfer_params")
         return await self._pull(er, host, port, rid)
 
     def _reserve_export(self, er: EngineRequest) -> EngineRequest:
@@ -163,7 +164,7 @@ class PDInstance:
         digests = tuple(block_digests(er.prompt_token_ids, self.block_size, num_blocks))
         if not self.exports.reserve(er.request_id, num_blocks * self.bytes_per_block, digests):
             self.on_failed("exports_full")
-            raise APIError(503, f"this prefill instance holds {self.exports.num_held} KV "
+            raise PDUnavailable(f"this prefill instance holds {self.exports.num_held} KV "
                                 f"exports ({self.exports.bytes_held / 2**20:.0f} MB) waiting "
                                 "for decode instances, its limit (pdMaxExports, "
                                 "pdMaxExportMb); retry later")
@@ -200,7 +201,7 @@ class PDInstance:
         if not er.export_kv:
             return {}
         if not self.exports.holds_rows(er.request_id):
-            raise APIError(500, "the prefill finished without exporting its KV")
+            raise PDError("the prefill finished without exporting its KV")
         self._answered.add(er.request_id)
         return {"kv_transfer_params": {
             "do_remote_prefill": True, "remote_host": self.settings.host,

@@ -6,7 +6,8 @@ Both ends use the ``interComm*`` files: the certificate and key (``interCommTlsC
 ``interCommTlsCrlFiles``).  P's KV server requires a client certificate signed by those CAs
 (mutual TLS; a revoked one is refused when a CRL file exists); D checks P's certificate,
 host name (IP address) included, and presents its own.  TLS 1.2 or newer.  Every file is
-checked at start-up, before any port is bound.
+checked at start-up, before any port is bound.  The file set, its password and the server
+context are server/web/tls_files.py, shared with the HTTP planes.
 """
 from __future__ import annotations
 
@@ -14,21 +15,19 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from server.api.tls import PlaneTls, TlsError, _password, server_context
+from server.web.tls_files import PlaneTls, TlsError, key_password, resolve, server_context
 
 
 def inter_comm_tls(cfg: Any) -> PlaneTls:
     s = cfg.server
     base = Path(cfg.source).parent if cfg.source else Path.cwd()
-
-    def at(path: str, folder: Path = base) -> Path:
-        p = Path(path)
-        return p if p.is_absolute() else folder / p
-    ca_dir, crl_dir = at(s.inter_comm_tls_ca_path), at(s.inter_comm_tls_crl_path)
-    return PlaneTls(cert=at(s.inter_comm_tls_cert), key=at(s.inter_comm_pk),
-                    password_file=at(s.inter_comm_pk_pwd) if s.inter_comm_pk_pwd else None,
-                    ca_files=tuple(at(f, ca_dir) for f in s.inter_comm_tls_ca_files),
-                    crl_files=tuple(at(f, crl_dir) for f in s.inter_comm_tls_crl_files),
+    ca_dir = resolve(s.inter_comm_tls_ca_path, base)
+    crl_dir = resolve(s.inter_comm_tls_crl_path, base)
+    pwd = resolve(s.inter_comm_pk_pwd, base) if s.inter_comm_pk_pwd else None
+    return PlaneTls(cert=resolve(s.inter_comm_tls_cert, base),
+                    key=resolve(s.inter_comm_pk, base), password_file=pwd,
+                    ca_files=tuple(resolve(f, ca_dir) for f in s.inter_comm_tls_ca_files),
+                    crl_files=tuple(resolve(f, crl_dir) for f in s.inter_comm_tls_crl_files),
                     keys=("interCommTlsCert", "interCommPk", "interCommPkPwd",
                           "interCommTlsCaFiles", "interCommTlsCrlFiles"))
 
@@ -47,6 +46,6 @@ def kv_link_contexts(cfg: Any) -> tuple[ssl.SSLContext | None, ssl.SSLContext | 
     client.minimum_version = ssl.TLSVersion.TLSv1_2
     for path in tls.ca_files:
         client.load_verify_locations(cafile=str(path))
-    password = _password(tls)
+    password = key_password(tls)
     client.load_cert_chain(tls.cert, tls.key, password=lambda: password or b"")
     return server, client

@@ -246,7 +246,7 @@ def test_echo_logprobs_max_tokens_0_as_lm_eval_reads_them(client):
 
 
 def test_constrained_output_through_the_daemon_equals_the_engine_with_mtp_off(client):
-    from server.api.grammars import response_format_grammar
+    from server.api.openai.grammars import response_format_grammar
     from server.engine.config import EngineConfig
     from server.engine.core import LLMEngine
     from server.engine.protocol import EngineRequest, SamplingParams

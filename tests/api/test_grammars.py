@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.grammars import response_format_grammar, tool_call_grammar, validate
-from server.api.protocol import Tool
+from server.api.openai.grammars import response_format_grammar, tool_call_grammar, validate
+from server.api.openai.protocol import Tool
 from server.engine.sample.grammar import GrammarBook
+from server.web.errors import APIError
 from server.text.special_tokens import (TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN,
                                         TOOL_CALLS_END, TOOL_SEP)
 from server.text.tokenizer import Tokenizer

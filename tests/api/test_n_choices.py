@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from server.api.app import build_app
-from server.api.fanout import choice_seed
 from server.api.limits import Admission
+from server.api.serving.fanout import choice_seed
 from server.api.settings import ApiSettings
 from server.api.state import ServerState
 from server.engine.protocol import EngineOutput, FinishReason, RequestCounters

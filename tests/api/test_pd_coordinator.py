@@ -33,9 +33,10 @@ from starlette.routing import Route
 
 from daemon_proc import MODEL_NAME, Daemon, demo_model_ready, free_port
 from server.pd import trust
-from server.pd.coordinator import (MAX_JSON_DEPTH, Coordinator, build_app, json_depth,
-                                   role_body, server_config)
-from server.pd.coordinator_config import (CoordinatorConfig, CoordinatorConfigError, Instance)
+from server.pd.coordinator.app import build_app, server_config
+from server.pd.coordinator.config import (CoordinatorConfig, CoordinatorConfigError, Instance)
+from server.pd.coordinator.fleet import role_body
+from server.pd.coordinator.routing import MAX_JSON_DEPTH, Coordinator, json_depth
 
 HEADER_S = BODY_S = 1.0
 HEALTH_S = 0.2

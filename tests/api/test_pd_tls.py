@@ -14,8 +14,8 @@ import ssl
 import pytest
 
 from daemon_proc import make_config, tiny_checkpoint
-from server.api.tls import TlsError
 from server.config import load_config
+from server.web.tls_files import TlsError
 from server.pd.kv_client import pull_kv
 from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer

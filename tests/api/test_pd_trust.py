@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.api.errors import APIError
 from server.engine.protocol import EngineRequest, SamplingParams
+from server.pd.errors import PDError
 from server.pd.instance import PDInstance, PDSettings
 from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer
@@ -90,7 +90,7 @@ def test_d_takes_signed_params_for_its_own_prompt_only():
             # A client's own params (no signature, or signed with another key): refused.
             params = await pair.prefill("a2", PROMPT_A)
             for bad in (params, sign_params(new_key(), params), {**signed, "signature": 5}):
-                with pytest.raises(APIError) as e:
+                with pytest.raises(PDError) as e:
                     await pair.d.prepare(_request("d2", PROMPT_B), bad)
                 assert e.value.status == 400 and "signed" in e.value.message
             # P's real export of prompt A offered with prompt B: only the agreeing block counts.
@@ -114,7 +114,7 @@ def test_d_pulls_only_from_the_peers_kv_port():
                 fake_exports.put("x", KVRows(4, ROW, pair.d.layout, b"\xff" * 4 * ROW))
                 params = sign_params(pair.key, {"remote_host": "127.0.0.1", "remote_port": port,
                                                 "remote_request_id": "x"})
-                with pytest.raises(APIError) as e:
+                with pytest.raises(PDError) as e:
                     await pair.d.prepare(_request("d", PROMPT_B), params)
                 assert e.value.status == 400 and "not the KV port" in e.value.message
                 assert fake_exports.num_held == 1                  # never pulled from
@@ -126,12 +126,12 @@ def test_d_pulls_only_from_the_peers_kv_port():
 def test_a_role_change_under_a_request_is_a_503():
     async def run():
         async with _Pair() as pair:
-            with pytest.raises(APIError) as e:
+            with pytest.raises(PDError) as e:
                 await pair.p.prepare(_request("r", PROMPT_A), {"remote_request_id": "x",
                                                                "remote_host": "127.0.0.1",
                                                                "remote_port": 1})
             assert e.value.status == 503
-            with pytest.raises(APIError) as e:
+            with pytest.raises(PDError) as e:
                 await pair.d.prepare(_request("r", PROMPT_A), {"do_remote_decode": True})
             assert e.value.status == 503
     asyncio.run(run())
@@ -142,11 +142,11 @@ def test_exports_are_bounded_and_released():
         async with _Pair(max_exports=2, max_export_bytes=10 * ROW) as pair:
             await pair.prefill("a", PROMPT_A)                     # 4 blocks
             await pair.prefill("b", PROMPT_A)                     # 8 of 10 blocks' bytes
-            with pytest.raises(APIError) as e:                    # a third: past the count
+            with pytest.raises(PDError) as e:                    # a third: past the count
                 await pair.prefill("c", PROMPT_A)
             assert e.value.status == 503 and "pdMaxExports" in e.value.message
             assert pair.p.release("a") and not pair.p.release("a")
-            with pytest.raises(APIError):                         # 4 + 4 > 10 - 4: past the bytes
+            with pytest.raises(PDError):                         # 4 + 4 > 10 - 4: past the bytes
                 await pair.prefill("c", PROMPT_A + PROMPT_A)
             await pair.prefill("c", PROMPT_A)
             # A request that ends without its answer (failed, client gone) drops its export.

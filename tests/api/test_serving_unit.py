@@ -377,7 +377,7 @@ def test_v31_tool_format_from_config(tokenizer):
 def test_close_stream_aborts_a_body_suspended_at_yield(tokenizer):
     # A disconnect can cancel the response while the body generator sits at a yield; the
     # generator's finally would then wait for garbage collection.  close_stream must abort.
-    from server.api.engine_call import EngineCall, close_stream
+    from server.api.serving.engine_call import EngineCall, close_stream
     from server.engine.protocol import EngineRequest, SamplingParams
 
     async def go():
@@ -434,8 +434,8 @@ def test_small_bodies_are_planned_on_the_loop_large_ones_on_the_pool(tokenizer, 
     """The same request, its JSON padded with whitespace past PLAN_INLINE_BYTES, plans the
     same prompt either way; only the padded one goes through the planning pool.  A small
     request refused by validation frees its slot as a pooled one does."""
-    from server.api import serving_common
-    from server.api.offload import PLAN_INLINE_BYTES
+    from server.api.serving import common as serving_common
+    from server.web.offload import PLAN_INLINE_BYTES
     pooled = []
     real = serving_common.off_loop
 

@@ -17,8 +17,9 @@ import jsonschema
 import pytest
 import torch
 
-from server.api.grammars import auto_tool_grammar, response_format_grammar, tool_call_grammar
-from server.api.protocol import Tool
+from server.api.openai.grammars import (auto_tool_grammar, response_format_grammar,
+                                        tool_call_grammar)
+from server.api.openai.protocol import Tool
 from server.engine.sample import grammar
 from server.engine.sample import grammar_masks
 from server.engine.config import EngineConfig

@@ -1,7 +1,7 @@
 """Grammar-constrained decoding: llguidance matchers, compiled once per grammar (masks: sample/grammar_masks.py).
 
 A constrained request carries its grammar as text (``SamplingParams.grammar``, llguidance's
-serialised grammar, built in server/api/grammars.py).  The worker keeps one compiled,
+serialised grammar, built in server/api/openai/grammars.py).  The worker keeps one compiled,
 pristine matcher per distinct grammar (``GrammarBook``) and gives each request a copy;
 the copy advances only by the tokens the request really emitted (``commit``), so a
 preempted or resumed request rebuilds it from its output tokens.

@@ -11,8 +11,8 @@ import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from server.api.errors import APIError
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
+from server.web.errors import APIError
 
 log = logging.getLogger("server.api")
 _DISCONNECT_POLL_S = 0.02

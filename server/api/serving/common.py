@@ -3,7 +3,7 @@
 Every refusal is a 400 (404 for the model) that names the parameter and says what is
 allowed.  MTP rules follow MindIE's endpoint (infer_param.cpp): ``n``/``best_of`` > 1 and
 beam search cannot be used with the mtp plugin.  ``response_format`` and forced tool
-calls are grammars (grammars.py), enforced with MTP on.  Without MTP, ``n`` runs up to
+calls are grammars (openai/grammars.py), enforced with MTP on.  Without MTP, ``n`` runs up to
 ``maxN`` (ScheduleConfig) choices, each its own engine request holding its own admission slot.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, Callable, TypeVar
 
 P = TypeVar("P")
 
-from server.api.errors import APIError, bad_request
-from server.api.offload import off_loop
-from server.api.protocol import SamplingFields, ignored_fields, parse_request
+from server.api.openai.protocol import SamplingFields, ignored_fields, parse_request
 from server.api.settings import ApiSettings
 from server.engine.protocol import SamplingParams
+from server.web.errors import APIError, bad_request
+from server.web.offload import off_loop
 
 log = logging.getLogger("server.api")
 
@@ -175,7 +175,8 @@ async def plan_request(kind: str, request_cls: type, plan_cls: Callable[[Any, An
     """Parse, check and plan one request; a refusal frees its admission slots before raising,
     because no engine call will exist to free them later.  ``release`` is the request's
     ``limits.Ticket``: with ``n`` > 1 it grows to one slot per choice (503 when full).
-    ``inline``: the body is small (``offload.PLAN_INLINE_BYTES``), plan it on the loop."""
+    ``inline``: the body is small (``PLAN_INLINE_BYTES``, server/web/offload.py), plan it
+    on the loop."""
     run = _on_loop if inline else off_loop
     try:
         # Validation and planning (template, tokenizing) of a large request run off the

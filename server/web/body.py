@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from server.api.errors import APIError
-from server.api.offload import INLINE_BYTES, TRIM_BYTES, off_loop, trim_soon
+from server.web.errors import APIError
+from server.web.offload import INLINE_BYTES, TRIM_BYTES, off_loop, trim_soon
 
 
 async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> tuple[Any, int]:

@@ -1,4 +1,5 @@
-"""MindIE's role API on the management plane: ``POST /v1/role/{role}``, ``/v2/role/{role}``,
+"""PD's routes, MindIE's role API on the management plane (the state they change is
+server/pd/roles.py and instance.py): ``POST /v1/role/{role}``, ``/v2/role/{role}``,
 and ``POST /v1/kv/release`` (ours: the coordinator drops an export D refused).
 
 Role: 200 ``{"result": "ok"}``; 422 "Req body converts to json fail." for a body that is

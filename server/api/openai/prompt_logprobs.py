@@ -13,7 +13,7 @@ MTP does not change.
 """
 from __future__ import annotations
 
-from server.api.responses import TokenText, _lp
+from server.api.openai.responses import TokenText, _lp
 from server.engine.protocol import TokenLogprob
 
 

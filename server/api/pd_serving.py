@@ -1,10 +1,13 @@
-"""The serving layer's two calls into PD (instance.py): before submitting, and the answer."""
+"""The serving layer's two calls into PD (server/pd/instance.py): before submitting, and
+the answer.  PD's refusals (``PDError``) become ``APIError``s here, with their status."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from server.api.errors import APIError
+from server.api.errors import api_error
 from server.engine.protocol import EngineRequest
+from server.web.errors import APIError
+from server.pd.errors import PDError
 
 
 async def pd_requests(state: Any, req: Any, ers: list[EngineRequest],
@@ -32,6 +35,9 @@ async def pd_requests(state: Any, req: Any, ers: list[EngineRequest],
             raise APIError(400, "a prefill instance answers kv_transfer_params without "
                                 "streaming (stream false)", "stream")
         out = [await pd.prepare(er, params) for er in ers]
+    except PDError as exc:
+        release()
+        raise api_error(exc) from None
     except BaseException:
         release()
         raise
@@ -51,4 +57,7 @@ def pd_answer(state: Any, ers: list[EngineRequest], body: dict) -> dict:
     """A prefill instance's answer names where its KV waits (kv_transfer_params)."""
     if state.pd is None or not ers:
         return body
-    return {**body, **state.pd.response_params(ers[0])}
+    try:
+        return {**body, **state.pd.response_params(ers[0])}
+    except PDError as exc:
+        raise api_error(exc) from None

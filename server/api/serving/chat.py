@@ -5,29 +5,26 @@ import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from server.api.chat_output import ChatOutputParser, normalize_format, parse_full_text
-from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
-                                     engine_failure)
-from server.api.errors import APIError, bad_request, openai_body
-from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
-from server.api.grammars import (GrammarRequest, auto_tool_grammar, prepare_grammar,
-                                 response_format_grammar, tool_call_grammar)
-from server.api.prompt_logprobs import vllm_prompt_logprobs
-from server.api.protocol import ChatCompletionRequest
-from server.api.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
-                                  usage)
-from server.api.serving_common import (build_sampling, check_text_size, fit_prompt,
-                                       max_new_tokens, new_id, plan_request)
-from server.api.sse import DONE, SSE_HEADERS, event, json_response
+from server.api.openai.chat_output import ChatOutputParser, normalize_format, parse_full_text
+from server.api.openai.grammars import (GrammarRequest, auto_tool_grammar, response_format_grammar,
+                                        tool_call_grammar)
+from server.api.openai.prompt_logprobs import vllm_prompt_logprobs
+from server.api.openai.protocol import ChatCompletionRequest
+from server.api.openai.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
+                                         usage)
+from server.api.serving.common import (build_sampling, check_text_size, fit_prompt, max_new_tokens,
+                                       new_id, plan_request)
+from server.api.serving.engine_call import engine_failure
+from server.api.serving.fanout import Interleave, choice_sampling, prompt_cached_tokens
+from server.api.serving.run import run_choices
+from server.api.sse import event
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
-from server.pd.serving import pd_answer, pd_requests
+from server.web.errors import APIError, bad_request
 from server.text.reasoning import count_reasoning_tokens
 from server.text.special_tokens import THINK_END, THINK_START
-
 
 class ChatPlan:
     """Everything decided before generation: prompt, sampling and how to read the output."""
@@ -54,25 +51,7 @@ class ChatPlan:
         tail = prompt.rstrip()
         self.reasoning = s.enable_reasoning and (
             tail.endswith(THINK_START) or bool(kwargs.get("thinking") or kwargs.get("enable_thinking")))
-        # Structured output: a grammar for a forced tool call or for response_format
-        # (grammars.py).  With thinking on, the server closes the thought first (the
-        # grammar describes the answer), so the reasoning is empty.
-        # In auto mode the grammar leaves text free (thinking included) and constrains a
-        # tool-call section once the model opens one.
-        self.grammar: GrammarRequest | None = None
-        answer_grammar = True
-        if self.tool_format and self.tool_choice in ("required", "named"):
-            self.grammar = tool_call_grammar(self.tool_format, req.tools, self.named,
-                                             req.parallel_tool_calls, state.tokenizer.token_to_id)
-        else:
-            self.grammar = response_format_grammar(req.response_format)
-            if self.grammar is None and self.tool_format and self.tool_choice == "auto" \
-                    and not req.ignore_eos and not req.min_tokens:
-                self.grammar = auto_tool_grammar(self.tool_format, req.tools,
-                                                 req.parallel_tool_calls,
-                                                 state.tokenizer.token_to_id,
-                                                 [THINK_START, THINK_END])
-                answer_grammar = False
+        self.grammar, answer_grammar = self._structured_output(req, state)
         if self.grammar is not None and (req.ignore_eos or req.min_tokens):
             param = "ignore_eos" if req.ignore_eos else "min_tokens"
             raise bad_request(f"a forced tool call cannot be combined with {param} (a "
@@ -93,6 +72,27 @@ class ChatPlan:
         # A parsed call whose name was not offered never reaches the client as a call.
         offered = {t.function.name for t in req.tools or ()}
         self.allowed_names = frozenset({self.named} if self.named else offered)
+
+    def _structured_output(self, req: ChatCompletionRequest, state: ServerState
+                           ) -> tuple[GrammarRequest | None, bool]:
+        """(the grammar, whether it describes the answer) for a forced tool call or for
+        response_format (openai/grammars.py).  With thinking on, the server closes the
+        thought first (the grammar describes the answer), so the reasoning is empty.  In
+        auto mode the grammar leaves text free (thinking included) and constrains a
+        tool-call section once the model opens one."""
+        if self.tool_format and self.tool_choice in ("required", "named"):
+            return tool_call_grammar(self.tool_format, req.tools, self.named,
+                                     req.parallel_tool_calls, state.tokenizer.token_to_id), True
+        grammar = response_format_grammar(req.response_format)
+        if grammar is None and self.tool_format and self.tool_choice == "auto" \
+                and not req.ignore_eos and not req.min_tokens:
+            return auto_tool_grammar(self.tool_format, req.tools, req.parallel_tool_calls,
+                                     state.tokenizer.token_to_id, [THINK_START, THINK_END]), False
+        return grammar, True
+
+    @property
+    def num_choices(self) -> int:
+        return self.req.n
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning, tool_format=self.tool_format,
@@ -235,30 +235,8 @@ async def create_chat_completion(state: ServerState, raw: Any,
     ``release`` frees its admission slots."""
     plan = await plan_request("chat", ChatCompletionRequest, ChatPlan, state, raw, release,
                               plan_inline)
-    if plan.grammar is not None:
-        await prepare_grammar(state.engine, plan.grammar, release)
-    req = plan.req
-    s = state.settings
-    calls = []
-    ers, release = await pd_requests(state, req, [plan.engine_request(i) for i in range(req.n)],
-                                     release)
-    for i in range(req.n):
-        state.metrics.on_received()
-        calls.append(EngineCall(state.engine, ers[i], state.metrics,
-                                token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
-                                is_disconnected=None if req.stream else is_disconnected))
-    if req.stream:
-        body = _stream(plan, calls, release)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
-                                 background=BackgroundTask(close_stream, body, calls, release))
-    merged = Interleave(calls)
-    try:
-        return json_response(pd_answer(state, ers, await _complete(plan, merged)))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        merged.close()          # one choice failed or the client left: abort the others
-        release()
+    return await run_choices(state, plan, release, is_disconnected,
+                             stream=_stream, complete=_complete)
 
 
 async def _complete(plan: ChatPlan, merged: Interleave) -> dict:
@@ -305,62 +283,49 @@ def _mirror(delta: dict) -> dict:
     return delta
 
 
-async def _stream(plan: ChatPlan, calls: list[EngineCall], release: Callable[[], None]
-                  ) -> AsyncIterator[bytes]:
+async def _stream(plan: ChatPlan, merged: Interleave) -> AsyncIterator[bytes]:
     """Chunks of all choices, interleaved as they come; each carries its choice index, each
     choice opens with its own role delta and ends with its own finish_reason."""
     req = plan.req
     full_text = plan.state.settings.full_text
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    states = [ChoiceState(i, plan.parser()) for i in range(len(calls))]
-    merged = Interleave(calls)
-    try:
-        async for i, out in merged:
-            st = states[i]
-            if st.last is None:
-                extra_first = {}
-                if out.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                    extra_first["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs,
-                                                                          plan.state.text_of)
-                yield event(plan.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}], **extra_first))
-            st.last = out
-            st.token_ids.extend(out.token_ids)
-            failure = engine_failure(out)
-            if failure:
-                raise failure
-            delta = st.parser.feed(out.text)
-            final_delta, message = st.parser.finish() if out.finished else ({}, None)
-            for key, value in final_delta.items():
-                if key == "tool_calls":
-                    delta.setdefault("tool_calls", []).extend(value)
-                else:
-                    delta[key] = delta.get(key, "") + value
-            if full_text:
-                for key in st.shown:
-                    if key in delta:
-                        st.shown[key] += delta[key]
-                        delta[key] = st.shown[key]
-            lp = chat_logprobs(out.logprobs, plan.state.text_of)
-            extra = {"usage": plan.usage(states)} if continuous else {}
-            if out.finished:
-                reason = plan.finish(finish_reason(out), bool(message and message.tool_calls))
-                yield event(plan.chunk([{"index": i, "delta": _mirror(delta), "logprobs": lp,
-                                         "finish_reason": reason,
-                                         "stop_reason": stop_reason(out)}], **extra))
-            elif delta or lp:
-                yield event(plan.chunk([{"index": i, "delta": _mirror(delta), "logprobs": lp,
-                                         "finish_reason": None}], **extra))
-        if include_usage:
-            yield event(plan.chunk([], usage=plan.usage(states)))
-    except APIError as exc:
-        yield event(openai_body(exc.status, exc.message, exc.param))
-    except ClientDisconnected:
-        return
-    except Exception as exc:  # a bug must still end the stream in the documented shape
-        yield event(openai_body(500, f"internal error: {type(exc).__name__}: {exc}"))
-    finally:
-        merged.close()          # abort every sibling still running
-        release()
-    yield DONE
+    states = [ChoiceState(i, plan.parser()) for i in range(len(merged.calls))]
+    async for i, out in merged:
+        st = states[i]
+        if st.last is None:
+            extra_first = {}
+            if out.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                extra_first["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs,
+                                                                      plan.state.text_of)
+            yield event(plan.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}], **extra_first))
+        st.last = out
+        st.token_ids.extend(out.token_ids)
+        failure = engine_failure(out)
+        if failure:
+            raise failure
+        delta = st.parser.feed(out.text)
+        final_delta, message = st.parser.finish() if out.finished else ({}, None)
+        for key, value in final_delta.items():
+            if key == "tool_calls":
+                delta.setdefault("tool_calls", []).extend(value)
+            else:
+                delta[key] = delta.get(key, "") + value
+        if full_text:
+            for key in st.shown:
+                if key in delta:
+                    st.shown[key] += delta[key]
+                    delta[key] = st.shown[key]
+        lp = chat_logprobs(out.logprobs, plan.state.text_of)
+        extra = {"usage": plan.usage(states)} if continuous else {}
+        if out.finished:
+            reason = plan.finish(finish_reason(out), bool(message and message.tool_calls))
+            yield event(plan.chunk([{"index": i, "delta": _mirror(delta), "logprobs": lp,
+                                     "finish_reason": reason,
+                                     "stop_reason": stop_reason(out)}], **extra))
+        elif delta or lp:
+            yield event(plan.chunk([{"index": i, "delta": _mirror(delta), "logprobs": lp,
+                                     "finish_reason": None}], **extra))
+    if include_usage:
+        yield event(plan.chunk([], usage=plan.usage(states)))

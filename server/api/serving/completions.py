@@ -7,23 +7,21 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from server.api.engine_call import (ClientDisconnected, EngineCall, close_stream,
-                                     engine_failure)
-from server.api.errors import APIError, bad_request, openai_body
-from server.api.fanout import Interleave, choice_sampling, prompt_cached_tokens
-from server.api.grammars import prepare_grammar, response_format_grammar
-from server.api.prompt_logprobs import echo_block, join_blocks, vllm_prompt_logprobs
-from server.api.protocol import CompletionRequest
-from server.api.responses import completion_logprobs, finish_reason, stop_reason, usage
-from server.api.serving_common import (build_sampling, check_text_size, fit_prompt,
-                                       max_new_tokens, new_id, plan_request)
-from server.api.sse import DONE, SSE_HEADERS, event, json_response
+from server.api.openai.grammars import response_format_grammar
+from server.api.openai.prompt_logprobs import echo_block, join_blocks, vllm_prompt_logprobs
+from server.api.openai.protocol import CompletionRequest
+from server.api.openai.responses import completion_logprobs, finish_reason, stop_reason, usage
+from server.api.serving.common import (build_sampling, check_text_size, fit_prompt, max_new_tokens,
+                                       new_id, plan_request)
+from server.api.serving.engine_call import engine_failure
+from server.api.serving.fanout import Interleave, choice_sampling, prompt_cached_tokens
+from server.api.serving.run import run_choices
+from server.api.sse import event
 from server.api.state import ServerState
 from server.engine.protocol import EngineRequest
-from server.pd.serving import pd_answer, pd_requests
+from server.web.errors import bad_request
 
 MAX_PROMPTS = 64
 
@@ -65,7 +63,7 @@ class CompletionPlan:
         self.request_id = new_id("cmpl")
         self.created = int(time.time())
         for text in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
-            if isinstance(text, str):         # before tokenizing (serving_common)
+            if isinstance(text, str):         # before tokenizing (common.py)
                 check_text_size(text, s, state.max_token_chars, "prompt")
         self.prompts = [fit_prompt(ids, s, "prompt")
                         for ids in _prompts(req, state.tokenizer, s.vocab_size)]
@@ -98,6 +96,10 @@ class CompletionPlan:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
+    def echo_only(self, k: int) -> bool:
+        """Choice ``k`` asks for no tokens (max_tokens 0): the echo alone, no engine call."""
+        return self.samplings[self.prompt_of(k)].max_tokens == 0
+
     def prompt_of(self, k: int) -> int:
         return k // self.n
 
@@ -123,35 +125,15 @@ async def create_completion(state: ServerState, raw: Any,
                             plan_inline: bool = False) -> Response:
     plan = await plan_request("completion", CompletionRequest, CompletionPlan, state, raw, release,
                               plan_inline)
-    if plan.grammar is not None:
-        await prepare_grammar(state.engine, plan.grammar, release)
-    req = plan.req
-    s = state.settings
-    calls = []
-    ers, release = await pd_requests(
-        state, req, [plan.engine_request(k) for k in range(plan.num_choices)], release)
-    for k in range(plan.num_choices):
-        state.metrics.on_received()
-        calls.append(None if plan.samplings[plan.prompt_of(k)].max_tokens == 0 else EngineCall(
-            state.engine, ers[k], state.metrics,
-            token_timeout_s=s.token_timeout_s, e2e_timeout_s=s.e2e_timeout_s,
-            is_disconnected=None if req.stream else is_disconnected))
-    if req.stream:
-        body = _stream(plan, calls, release)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
-                                 background=BackgroundTask(close_stream, body, calls, release))
-    merged = Interleave(calls)
-    try:
-        states = await _collect(plan, merged)
-        choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
-        # Before release: a PD prefill's answer keeps its export for D (pd_requests).
-        return json_response(pd_answer(state, ers, plan.body(choices, usage=plan.usage(
-            [st["n"] for st in states], [st["cached"] for st in states]))))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        merged.close()           # one choice failed: stop the others (aborts their requests)
-        release()
+    return await run_choices(state, plan, release, is_disconnected,
+                             stream=_stream, complete=_complete, idle=plan.echo_only)
+
+
+async def _complete(plan: CompletionPlan, merged: Interleave) -> dict:
+    states = await _collect(plan, merged)
+    choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
+    return plan.body(choices, usage=plan.usage([st["n"] for st in states],
+                                               [st["cached"] for st in states]))
 
 
 async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:
@@ -204,55 +186,42 @@ def _choice_body(plan: CompletionPlan, k: int, st: dict) -> dict:
     return body
 
 
-async def _stream(plan: CompletionPlan, calls: list, release: Callable[[], None]
-                  ) -> AsyncIterator[bytes]:
+async def _stream(plan: CompletionPlan, merged: Interleave) -> AsyncIterator[bytes]:
     """Interleave the choices' streams; each chunk carries its choice index."""
     req = plan.req
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    counts = [0] * len(calls)
-    cached = [0] * len(calls)
-    full = [plan.echo[plan.prompt_of(k)] for k in range(len(calls))]
-    sent_echo = [False] * len(calls)
-    merged = Interleave(calls)
-    try:
-        async for k, item in merged:
-            text = plan.echo[plan.prompt_of(k)] if not sent_echo[k] else ""
-            sent_echo[k] = True
-            if item is None:     # max_tokens 0
-                yield event(plan.body([{"index": k, "text": text, "logprobs": None,
-                                        "finish_reason": "length", "stop_reason": None}]))
-                continue
-            failure = engine_failure(item)
-            if failure:
-                raise failure
-            cached[k] = item.counters.cached_tokens
-            lp = None if plan.prompt_only else completion_logprobs(item.logprobs, plan.state.text_of)
-            if item.prompt_logprobs is not None and plan.echo_logprobs:
-                lp = join_blocks(echo_block(plan.prompts[plan.prompt_of(k)], item.prompt_logprobs,
-                                            plan.state.text_of), lp)
-            if not plan.prompt_only:
-                counts[k] += len(item.token_ids)
-                full[k] += item.text
-                text += item.text
-            out_text = full[k] if plan.state.settings.full_text else text
-            choice = {
-                "index": k, "text": out_text, "logprobs": lp,
-                "finish_reason": (("length" if plan.prompt_only else finish_reason(item))
-                                  if item.finished else None),
-                "stop_reason": stop_reason(item) if item.finished and not plan.prompt_only else None}
-            if item.prompt_logprobs is not None and plan.req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(item.prompt_logprobs,
-                                                                 plan.state.text_of)
-            yield event(plan.body([choice]))
-        if include_usage:
-            yield event(plan.body([], usage=plan.usage(counts, cached)))
-    except APIError as exc:
-        yield event(openai_body(exc.status, exc.message, exc.param))
-    except ClientDisconnected:
-        return
-    except Exception as exc:
-        yield event(openai_body(500, f"internal error: {type(exc).__name__}: {exc}"))
-    finally:
-        merged.close()
-        release()
-    yield DONE
+    counts = [0] * plan.num_choices
+    cached = [0] * plan.num_choices
+    full = [plan.echo[plan.prompt_of(k)] for k in range(plan.num_choices)]
+    sent_echo = [False] * plan.num_choices
+    async for k, item in merged:
+        text = plan.echo[plan.prompt_of(k)] if not sent_echo[k] else ""
+        sent_echo[k] = True
+        if item is None:     # max_tokens 0
+            yield event(plan.body([{"index": k, "text": text, "logprobs": None,
+                                    "finish_reason": "length", "stop_reason": None}]))
+            continue
+        failure = engine_failure(item)
+        if failure:
+            raise failure
+        cached[k] = item.counters.cached_tokens
+        lp = None if plan.prompt_only else completion_logprobs(item.logprobs, plan.state.text_of)
+        if item.prompt_logprobs is not None and plan.echo_logprobs:
+            lp = join_blocks(echo_block(plan.prompts[plan.prompt_of(k)], item.prompt_logprobs,
+                                        plan.state.text_of), lp)
+        if not plan.prompt_only:
+            counts[k] += len(item.token_ids)
+            full[k] += item.text
+            text += item.text
+        out_text = full[k] if plan.state.settings.full_text else text
+        choice = {
+            "index": k, "text": out_text, "logprobs": lp,
+            "finish_reason": (("length" if plan.prompt_only else finish_reason(item))
+                              if item.finished else None),
+            "stop_reason": stop_reason(item) if item.finished and not plan.prompt_only else None}
+        if item.prompt_logprobs is not None and plan.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(item.prompt_logprobs,
+                                                             plan.state.text_of)
+        yield event(plan.body([choice]))
+    if include_usage:
+        yield event(plan.body([], usage=plan.usage(counts, cached)))

@@ -34,7 +34,7 @@ class Instance:
     business: str                   # http://host:port
     management: str
     in_flight: int = 0
-    # Health (server/pd/coordinator.py): ``up`` is set by the health loop once the instance
+    # Health (fleet.py): ``up`` is set by the health loop once the instance
     # answers its /v1/status with the right role and KV transfer key id; a failed request
     # clears it (and bumps ``epoch``, so a health check that started before the failure
     # does not set it again).
@@ -85,12 +85,7 @@ class CoordinatorConfig:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "coordinator config") -> "CoordinatorConfig":
-        errors: list[str] = []
-
-        unknown = sorted(k for k in doc if k not in KNOWN_KEYS)
-        if unknown:
-            errors.append(f"unknown key(s) {', '.join(map(repr, unknown))}; known: "
-                          f"{', '.join(KNOWN_KEYS)}")
+        errors: list[str] = _unknown_keys(doc)
 
         def instances(role: str) -> list[Instance]:
             out = []
@@ -124,20 +119,7 @@ class CoordinatorConfig:
             return value
 
         prefill, decode = instances("prefill"), instances("decode")
-        ip = doc.get("ipAddress", "127.0.0.1")
-        if not isinstance(ip, str) or not ip:
-            errors.append(f"ipAddress: {ip!r} is not a host address")
-        port = doc.get("port", 1025)
-        if not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65535:
-            errors.append(f"port: {port!r} is not in [1024, 65535]")
-        assign = doc.get("assignRoles", True)
-        if not isinstance(assign, bool):
-            errors.append(f"assignRoles: {assign!r} is not true or false")
-            assign = True
-        api_key = doc.get("apiKey")
-        if api_key is not None and (not isinstance(api_key, str) or not api_key):
-            errors.append("apiKey: must be a non-empty string")
-            api_key = None
+        ip, port, assign, api_key = _scalars(doc, errors)
         t = doc.get("timeouts", {})
         if not isinstance(t, dict):
             errors.append("timeouts: must be an object {\"connect\", \"request\", \"start\"}")
@@ -153,24 +135,57 @@ class CoordinatorConfig:
         body_s = number("clientBodyTimeout", 60, 0.1, 3600, "seconds")
         health_s = number("healthInterval", 2, 0.1, 300, "seconds")
 
-        key_file, key = doc.get("kvTransferKeyFile"), None
-        if key_file is not None:
-            if not isinstance(key_file, str) or not key_file:
-                errors.append("kvTransferKeyFile: must be a path (a string)")
-                key_file = None
-            else:
-                try:
-                    key = read_key_file(key_file)
-                except ValueError as exc:      # KeyFileError / TrustError: says why
-                    errors.append(f"kvTransferKeyFile: {exc}")
-        if assign is False and key_file is None:
-            errors.append("assignRoles: false needs kvTransferKeyFile: the coordinator then "
-                          "hands no KV transfer key to the instances (the key travels with the "
-                          "role), so they must read the same key from a file, each from its "
-                          "own ServerConfig.pdTransferKeyFile, and the coordinator from this "
-                          "one; without it D refuses every request's kv_transfer_params")
+        key_file, key = _key_file(doc, assign, errors)
         if errors:
             raise CoordinatorConfigError(f"{where}: " + "; ".join(errors))
         return cls(ip, port, prefill, decode, assign, timeouts["connect"], timeouts["request"],
                    timeouts["start"], api_key, int(max_mb) * MB, float(header_s), float(body_s),
                    float(health_s), key_file, key)
+
+
+def _unknown_keys(doc: dict) -> list[str]:
+    unknown = sorted(k for k in doc if k not in KNOWN_KEYS)
+    if unknown:
+        return [f"unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                f"{', '.join(KNOWN_KEYS)}"]
+    return []
+
+
+def _scalars(doc: dict, errors: list[str]) -> tuple[Any, Any, bool, str | None]:
+    """ipAddress, port, assignRoles and apiKey (a problem is added to ``errors``)."""
+    ip = doc.get("ipAddress", "127.0.0.1")
+    if not isinstance(ip, str) or not ip:
+        errors.append(f"ipAddress: {ip!r} is not a host address")
+    port = doc.get("port", 1025)
+    if not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65535:
+        errors.append(f"port: {port!r} is not in [1024, 65535]")
+    assign = doc.get("assignRoles", True)
+    if not isinstance(assign, bool):
+        errors.append(f"assignRoles: {assign!r} is not true or false")
+        assign = True
+    api_key = doc.get("apiKey")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        errors.append("apiKey: must be a non-empty string")
+        api_key = None
+    return ip, port, assign, api_key
+
+
+def _key_file(doc: dict, assign: bool, errors: list[str]) -> tuple[str | None, bytes | None]:
+    """(kvTransferKeyFile, the key read from it); without assignRoles it is required."""
+    key_file, key = doc.get("kvTransferKeyFile"), None
+    if key_file is not None:
+        if not isinstance(key_file, str) or not key_file:
+            errors.append("kvTransferKeyFile: must be a path (a string)")
+            key_file = None
+        else:
+            try:
+                key = read_key_file(key_file)
+            except ValueError as exc:      # KeyFileError / TrustError: says why
+                errors.append(f"kvTransferKeyFile: {exc}")
+    if assign is False and key_file is None:
+        errors.append("assignRoles: false needs kvTransferKeyFile: the coordinator then "
+                      "hands no KV transfer key to the instances (the key travels with the "
+                      "role), so they must read the same key from a file, each from its "
+                      "own ServerConfig.pdTransferKeyFile, and the coordinator from this "
+                      "one; without it D refuses every request's kv_transfer_params")
+    return key_file, key

@@ -7,7 +7,7 @@ never timed out at all.  Here every wait for a request's headers, on a new conne
 between keep-alive requests, has a fixed deadline (``clientHeaderTimeout``) that data
 does not extend: when it passes before the headers are complete, the client gets
 ``408 Request Timeout`` and the connection is closed.  The body has its own deadline,
-applied where it is read (``server/api/body.py``).
+applied where it is read (``body.py``).
 """
 from __future__ import annotations
 

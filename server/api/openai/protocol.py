@@ -3,7 +3,7 @@
 Unknown top-level fields are kept (``extra="allow"``) and reported by
 ``ignored_fields`` so the route can log them: SDKs forward provider extras through
 ``extra_body`` and refusing them would break clients.  Ranges are checked here; rules
-that depend on the server (MTP, lengths, tools) live in ``serving_common``.
+that depend on the server (MTP, lengths, tools) live in ``server/api/serving/common.py``.
 
 Types are strict (JSON types, no coercion): ``"max_tokens": "3"``, ``"stream": "true"``
 and ``true`` where an integer is expected are refused, so a boolean never becomes a token
@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from server.api.errors import APIError
+from server.web.errors import APIError
 
 _TORCH_LONG = 2 ** 63 - 1
 _INT32 = 2 ** 31 - 1

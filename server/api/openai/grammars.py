@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from server.api.errors import bad_request
+from server.web.errors import bad_request
 from server.text.special_tokens import (TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN,
                                         TOOL_CALLS_END, TOOL_SEP)
 

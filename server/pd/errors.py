@@ -1,0 +1,32 @@
+"""Why PD cannot serve a request, said without HTTP: the serving layer (server/api) answers
+each with its ``status`` in its own error shape (server/api/errors.py, ``api_error``).
+
+``PDRefused`` (400): the request's ``kv_transfer_params`` are wrong for this instance (not
+signed, not a peer's KV port, the wrong form for its role); ``PDUnavailable`` (503): not now
+(no role yet, the role changed under the request, the exports are full), so the
+coordinator sends it elsewhere; ``PDError`` itself (500): this instance failed.
+"""
+from __future__ import annotations
+
+
+class PDError(Exception):
+    """This instance failed the request (500)."""
+
+    status = 500
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param            # the request field at fault, if one is
+
+
+class PDRefused(PDError):
+    """The request's PD fields cannot be served here (400)."""
+
+    status = 400
+
+
+class PDUnavailable(PDError):
+    """Not now: another instance (or a later try) may serve it (503)."""
+
+    status = 503
