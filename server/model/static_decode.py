@@ -219,6 +219,9 @@ class StaticDecoder:
         not on a request's path."""
         for i in self._gather:
             self._layers[i].mlp.expert_stacks()
+        for i, kind in enumerate(self._kinds):
+            if kind == "moe":
+                self._layers[i].mlp._stacked()
 
     def _kind_for(self, index: int, meta: DecodeMetadata) -> str:
         kind = self._kinds[index]
