@@ -166,16 +166,7 @@ class StaticDecoder:
         self.dense_moe = bool(cfg.n_routed_experts) and \
             cfg.n_routed_experts + 1 <= 4 * (cfg.num_experts_per_tok + 1)
         # Decided once: run_layer asks for every layer of every step.
-        self._kinds = ["dense" if not hasattr(layer.mlp, "gate") else "moe" if self.dense_moe else "half"
-                       for layer in self._layers]
-        # MoE layers whose experts can be read by index (layers.MoE.can_gather), and the
-        # most tokens a window may have for the gathered form.
-        self._gather = {i for i, layer in enumerate(self._layers)
-                        if hasattr(layer.mlp, "gate") and layer.mlp.can_gather}
-        self._gather_max_tokens = 0
-        if cfg.n_routed_experts:
-            self._gather_max_tokens = GATHER_MAX_PER_EXPERT * cfg.n_routed_experts \
-                // cfg.num_experts_per_tok
+        self._classify()
         # (kind, window, lone sequence) -> compiled graph; windows "q<N>" (N tokens per
         # sequence, static sizes) and a lone sequence's "many" (any length; compile_step.graph_plan)
         self._graphs: dict[tuple[str, str, bool], object] = {}
@@ -210,28 +201,62 @@ class StaticDecoder:
         kinds: dict[str, int] = {}
         for i in range(len(self._layers)):
             kinds.setdefault(self.kind(i), i)
-        if self._gather:
-            kinds["gmoe"] = min(self._gather)
+        for i in sorted(self._gather):
+            kinds.setdefault("gmoe" + self._suffix[i], i)
         return kinds
+
+    def _classify(self) -> None:
+        """Each layer's kind and the MoE layers that can take the gathered form: from the
+        layers as they are (the loader swaps in int8 layers after the model is built, so
+        ``prepare`` asks again)."""
+        # Int8 experts (QuantLinear) keep the routed form: their scales are per expert and
+        # output channel, which one stacked down-projection cannot carry.
+        base = ["dense" if not hasattr(layer.mlp, "gate")
+                else "moe" if self.dense_moe and _float_experts(layer.mlp) else "half"
+                for layer in self._layers]
+        # Layers of one kind share a graph only when their modules are alike: a quantized
+        # checkpoint may quantize the MTP layer's attention differently (other parameters),
+        # so each other make of layer gets a kind of its own ("half.1", ...).
+        makes: dict[tuple, str] = {}
+        self._suffix = []
+        for kind, layer in zip(base, self._layers):
+            key = (kind, _make(layer))
+            if key not in makes:
+                n = sum(1 for k, _ in makes if k == kind)
+                makes[key] = f".{n}" if n else ""
+            self._suffix.append(makes[key])
+        self._kinds = [k + sfx for k, sfx in zip(base, self._suffix)]
+        # MoE layers whose experts can be read by index (layers.MoE.can_gather), and the
+        # most tokens a window may have for the gathered form.
+        self._gather = {i for i, layer in enumerate(self._layers)
+                        if hasattr(layer.mlp, "gate") and layer.mlp.can_gather}
+        cfg = self.model.config
+        self._gather_max_tokens = 0
+        if cfg.n_routed_experts:
+            self._gather_max_tokens = GATHER_MAX_PER_EXPERT * cfg.n_routed_experts \
+                // cfg.num_experts_per_tok
 
     def prepare(self) -> None:
         """Build what the step reads besides the weights (the experts' stacks), at start:
         not on a request's path."""
+        self._classify()
         for i in self._gather:
             self._layers[i].mlp.expert_stacks()
         for i, kind in enumerate(self._kinds):
-            if kind == "moe":
+            if kind.startswith("moe"):
                 self._layers[i].mlp._stacked()
 
     def _kind_for(self, index: int, meta: DecodeMetadata) -> str:
         kind = self._kinds[index]
-        if index in self._gather and meta.num_seqs * meta.query_len <= self._gather_max_tokens \
-                and ("gmoe", f"q{meta.query_len}", meta.num_seqs == 1) in self._graphs:
-            return "gmoe"
+        if index in self._gather and meta.num_seqs * meta.query_len <= self._gather_max_tokens:
+            gathered = "gmoe" + self._suffix[index]
+            if (gathered, f"q{meta.query_len}", meta.num_seqs == 1) in self._graphs:
+                return gathered
         return kind
 
     @staticmethod
     def function(kind: str, windowed: bool = False):
+        kind = kind.partition(".")[0]
         if windowed:
             return {"dense": dense_layer_windowed, "moe": moe_layer_windowed,
                     "half": attention_half_windowed, "gmoe": gathered_moe_layer_windowed}[kind]
@@ -252,6 +277,7 @@ class StaticDecoder:
         layout the function takes."""
         layer = self._layers[index]
         args = (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm)
+        kind = kind.partition(".")[0]
         if kind != "half":
             args += (layer.mlp,)
         if windowed:
@@ -269,7 +295,7 @@ class StaticDecoder:
         kind = self._kind_for(index, meta)
         fn, windowed = self._graph(kind, meta)
         out = fn(*self._args(index, kind, x, self._window(meta, windowed), meta, cache, windowed))
-        if kind == "half":                     # routed dispatch, eager (reads counts on the host)
+        if kind.startswith("half"):            # routed dispatch, eager (reads counts on the host)
             x, h = out
             return x + self._layers[index].mlp(h)
         return out
@@ -309,6 +335,17 @@ class StaticDecoder:
         return layouts[windowed]
 
 
+def _make(layer) -> tuple:
+    """What a compiled graph of the layer depends on besides sizes: its linear layers'
+    classes and int8 schemes, in order."""
+    return tuple((type(m).__name__, getattr(m, "scheme", None)) for m in layer.modules()
+                 if isinstance(m, torch.nn.Linear) or hasattr(m, "scheme"))
+
+
+def _float_experts(moe) -> bool:
+    return all(isinstance(m.gate_proj, torch.nn.Linear) for m in moe.experts)
+
+
 def _windowed(window: tuple, num_seqs: int) -> tuple:
     """Per-token tensors [sequences * window, ...] -> [sequences, window, ...] views."""
     return tuple(t.view(num_seqs, -1, *t.shape[1:]) for t in window)
@@ -324,10 +361,9 @@ def _data(cache) -> torch.Tensor:
 
 
 def supports_static_decode(model, caches: list) -> bool:
-    """Float weights in plain ``nn.Linear`` layers and float (exact) caches: what the static
-    functions are written for.  Quantized layers and int8 caches keep the varlen path."""
+    """Float (exact) caches: what the static functions are written for; int8 caches keep
+    the varlen path.  Float and int8 (QuantLinear) layers both run here: int8 layers as
+    modules inside the graphs (their GEMMs are torch._int_mm or exact float ones), int8
+    experts in the routed form."""
     from server.model.latent_cache import LatentCache
-    from server.model.quant import QuantLinear
-    linear_ok = not any(isinstance(mod, QuantLinear) for mod in model.modules())
-    caches_ok = all(isinstance(c, (torch.Tensor, LatentCache)) for c in caches)
-    return linear_ok and caches_ok
+    return all(isinstance(c, (torch.Tensor, LatentCache)) for c in caches)

@@ -283,3 +283,31 @@ def test_daemon_refuses_a_missing_scale_before_binding(quantized, tmp_path):
     out = proc.stderr + proc.stdout
     assert proc.returncode != 0 and scale in out and "is missing" in out, out[-2000:]
     assert str(port) not in out and "Daemon start success" not in out
+
+
+@pytest.mark.slow
+def test_int8_checkpoint_takes_the_static_step_with_the_same_tokens(quantized, monkeypatch):
+    """An int8 checkpoint's decode runs the static step (int8 layers as modules inside it,
+    int8 experts routed) with the varlen path's tokens; the MTP layer, quantized otherwise
+    than the main layers, is a kind of its own, so it never shares their compiled graph
+    (compiling is checked with the float model in tests/engine/test_compiled_step.py)."""
+    import server.engine.worker.worker as worker_module
+    from server.engine.protocol import SamplingParams
+    from tests.engine.helpers import make_engine, prompts, requests, run_tokens
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    ps = prompts(4, seed=1, vocab=1000)
+    model = load_checkpoint(quantized["w8a8"])[0].eval()
+    outs = {}
+    for k in (0, 1):
+        eng = make_engine(model, k, adaptive_speculation=False)
+        assert eng.runtime.decode_path == "static"
+        outs["static", k] = run_tokens(eng, requests(ps, greedy))
+    dec = model.static_decoder
+    n = model.config.num_hidden_layers
+    assert dec.kind(n) not in {dec.kind(i) for i in range(n)}, [dec.kind(i) for i in range(n + 1)]
+    monkeypatch.setattr(worker_module, "supports_static_decode", lambda *a: False)
+    for k in (0, 1):
+        eng = make_engine(model, k, adaptive_speculation=False)
+        assert eng.runtime.decode_path == "eager"
+        outs["varlen", k] = run_tokens(eng, requests(ps, greedy))
+    assert all(out == outs["varlen", 0] for out in outs.values())
