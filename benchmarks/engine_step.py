@@ -26,6 +26,15 @@ Usage (from the repository root):
   python -m benchmarks.engine_step --size small --device cpu                               # anywhere
   python -m benchmarks.engine_step --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1
   python -m benchmarks.engine_step --model models/deepseek-v3-tiny-mtp --device cpu --compile on --batch 1,16 --reps 5 --split
+  python -m benchmarks.engine_step --model .cache/bench-models/deepseek-v3-0.5b-mtp --batch 1 --modes off,k1   # realistic size
+
+``--model``: the checkpoint's own dtype unless ``--dtype``; its MTP layer as it is (the
+benchmarks.models folders carry the high-acceptance edit).  With ``--model`` the weight-
+streaming limit (benchmarks.harness.streaming_limit_gbps, this process's threads) is
+measured after the timed runs, and each MTP-off row is set against it: the step a pure
+weight stream would take, the bytes it reads (harness.active_weight_bytes) over GB/s.
+Every row also reports max step / median step over the timed steps (after the warm-up):
+how far the slowest step strays (a late compile, an allocation, the shared machine).
 """
 from __future__ import annotations
 
@@ -134,6 +143,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: to
             per_seq_step += [len(o.token_ids) for o in outs if o.token_ids]
     total = sum(times)
     return {"tokens": toks, "steps": len(times), "step_ms": 1e3 * statistics.median(times) if times else 0.0,
+            "max_over_median": max(times) / statistics.median(times) if times else None,
             "tok_s": decode_tokens / total if total else 0.0,
             "tok_per_step": statistics.fmean(per_seq_step) if per_seq_step else 0.0,
             "layers_ms": 1e3 * statistics.median(layer_times) if layer_times else None}
@@ -145,7 +155,8 @@ def _median_run(runs: list[dict]) -> dict:
     def med(key):
         vals = [r[key] for r in runs if r[key] is not None]
         return statistics.median(vals) if vals else None
-    return {**runs[0], "step_ms": med("step_ms"), "tok_s": med("tok_s"), "layers_ms": med("layers_ms")}
+    return {**runs[0], "step_ms": med("step_ms"), "tok_s": med("tok_s"), "layers_ms": med("layers_ms"),
+            "max_over_median": max((r["max_over_median"] for r in runs if r["max_over_median"]), default=None)}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -163,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time this checkpoint folder instead (e.g. models/deepseek-v3-tiny-mtp); "
                          "its own MTP layer, no acceptance edit")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                    help="default bf16 on CUDA, fp32 on CPU")
+                    help="default: the checkpoint's with --model, else bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--modes", default="off,k1,k2",
+                    help="which of off,k1,k2 to time (off is required: the ratios are against it)")
     ap.add_argument("--compile", choices=("on", "off"), default="off",
                     help="EngineConfig.compile: torch.compile (Inductor) of the static decode step")
     ap.add_argument("--batch", default="1,16", help="batch sizes (comma separated)")
@@ -180,12 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path,
                     help="write the report (JSON) here; a bare file name goes under docs/bench/")
     args = ap.parse_args(argv)
+    names = args.modes.split(",")
+    if "off" not in names or set(names) - {"off", "k1", "k2"}:
+        ap.error("--modes: a comma-separated subset of off,k1,k2 that includes off")
+    modes = tuple(m for m in MODES if m[0] in names)
     if args.split and args.device != "cpu":
         ap.error("--split times host calls, which an accelerator runs asynchronously: CPU only")
 
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
+    if args.dtype is None and args.model is not None:
+        import json
+        stored = json.loads((args.model / "config.json").read_text()).get("torch_dtype")
+        args.dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(stored)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     dtype = DTYPES[dtype_name]
     batches = [int(b) for b in args.batch.split(",")]
@@ -218,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     max_batch = max(batches)
     engines = {}
-    for mode, k in MODES:
+    for mode, k in modes:
         t0 = time.perf_counter()
         engines[mode] = make_engine(model, k, args, device, max_batch)
         rt = engines[mode].runtime
@@ -233,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, dict[str, dict]] = {}
     for b in batches:
         prompts = make_prompts(b, cfg.vocab_size, args.seed + b)
-        runs: dict[str, list[dict]] = {mode: [] for mode, _ in MODES}
+        runs: dict[str, list[dict]] = {mode: [] for mode, _ in modes}
         for rep in range(args.reps):          # alternate the order so drift hits every mode
-            for mode, _ in (MODES if rep % 2 == 0 else MODES[::-1]):
+            for mode, _ in (modes if rep % 2 == 0 else modes[::-1]):
                 runs[mode].append(run(engines[mode], prompts, args.max_tokens, device, "r", layers))
         results[b] = {mode: _median_run(r) for mode, r in runs.items()}
 
@@ -243,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print()
     print(f"{'batch':>5} {'mode':>4} {'steps':>6} {'step ms':>9} {'tok/s':>9} {'tok/step':>9} "
-          f"{'step/off':>9} {'tok/s/off':>10}")
+          f"{'step/off':>9} {'tok/s/off':>10} {'max/med':>8}")
     for b in batches:
         off = results[b]["off"]
-        for mode, k in MODES:
+        for mode, k in modes:
             r = results[b][mode]
             step_ratio = r["step_ms"] / off["step_ms"] if off["step_ms"] else 0.0
             tps_ratio = r["tok_s"] / off["tok_s"] if off["tok_s"] else 0.0
@@ -254,21 +275,52 @@ def main(argv: list[str] | None = None) -> int:
                          "step_ms": round(r["step_ms"], 3), "tok_s": round(r["tok_s"], 1),
                          "tok_per_step": round(r["tok_per_step"], 3),
                          "layers_ms": round(r["layers_ms"], 3) if r["layers_ms"] is not None else None,
-                         "step_ratio_vs_off": round(step_ratio, 3), "tok_s_ratio_vs_off": round(tps_ratio, 3)})
+                         "step_ratio_vs_off": round(step_ratio, 3), "tok_s_ratio_vs_off": round(tps_ratio, 3),
+                         "max_over_median": round(r["max_over_median"], 2) if r["max_over_median"] else None})
+            mm = f"{r['max_over_median']:.2f}" if r["max_over_median"] else "-"
             print(f"{b:>5} {mode:>4} {r['steps']:>6} {r['step_ms']:>9.2f} {r['tok_s']:>9.1f} "
-                  f"{r['tok_per_step']:>9.2f} {step_ratio:>9.2f} {tps_ratio:>10.2f}")
+                  f"{r['tok_per_step']:>9.2f} {step_ratio:>9.2f} {tps_ratio:>10.2f} {mm:>8}")
     print()
     summary = {}
     for b in batches:
-        off, k1, k2 = (results[b][m] for m in ("off", "k1", "k2"))
-        summary[b] = {"k1_step_over_off_step": k1["step_ms"] / off["step_ms"],
-                      "k1_tok_s_over_off": k1["tok_s"] / off["tok_s"],
-                      "k2_tok_s_over_off": k2["tok_s"] / off["tok_s"]}
-        s = summary[b]
-        print(f"# batch {b}: k=1 step / off step {s['k1_step_over_off_step']:.2f}; tokens/s "
-              f"k=1 / off {s['k1_tok_s_over_off']:.2f}, k=2 / off {s['k2_tok_s_over_off']:.2f}; "
-              f"k=1 / off at acceptance a is at most (1 + a) / {s['k1_step_over_off_step']:.2f} "
-              f"({2 / s['k1_step_over_off_step']:.2f} at a = 1)")
+        off = results[b]["off"]
+        s = summary[b] = {}
+        parts = []
+        for mode, k in modes[1:]:
+            r = results[b][mode]
+            s[f"{mode}_step_over_off_step"] = r["step_ms"] / off["step_ms"]
+            s[f"{mode}_tok_s_over_off"] = r["tok_s"] / off["tok_s"]
+            s[f"{mode}_tok_per_step"] = r["tok_per_step"]
+            parts.append(f"k={k}: step / off step {s[f'{mode}_step_over_off_step']:.2f}, tokens/s / off "
+                         f"{s[f'{mode}_tok_s_over_off']:.2f}, {r['tok_per_step']:.2f} tokens per step")
+        line = f"# batch {b}: " + "; ".join(parts)
+        if "k1" in results[b]:
+            line += (f"; k=1 / off at acceptance a is at most (1 + a) / {s['k1_step_over_off_step']:.2f} "
+                     f"({2 / s['k1_step_over_off_step']:.2f} at a = 1)")
+        print(line)
+    limit = None
+    if args.model is not None:
+        limit = {"streaming": harness.streaming_limit_gbps(torch.get_num_threads(), device=args.device),
+                 "batches": {}}
+        gbps = limit["streaming"]["bf16" if dtype_name == "bf16" else "fp32"]
+        print(f"# weight-streaming limit: {dtype_name} GEMV {gbps:.2f} GB/s "
+              f"({limit['streaming']['weight_mib']} MiB weight, {torch.get_num_threads()} thread(s); "
+              f"bf16 {limit['streaming']['bf16']:.2f}, fp32 {limit['streaming']['fp32']:.2f}, int8 _int_mm "
+              f"{limit['streaming']['int8'] or 0:.2f} GB/s)")
+        if dtype_name != ("bf16" if "bfloat16" in str(cfg.torch_dtype) else "fp32"):
+            print(f"# (served as {dtype_name}, stored as {cfg.torch_dtype}: the bytes below are the stored dtype's)")
+        for b in batches:
+            limit["batches"][b] = {}
+            for mode, k in modes:
+                nbytes = harness.step_weight_bytes(args.model, b, k)
+                bound_ms = 1e3 * nbytes / (gbps * 1e9)
+                r = results[b][mode]
+                limit["batches"][b][mode] = {"step_bytes": nbytes, "bound_step_ms": bound_ms,
+                                             "share": bound_ms / r["step_ms"]}
+                print(f"# batch {b} {mode}: a step reads {nbytes / 1e6:.0f} MB of weights: {bound_ms:.1f} ms "
+                      f"at {gbps:.2f} GB/s; it took {r['step_ms']:.1f} ms = {bound_ms / r['step_ms']:.0%} of "
+                      f"the streaming limit's speed" + ("" if k == 0 else
+                      f" (bytes {nbytes / limit['batches'][b]['off']['step_bytes']:.2f}x off's)"))
 
     if layers is not None:
         print(f"{'batch':>5} {'mode':>4} {'step ms':>9} {'layers ms':>10} {'rest ms':>9} "
@@ -276,11 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             off = results[b]["off"]
             off_rest = off["step_ms"] - off["layers_ms"]
-            for mode, _ in MODES:
+            for mode, _ in modes:
                 r = results[b][mode]
                 rest = r["step_ms"] - r["layers_ms"]
                 print(f"{b:>5} {mode:>4} {r['step_ms']:>9.2f} {r['layers_ms']:>10.2f} {rest:>9.2f} "
                       f"{r['layers_ms'] / off['layers_ms']:>11.2f} {rest / off_rest:>9.2f}")
+            if "k1" not in results[b]:
+                continue
             k1 = results[b]["k1"]
             print(f"# batch {b}: with every part of a step but the layer calls free, k=1 / off "
                   f"would be at most {k1['tok_per_step'] * off['layers_ms'] / k1['layers_ms']:.2f} "
@@ -291,19 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     mismatches = []
     for b in batches:
         ref = results[b]["off"]["tokens"]
-        for mode in ("k1", "k2"):
+        for mode, _ in modes[1:]:
             for rid, toks in results[b][mode]["tokens"].items():
                 pos = first_difference(ref[rid], toks)
                 if pos is not None:
                     mismatches.append({"batch": b, "mode": mode, "request": rid, "position": pos,
                                        "len_off": len(ref[rid]), "len_mode": len(toks)})
+    same = " == ".join(["MTP off"] + [f"k={k}" for _, k in modes[1:]])
     if mismatches:
         first = min(mismatches, key=lambda m: m["position"])
-        print(f"lossless (greedy tokens MTP off == k=1 == k=2): MISMATCH in {len(mismatches)} "
+        print(f"lossless (greedy tokens {same}): MISMATCH in {len(mismatches)} "
               f"request(s); earliest at output position {first['position']} "
               f"(batch {first['batch']}, {first['mode']}, {first['request']})")
     else:
-        print("lossless (greedy tokens MTP off == k=1 == k=2): OK")
+        print(f"lossless (greedy tokens {same}): OK")
     wall = time.perf_counter() - t_start
     print(f"# total {wall:.1f}s")
 
@@ -314,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_s": {m: e.runtime.compile_seconds for m, e in engines.items()},
         "decode_path": {m: e.runtime.decode_path for m, e in engines.items()},
         "lossless": "OK" if not mismatches else "MISMATCH", "mismatches": mismatches,
+        "streaming_limit": limit,
     }, args.json)
     return 1 if mismatches else 0
 

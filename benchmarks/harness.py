@@ -323,6 +323,169 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- weight streaming
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs reports (the last level), 0 if unknown."""
+    best = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            pass
+    return best
+
+
+def streaming_limit_gbps(threads: int | None = None, weight_mib: int | None = None,
+                         reps: int = 7, device: str = "cpu") -> dict:
+    """The machine's weight-streaming rate, as a decode step meets it: GB/s of one
+    [1, K] x [K, N] product over a weight larger than the last-level cache (default
+    max(512 MiB, 2 x LLC), at most 2 GiB), ``F.linear`` on a [N, K] weight as the model's
+    linears call it, with ``threads`` torch threads (the daemons' ``--threads``); the
+    median of ``reps`` runs after a warm one.
+
+    Keys: "bf16" (the bf16 GEMV: the limit of a bf16 checkpoint), "int8" (``torch._int_mm``
+    at M=1 on the same bytes as int8 [N, 2K], as the int8 linears call it; M=17 on CUDA,
+    whose kernel needs M > 16; None where this torch has no kernel for it), "fp32" (an fp32 GEMV over as many bytes: how
+    close the bf16 kernel comes to what the memory gives), "weight_mib", "threads",
+    "llc_mib".  ``device`` "cuda": the same on the GPU (synchronized around each run; the
+    weight 2 GiB, well above any L2)."""
+    import torch
+    import torch.nn.functional as F
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    llc = last_level_cache_bytes()
+    mib = weight_mib or (2048 if dev.type == "cuda" else min(2048, max(512, 2 * llc >> 20)))
+    k = 8192
+    n = (mib << 20) // (2 * k)
+
+    def rate(fn, nbytes: int) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times) / 1e9
+
+    try:
+        w = torch.empty(n, k, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+        out = {"bf16": rate(lambda: F.linear(x, w), w.nbytes)}
+        w8 = w.view(torch.int8)                    # the same bytes as int8 [n, 2k]
+        x8 = torch.randint(-127, 128, (1 if dev.type == "cpu" else 17, 2 * k), dtype=torch.int8, device=dev)
+        try:
+            out["int8"] = rate(lambda: torch._int_mm(x8, w8.t()), w8.nbytes)
+        except RuntimeError:
+            out["int8"] = None
+        del w, w8
+        w32 = torch.empty(n // 2, k, dtype=torch.float32, device=dev).uniform_(-1, 1)
+        x32 = torch.randn(1, k, device=dev)
+        out["fp32"] = rate(lambda: F.linear(x32, w32), w32.nbytes)
+        del w32
+    finally:
+        torch.set_num_threads(old)
+    return {**out, "weight_mib": mib, "threads": threads or old, "llc_mib": llc >> 20}
+
+
+def _element_bytes(dtype: str) -> float:
+    return {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}.get(dtype, 2)
+
+
+def weight_table(config) -> tuple[dict, list[tuple[str, int, float]]]:
+    """(the config dict, [(parameter name, elements, bytes per element)]) of a checkpoint
+    as stored: ``config`` is a checkpoint folder, a config.json dict or a DeepseekConfig.
+    Quantized folders (msModelSlim description, compressed-tensors, FP8 blocks) count
+    their int8 / int4 / fp8 weights at 1 / 0.5 / 1 byte (scales left out)."""
+    from server.model.config import DeepseekConfig
+    from server.model.deepseek_v3 import DeepseekV3ForCausalLM
+    from server.model.meta import meta_device
+    desc: dict = {}
+    if isinstance(config, (str, Path)):
+        folder = Path(config)
+        raw = json.loads((folder / "config.json").read_text())
+        for f in folder.glob("quant_model_description*.json"):
+            desc = json.loads(f.read_text())
+    elif isinstance(config, dict):
+        raw = config
+    else:
+        raw, cfg = None, config
+    cfg = DeepseekConfig.from_hf(dict(raw)) if raw is not None else cfg
+    if raw is None:
+        import dataclasses
+        raw = {**cfg.extra, **{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}}
+    qc = raw.get("quantization_config") or {}
+    base = _element_bytes(str(raw.get("torch_dtype") or cfg.torch_dtype))
+    with meta_device():
+        model = DeepseekV3ForCausalLM(cfg)
+    rows = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        prefix = name.rpartition(".")[0]
+        size = base
+        if name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            size = 4                                       # routing stays float32
+        elif desc:
+            size = {"W8A8": 1, "W8A8_DYNAMIC": 1, "W4A8_DYNAMIC": 0.5}.get(desc.get(name, "FLOAT"), base)
+        elif qc.get("quant_method") == "compressed-tensors" and p.dim() == 2 and not prefix.endswith(
+                ("lm_head", "kv_b_proj", "shared_head.head", "embed_tokens", "mlp.gate")):
+            size = 1
+        elif qc.get("quant_method") == "fp8" and p.dim() == 2 and (".self_attn." in name or ".mlp." in name):
+            size = 1
+        rows.append((name, p.numel(), size))
+    return raw, rows
+
+
+def _split_bytes(raw: dict, rows: list, tokens: int) -> tuple[float, float]:
+    """(main model bytes, one MTP pass's bytes) read for ``tokens`` tokens."""
+    n = int(raw["num_hidden_layers"])
+    hidden = int(raw["hidden_size"])
+    e, k = int(raw.get("n_routed_experts") or 0), int(raw.get("num_experts_per_tok") or 0)
+    experts = e * (1 - (1 - k / e) ** tokens) if e else 0.0
+    main = mtp = 0.0
+    for name, numel, size in rows:
+        b = numel * size
+        if name.endswith("embed_tokens.weight"):
+            b = tokens * hidden * size                     # rows looked up, not the table
+        elif ".mlp.experts." in name:
+            b *= experts / e                               # the share of experts a step touches
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= n:
+            mtp += b
+        else:
+            main += b
+    mtp += tokens * hidden * _element_bytes(str(raw.get("torch_dtype")))  # its embedding rows
+    return main, mtp
+
+
+def active_weight_bytes(config, tokens: int = 1, draft_passes: int = 0,
+                        draft_tokens: int | None = None) -> int:
+    """Weight bytes one step reads for ``tokens`` tokens of the main model (a batch of
+    ``tokens`` sequences, or verify windows), plus ``draft_passes`` MTP passes over
+    ``draft_tokens`` tokens each (default ``tokens``): the embedding rows, every layer's
+    attention, norms, router, dense MLP or shared experts and its routed experts, the
+    final norm and lm_head; for an MTP pass the MTP layer (eh_proj, its block, its head,
+    read again although it is lm_head).  Routed experts: top-k for one token; for t tokens
+    the expected distinct experts under uniform routing, E * (1 - (1 - k/E)^t).  In the
+    checkpoint's dtype (``weight_table``); ``config`` as ``weight_table`` takes it."""
+    raw, rows = weight_table(config)
+    main, _ = _split_bytes(raw, rows, tokens)
+    mtp = _split_bytes(raw, rows, draft_tokens or tokens)[1] if draft_passes else 0.0
+    return int(main + draft_passes * mtp)
+
+
+def step_weight_bytes(config, batch: int = 1, k: int = 0) -> int:
+    """Weight bytes of one decode step of ``batch`` sequences with MTP k: the main model
+    over batch x (1 + k) verify tokens, then k MTP passes over ``batch`` tokens (a lower
+    bound: a pass after accepted drafts may run more positions)."""
+    return active_weight_bytes(config, tokens=batch * (1 + k), draft_passes=k, draft_tokens=batch)
+
+
 # --------------------------------------------------------------------------- reports
 
 def cpu_model() -> str:

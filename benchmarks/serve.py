@@ -23,6 +23,26 @@ Usage (from the repository root; scripts/bench.sh runs it in .venv with the benc
   python -m benchmarks.serve --compare structured [--concurrency 16]     # MTP k=1: with vs without a
                                                                        # json_schema (benchmarks.structured)
   python -m benchmarks.serve --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027/metrics  # a running daemon
+  python -m benchmarks.serve --model DIR                                 # any checkpoint folder instead of the config's
+  python -m benchmarks.serve --realistic 0.5b [--modes off,k1] [--concurrency 1,8,16,64]
+                                                                       # a realistic-size bf16 model (benchmarks.models,
+                                                                       # built on first use), its MTP-off rows also as a
+                                                                       # share of the machine's weight-streaming limit
+
+Realistic-size rows (``--realistic``, or any ``--model``): the weight-streaming limit
+(harness.streaming_limit_gbps: a bf16 GEMV over a weight larger than the last-level
+cache, at the daemons' thread count) is measured in this process before and after the
+bursts (the daemons idle meanwhile); a row's limit is concurrency x GB/s / the weight
+bytes a step reads for that many tokens (harness.active_weight_bytes), and MTP-off rows
+report tok/s and concurrency / TPOT p50 (decode alone) as a share of it.  Defaults with
+``--realistic``: concurrency 1,8; transformers generate() at batch 1 in the checkpoint's
+dtype; each daemon's KV pool ``--kv-gib`` GiB; ``--daemon-compile wait``: each daemon
+compiles its step graphs in its own process before it reports ready (into a cache private
+to the run), because graphs compiled in the background by the compile children answered
+token 0 for every position on bf16 checkpoints (2026-12-04, the tiny checkpoint in bf16
+too; float32 was right), and start-up (the compile) is reported apart.  Every daemon
+then answers one greedy 16-token chat, printed, and a daemon answering no text is flagged:
+its rows are not valid.
 """
 from __future__ import annotations
 
@@ -40,12 +60,15 @@ from benchmarks.harness import Target, burst, start_daemon, stop_daemon
 
 # --------------------------------------------------------------------------- references
 
-def burst_size(concurrency: int, quick: bool) -> int:
+def burst_size(concurrency: int, quick: bool, requests: int | None = None) -> int:
     """Requests per burst at a concurrency level (the transformers rows do the same work).
 
     At least 12 (8 with --quick): a burst of 4 requests at concurrency 1 lasted well under
     a second, and on the shared machine the per-burst TPOT of one configuration ranged
-    2.2-3.2 ms, which the medians of three repetitions did not smooth out."""
+    2.2-3.2 ms, which the medians of three repetitions did not smooth out.  ``requests``
+    (--requests) overrides it."""
+    if requests:
+        return requests
     return max(concurrency * (2 if quick else 3), 8 if quick else 12)
 
 
@@ -63,7 +86,8 @@ class TransformersPeer:
     meantime moved the ratio by as much."""
 
     def __init__(self, weights: Path, prompts: list[list[dict]], max_tokens: int,
-                 batch_sizes: list[int], ignore_eos: bool, quick: bool) -> None:
+                 batch_sizes: list[int], ignore_eos: bool, quick: bool,
+                 requests: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.torch = torch
@@ -72,14 +96,14 @@ class TransformersPeer:
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         self.pad_id = tok.pad_token_id
-        self.model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=checkpoint_dtype(weights)).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_tokens, self.ignore_eos = max_tokens, ignore_eos
         self.batches: dict[int, list] = {}
         for bs in batch_sizes:
             texts = [tok.apply_chat_template(prompts[i % len(prompts)], tokenize=False, add_generation_prompt=True)
-                     for i in range(burst_size(bs, quick))]
+                     for i in range(burst_size(bs, quick, requests))]
             self.batches[bs] = [tok(texts[i:i + bs], return_tensors="pt", padding=True, add_special_tokens=False)
                                 for i in range(0, len(texts), bs)]
         self.rates: dict[int, list[float]] = {bs: [] for bs in batch_sizes}
@@ -105,11 +129,19 @@ class TransformersPeer:
         return {bs: statistics.median(r) for bs, r in self.rates.items() if r}
 
 
+def checkpoint_dtype(weights: Path):
+    """The torch dtype a checkpoint folder's config.json names (the daemon serves in it)."""
+    import json
+    from server.model.dtypes import TORCH_DTYPES
+    return TORCH_DTYPES[json.loads((weights / "config.json").read_text()).get("torch_dtype") or "float32"]
+
+
 def prefill_forward_seconds(weights: Path, num_tokens: int, reps: int = 5) -> float:
-    """Median wall time of one no-cache forward over `num_tokens` tokens with our model."""
+    """Median wall time of one no-cache forward over `num_tokens` tokens with our model,
+    in the checkpoint's dtype (as the daemon serves it)."""
     import torch
     from server.model.loader import load_checkpoint
-    model, _ = load_checkpoint(weights, dtype=torch.float32)
+    model, _ = load_checkpoint(weights, dtype=checkpoint_dtype(weights))
     ids = torch.randint(0, model.config.vocab_size, (1, num_tokens))
     times = []
     with torch.inference_mode():
@@ -169,12 +201,38 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every request to max_tokens (past the model's answer) instead of stopping at EOS")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers reference rows")
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="serve this checkpoint folder (every daemon) instead of the config's modelWeightPath")
+    ap.add_argument("--realistic", choices=("0.5b", "1.6b"), default=None,
+                    help="serve a realistic-size bf16 model (benchmarks.models; built under --models-dir "
+                         "when missing) and report MTP-off rows against the weight-streaming limit")
+    ap.add_argument("--models-dir", type=Path, default=None,
+                    help="where --realistic finds or builds its checkpoint (default .cache/bench-models)")
+    ap.add_argument("--modes", default="off,k1,k2",
+                    help="with --compare mtp: which of off,k1,k2 to start (default all three)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per burst (default: 3 x the concurrency, at least 12; 8 with --quick)")
+    ap.add_argument("--daemon-compile", choices=("background", "wait", "off"), default=None,
+                    help="background: the daemon's default (compile children, switch when ready); wait: "
+                         "MTP_SERVE_COMPILE_WAIT=1 with a cache private to the run; off: MTP_SERVE_COMPILE=0. "
+                         "Default wait with --model/--realistic, else background")
+    ap.add_argument("--kv-gib", type=int, default=None,
+                    help="each daemon's KV pool in GiB (npuMemSize; default 1 with --model/--realistic, "
+                         "else the config's)")
     args = ap.parse_args(argv)
+    if args.realistic:
+        if args.model:
+            ap.error("--realistic picks its own model; drop --model")
+        from benchmarks import models
+        args.model = models.ensure(args.realistic, args.models_dir or models.DEFAULT_DIR,
+                                   log=lambda m: print(m, file=sys.stderr))
+    realistic = args.model is not None
     if args.compare in ("kvpool", "pd", "structured"):     # comparisons with their own rows
         import importlib
         return importlib.import_module(f"benchmarks.{args.compare}").run(args)
 
-    levels = harness.levels(args.concurrency, "1,4,16,64" if args.compare == "mtp" else "1,16,64")
+    levels = harness.levels(args.concurrency, "1,8" if args.realistic else
+                            "1,4,16,64" if args.compare == "mtp" else "1,16,64")
     if args.compare == "quant" and not args.quantized:
         ap.error("--compare quant needs --quantized DIR (made by python -m training.quantize)")
     compile_dir = Path(tempfile.mkdtemp(prefix="bench-compile-"))
@@ -199,13 +257,28 @@ def main(argv: list[str] | None = None) -> int:
                         ("p-k1", 1, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "1"})),
             "mtp": (("off", 0, False, None, False), ("k1", 1, False, None, False),
                     ("k2", 2, False, None, False))}[args.compare]
+    if args.compare == "mtp":
+        modes = args.modes.split(",")
+        if not modes or set(modes) - {"off", "k1", "k2"}:
+            ap.error("--modes: a comma-separated subset of off,k1,k2")
+        plan = tuple(p for p in plan if p[0] in modes)
     import torch
     torch.set_num_threads(args.threads)                # the reference rows run in this process
     reps = args.reps or (1 if args.quick else 3)
     max_tokens = 32 if args.quick and args.max_tokens == 64 else args.max_tokens
     prompt_set = harness.load_prompts()
     prompts = prompt_set["prompts"]
-    weights = harness.weights_of(args.config_file)
+    weights = args.model.resolve() if args.model else harness.weights_of(args.config_file)
+    kv_gib = args.kv_gib if args.kv_gib is not None else (1 if realistic else None)
+
+    daemon_compile = args.daemon_compile or ("wait" if realistic else "background")
+    compile_env = {"wait": {"MTP_SERVE_COMPILE_WAIT": "1", "MTP_SERVE_COMPILE_CACHE": str(compile_dir / "run"),
+                            "TORCHINDUCTOR_CACHE_DIR": str(compile_dir / "run-inductor")},
+                   "off": {"MTP_SERVE_COMPILE": "0"}}.get(daemon_compile, {})
+
+    def edit(cfg: dict) -> None:
+        if kv_gib is not None:
+            cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["npuMemSize"] = kv_gib
 
     targets: list[Target] = []
     failed = True
@@ -216,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, k, async_on, target_weights, kv_int8, *extra in plan:
                 print(f"starting daemon {name} ...", file=sys.stderr)
                 targets.append(start_daemon(name, args.config_file, k, args.threads, async_on,
-                                            target_weights, kv_int8,
-                                            extra_env=extra[0] if extra else None,
-                                            world_size=extra[1] if len(extra) > 1 else 1))
+                                            target_weights or args.model, kv_int8,
+                                            extra_env={**compile_env, **(extra[0] if extra else {})},
+                                            timeout=1800.0 if daemon_compile == "wait" else 300.0,
+                                            world_size=extra[1] if len(extra) > 1 else 1,
+                                            edit_config=edit))
         model = asyncio.run(harness.model_id(targets[0]))
         runtimes = {t.name: harness.runtime_of(t) for t in targets}
         ttft_prompt = long_prompt(weights, 200)
@@ -226,17 +301,25 @@ def main(argv: list[str] | None = None) -> int:
         if not args.url and not args.no_peer and args.compare == "mtp":
             print("loading the transformers reference ...", file=sys.stderr)
             peer = TransformersPeer(weights, prompts, max_tokens,
-                                    [1, 16] if 16 in levels or not args.quick else [1],
-                                    args.ignore_eos, args.quick)
+                                    [1] if realistic else [1, 16] if 16 in levels or not args.quick else [1],
+                                    args.ignore_eos, args.quick, args.requests)
         total = reps * len(levels) * len(targets) + reps * len(targets) + (reps if peer else 0)
         prog = Progress(total)
         raw: dict[str, dict[int, list[dict]]] = {t.name: {c: [] for c in levels} for t in targets}
         ttft_raw: dict[str, list[float]] = {t.name: [] for t in targets}
         ttft_prompt_tokens = 0
         warmup = {t.name: harness.chat_warm_up(t, model, prompts) for t in targets}
+        samples = {t.name: sample_answer(t, model, prompts[0]) for t in targets}
+        for name, text in samples.items():
+            print(f"{name} answers {prompts[0][-1]['content']!r} with {text!r}"
+                  + ("" if text.strip() else "  <- NO TEXT: this daemon's rows are not valid"), file=sys.stderr)
+        streaming = []
+        if realistic:                    # the daemons idle meanwhile
+            print("measuring the weight-streaming limit ...", file=sys.stderr)
+            streaming.append(harness.streaming_limit_gbps(args.threads))
         for _ in range(reps):
             for c in levels:
-                n = burst_size(c, args.quick)
+                n = burst_size(c, args.quick, args.requests)
                 for t in targets:        # alternate so drift hits every configuration
                     raw[t.name][c].append(asyncio.run(burst(t, model, prompts, c, n, max_tokens,
                                                                 args.ignore_eos)))
@@ -249,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             if peer is not None:         # between the bursts too, so drift hits it alike
                 peer.measure()
                 prog.step("transformers")
+        if realistic:
+            streaming.append(harness.streaming_limit_gbps(args.threads))
         # keep the daemons' logs when any request failed, to see why
         failed = any(r.get("errors") for per in raw.values() for runs in per.values() for r in runs)
     finally:
@@ -270,12 +355,75 @@ def main(argv: list[str] | None = None) -> int:
               "compiled_s": {t.name: round(t.compiled_s, 1) for t in targets if t.compiled_s is not None},
               "decode_compiled_s": {t.name: round(t.decode_compiled_s, 1) for t in targets
                                     if t.decode_compiled_s is not None},
-              "warmup": warmup}
+              "warmup": warmup, "sample_answers": samples, "daemon_compile": daemon_compile}
+    if realistic:
+        report["realistic"] = limit_report(weights, streaming, table, levels, args.realistic)
     print_table(report)
     harness.save_report(report, args.json)
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def sample_answer(target: Target, model: str, messages: list[dict], max_tokens: int = 16) -> str:
+    """One greedy, non-streamed chat answer's text (a daemon that computes garbage shows
+    here: the realistic models never answer with special tokens)."""
+    import httpx
+    r = httpx.post(target.base_url + "/v1/chat/completions", timeout=600, json={
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    msg = r.json()["choices"][0]["message"]
+    return (msg.get("reasoning_content") or "") + (msg.get("content") or "")
+
+
+def limit_report(weights: Path, streaming: list[dict], table: dict, levels: list[int],
+                 size: str | None) -> dict:
+    """The realistic-size figures: the streaming limit (both measurements and their mean),
+    the weight bytes a step reads per concurrency, each level's limit and the MTP-off rows
+    as a share of it."""
+    import json
+    gbps = statistics.fmean(m["bf16"] for m in streaming)
+    out = {"model": str(weights), "size": size, "streaming": streaming, "bf16_gbps": gbps,
+           "parameters": None, "levels": {}}
+    marker = weights / "bench_model.json"
+    if marker.is_file():
+        out["parameters"] = json.loads(marker.read_text()).get("parameters")
+    for c in levels:
+        active = harness.active_weight_bytes(weights, tokens=c)
+        limit = c * gbps * 1e9 / active
+        row = {"active_bytes": active, "limit_tok_s": limit,
+               "k1_step_bytes": harness.step_weight_bytes(weights, c, 1),
+               "k2_step_bytes": harness.step_weight_bytes(weights, c, 2)}
+        off = table.get("off", {}).get(c)
+        if off:
+            row["off_share"] = off["output_tok_s"] / limit
+            if off.get("tpot_median"):
+                row["off_decode_share"] = c / off["tpot_median"] / limit
+        out["levels"][c] = row
+    return out
+
+
+def print_limit(rep: dict) -> None:
+    r = rep.get("realistic")
+    if not r:
+        return
+    s = r["streaming"]
+    print(f"weight-streaming limit ({s[0]['threads']} thread(s), {s[0]['weight_mib']} MiB weight, "
+          f"LLC {s[0]['llc_mib']} MiB): bf16 GEMV " + " / ".join(f"{m['bf16']:.2f}" for m in s)
+          + " GB/s before / after the bursts (mean " + f"{r['bf16_gbps']:.2f}); int8 _int_mm M=1 "
+          + " / ".join(_fmt(m["int8"], ".2f") for m in s) + " GB/s; fp32 GEMV "
+          + " / ".join(f"{m['fp32']:.2f}" for m in s) + " GB/s")
+    for c, lv in r["levels"].items():
+        share = (f"MTP off {lv['off_share']:.0%} of it (tok/s), "
+                 f"{_fmt(lv.get('off_decode_share') and 100 * lv['off_decode_share'], '.0f')}% "
+                 f"(concurrency / TPOT p50)") if "off_share" in lv else "no MTP-off row"
+        print(f"concurrency {c}: a step reads {lv['active_bytes'] / 1e6:.0f} MB of weights (k=1 step "
+              f"{lv['k1_step_bytes'] / 1e6:.0f} MB, k=2 {lv['k2_step_bytes'] / 1e6:.0f} MB); limit "
+              f"{lv['limit_tok_s']:.1f} tok/s; {share}")
+    peer = rep.get("transformers_tok_s") or {}
+    off = rep["results"].get("off", {})
+    for bs, rate in peer.items():
+        if bs in off:
+            print(f"MTP off / transformers generate() at {bs}: {off[bs]['output_tok_s'] / rate:.2f}x")
 
 
 def _fmt(x, spec=".1f") -> str:
@@ -329,6 +477,9 @@ def print_table(rep: dict) -> None:
         stop = "max_tokens" if rep.get("ignore_eos") else "EOS"
         print(f"transformers generate() batch {bs} (the daemon's requests, stop at {stop}): "
               f"{rate:.1f} tok/s{ratio}")
+    print_limit(rep)
+    for name, text in (rep.get("sample_answers") or {}).items():
+        print(f"{name} greedy answer: {text!r}" + ("" if text.strip() else "  <- NO TEXT: rows not valid"))
     if rep["prefill_forward_200_s"]:
         p = rep["prefill_forward_200_s"]
         for name, t in rep["ttft_200_prompt_s"].items():

@@ -60,6 +60,12 @@ def big_config(**overrides: Any) -> DeepseekConfig:
     ``overrides`` replace keys of the Hugging Face config dict before it is parsed (so any
     config.json field name works, e.g. ``num_hidden_layers=2``).
     """
+    return DeepseekConfig.from_hf(big_config_dict(**overrides))
+
+
+def big_config_dict(**overrides: Any) -> dict[str, Any]:
+    """The Hugging Face config.json dict ``big_config`` parses (``overrides`` replace keys);
+    benchmarks/models.py writes it next to the weights."""
     d: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -97,7 +103,7 @@ def big_config(**overrides: Any) -> DeepseekConfig:
         "torch_dtype": "bfloat16",
     }
     d.update(overrides)
-    return DeepseekConfig.from_hf(d)
+    return d
 
 
 def build_model(cfg: DeepseekConfig, device: str | torch.device = "cpu",
