@@ -93,12 +93,20 @@ def _configure() -> None:
         inductor_config.cpp.vec_isa_ok = True
 
 
+def tensor_dtypes(model) -> dict[str, torch.dtype]:
+    """The dtype of every parameter and buffer: a graph is made for these exactly (the
+    loader keeps the router in float32 in a bf16 model, for one)."""
+    return {name: t.dtype for name, t in (*model.named_parameters(), *model.named_buffers())}
+
+
 def cache_dir(model, device: torch.device) -> Path:
-    """Artifacts are valid for one torch build, device type, dtype, model shape and model code."""
+    """Artifacts are valid for one torch build, device type, dtype of every tensor, model
+    shape and model code."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mtp-serve" / "compiled")
     here = Path(static_decode.__file__).parent
     h = hashlib.sha256()
     h.update(f"{torch.__version__}|{device.type}|{next(model.parameters()).dtype}".encode())
+    h.update(repr(sorted((n, str(d)) for n, d in tensor_dtypes(model).items())).encode())
     h.update(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
@@ -266,7 +274,7 @@ class BackgroundGraphs:
     def _compile_in_children(self, files: list[str]) -> None:
         """Compile ``files`` in child processes, one per core up to four (the graphs are
         independent, and a first start is otherwise idle), each with one torch thread."""
-        spec = {"config": self.model.config, "dtype": next(self.model.parameters()).dtype,
+        spec = {"config": self.model.config, "dtypes": tensor_dtypes(self.model),
                 "block_size": self.block_size, "device": str(self.device), "folder": str(self.folder),
                 "max_query_len": self.max_query_len}
         n = max(1, min(len(files), os.cpu_count() or 1, 4))
@@ -307,10 +315,23 @@ class BackgroundGraphs:
         return time.perf_counter() - self._t0
 
 
-def _child(spec_file: Path) -> int:
-    """Compile the missing graphs of a model described by ``spec_file`` into its folder."""
+def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device):
+    """The model a compile child traces: never read, so shapes and dtypes are what count,
+    each tensor's as the serving model has it (a graph traced with a bf16 router would
+    read the serving model's float32 one wrong, and nothing checks it at call time)."""
     from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 
+    with meta_device():
+        model = DeepseekV3ForCausalLM(config)
+    model = model.to_empty(device=device)
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if name in dtypes and t.dtype != dtypes[name]:
+            t.data = torch.empty_like(t, dtype=dtypes[name])
+    return model
+
+
+def _child(spec_file: Path) -> int:
+    """Compile the missing graphs of a model described by ``spec_file`` into its folder."""
     spec = pickle.loads(spec_file.read_bytes())
     parent = os.getppid()
 
@@ -321,9 +342,7 @@ def _child(spec_file: Path) -> int:
     threading.Thread(target=watch, daemon=True).start()
     torch.set_num_threads(1)
     device = torch.device(spec["device"])
-    with meta_device():
-        model = DeepseekV3ForCausalLM(spec["config"])
-    model = model.to(spec["dtype"]).to_empty(device=device)   # never read: shapes are what count
+    model = empty_model(spec["config"], spec["dtypes"], device)
     folder = Path(spec["folder"])
     t0 = time.perf_counter()
     _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"])
