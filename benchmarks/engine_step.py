@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None,
                     help="time this checkpoint folder instead (e.g. models/deepseek-v3-tiny-mtp); "
                          "its own MTP layer, no acceptance edit")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="with --model: a second checkpoint (e.g. its int8 copy) timed MTP off "
+                         "beside the first, alternating, as the row 'alt'")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                     help="default: the checkpoint's with --model, else bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--modes", default="off,k1,k2",
@@ -239,9 +242,15 @@ def main(argv: list[str] | None = None) -> int:
 
     max_batch = max(batches)
     engines = {}
+    models = {mode: model for mode, _ in modes}
+    if args.against is not None:
+        from server.model.loader import load_checkpoint
+        models["alt"], _info = load_checkpoint(args.against, device=device)
+        modes = modes + (("alt", 0),)
+        print(f"# alt: {args.against.name}, MTP off", flush=True)
     for mode, k in modes:
         t0 = time.perf_counter()
-        engines[mode] = make_engine(model, k, args, device, max_batch)
+        engines[mode] = make_engine(models[mode], k, args, device, max_batch)
         rt = engines[mode].runtime
         print(f"# engine {mode}: decode path {rt.decode_path}, KV blocks {rt.num_kv_blocks}, "
               f"built in {time.perf_counter() - t0:.1f}s"
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             s[f"{mode}_step_over_off_step"] = r["step_ms"] / off["step_ms"]
             s[f"{mode}_tok_s_over_off"] = r["tok_s"] / off["tok_s"]
             s[f"{mode}_tok_per_step"] = r["tok_per_step"]
-            parts.append(f"k={k}: step / off step {s[f'{mode}_step_over_off_step']:.2f}, tokens/s / off "
+            parts.append(f"{'alt' if mode == 'alt' else f'k={k}'}: step / off step {s[f'{mode}_step_over_off_step']:.2f}, tokens/s / off "
                          f"{s[f'{mode}_tok_s_over_off']:.2f}, {r['tok_per_step']:.2f} tokens per step")
         line = f"# batch {b}: " + "; ".join(parts)
         if "k1" in results[b]:
@@ -312,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             limit["batches"][b] = {}
             for mode, k in modes:
-                nbytes = harness.step_weight_bytes(args.model, b, k)
+                nbytes = harness.step_weight_bytes(args.against if mode == "alt" else args.model, b, k)
                 bound_ms = 1e3 * nbytes / (gbps * 1e9)
                 r = results[b][mode]
                 limit["batches"][b][mode] = {"step_bytes": nbytes, "bound_step_ms": bound_ms,
@@ -343,15 +352,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- lossless ----
     mismatches = []
+    spec_modes = tuple(m for m in modes[1:] if m[0] != "alt")   # alt: another checkpoint
     for b in batches:
         ref = results[b]["off"]["tokens"]
-        for mode, _ in modes[1:]:
+        for mode, _ in spec_modes:
             for rid, toks in results[b][mode]["tokens"].items():
                 pos = first_difference(ref[rid], toks)
                 if pos is not None:
                     mismatches.append({"batch": b, "mode": mode, "request": rid, "position": pos,
                                        "len_off": len(ref[rid]), "len_mode": len(toks)})
-    same = " == ".join(["MTP off"] + [f"k={k}" for _, k in modes[1:]])
+    same = " == ".join(["MTP off"] + [f"k={k}" for _, k in spec_modes])
     if mismatches:
         first = min(mismatches, key=lambda m: m["position"])
         print(f"lossless (greedy tokens {same}): MISMATCH in {len(mismatches)} "

@@ -24,7 +24,7 @@ PACKAGES=(
   orjson prometheus-client safetensors tokenizers jinja2 markupsafe
   # tokenizers -> huggingface-hub (imported lazily; small)
   huggingface-hub hf-xet filelock fsspec pyyaml tqdm packaging
-  # HTTP clients: benchmarks/ (httpx), tests/api (openai -> httpx2)
+  # HTTP clients: benchmarks/ (httpx), tests/daemon (openai -> httpx2)
   httpx httpcore anyio sniffio idna certifi
   openai distro jiter httpx2 httpcore2 truststore
   # test runner

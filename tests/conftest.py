@@ -1,4 +1,5 @@
-"""Suite-wide settings: keep torch to the machine's cores and make runs repeatable."""
+"""Suite-wide settings (one torch thread, runs repeatable) and the fixtures of more than one
+folder."""
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -8,6 +9,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # step has its own tests, which ask for it (tests/engine/test_compiled_step.py).
 os.environ.setdefault("MTP_SERVE_COMPILE", "0")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the tests run tiny models, where a second thread only adds
+# synchronisation, and on a shared 2-core machine its spin-waits slow every step badly.
+# (Daemons the tests start set their own threads.)
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory):
+    """One random tiny checkpoint (with MTP weights) per session, for the daemon tests and
+    the daemon's start-up units."""
+    from server.testing.daemon import tiny_checkpoint
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"))

@@ -38,7 +38,7 @@ def _functions(item: pytest.Item) -> list:
 
 
 def _starts_daemon(item: pytest.Item) -> bool:
-    """The test or a fixture it uses runs ``Daemon(...)`` (tests/api/daemon_proc.py: a
+    """The test or a fixture it uses runs ``Daemon(...)`` (server/testing/daemon.py: a
     real ``python -m server`` process)."""
     return any("Daemon(" in _source(f) for f in _functions(item))
 
@@ -70,18 +70,18 @@ def test_daemon_tests_are_slow_and_demo_tests_are_demo(request):
 
 
 def test_the_checks_recognise_daemon_and_demo_tests(request):
-    """The detectors themselves: they must see tests/api's daemon fixtures and the demo
+    """The detectors themselves: they must see tests/daemon's daemon fixtures and the demo
     model's folder (else the test above would pass vacuously).  Only meaningful when
     those tests were collected."""
     by_file = {name: [i for i in request.session.items
                       if isinstance(i, pytest.Function) and f"tests/{name}::" in i.nodeid]
-               for name in ("api/test_daemon_openai.py", "api/test_daemon_demo.py",
+               for name in ("daemon/test_daemon_openai.py", "daemon/test_daemon_demo.py",
                             "demo/test_demo_model.py", "engine/test_demo_acceptance.py")}
     if not any(by_file.values()):
         pytest.skip("none of the daemon or demo test modules is in this session")
-    assert all(_starts_daemon(i) for i in by_file["api/test_daemon_openai.py"])
+    assert all(_starts_daemon(i) for i in by_file["daemon/test_daemon_openai.py"])
     # Some tests reach the model only through a helper function the detector does not
     # follow; each of these modules has tests that name it directly.
-    for name in ("api/test_daemon_demo.py", "demo/test_demo_model.py",
+    for name in ("daemon/test_daemon_demo.py", "demo/test_demo_model.py",
                  "engine/test_demo_acceptance.py"):
         assert not by_file[name] or any(_reads_demo_model(i) for i in by_file[name]), name

@@ -2,7 +2,7 @@
 
 The routes read their bodies by hand (``body.read_json``: size cap first, 400 not 422), so
 FastAPI cannot see a body model; this document names them instead.  It is the contract a
-fuzzer (schemathesis, tests/api/test_daemon_fuzz.py) checks: every body the schema
+fuzzer (schemathesis, tests/daemon/test_daemon_fuzz.py) checks: every body the schema
 forbids is refused with a 4xx, and no body at all gets a 5xx.  Only the business plane
 serves it: the management plane is not for API clients.
 """

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from server.daemon import DaemonError, bind, bind_all, plan_listeners, tls_contexts
-from tests.api.daemon_proc import ROOT
+from server.testing.daemon import ROOT
 
 
 @pytest.fixture

@@ -1,13 +1,18 @@
-"""Helpers for config tests: dotted-path edits, a fake weights folder, the JSON fixtures."""
+"""Helpers for config tests: dotted-path edits, a fake weights folder, the JSON fixtures, the
+``python -m server`` command line."""
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
 DELETE = object()          # edit value meaning "remove this key"
 MC0 = "BackendConfig.ModelDeployConfig.ModelConfig[0]"
 
@@ -50,3 +55,12 @@ def edited(base: dict, edits: dict[str, Any] | None) -> dict:
     for path, value in (edits or {}).items():
         set_path(doc, path, value)
     return doc
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python -m server *args`` from the checkout, without the caller's MIES_/MINDIE_ variables."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
+    full_env["PYTHONPATH"] = str(REPO)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=60)

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import pytest
 
-from cfgkit import edited, minimal, write_weights
+from tests.config.cfgkit import edited, minimal, write_weights
 
 
 @pytest.fixture

@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from cfgkit import MC0, edited, minimal, write_weights
 from server.__main__ import main, serve
 from server.config import ConfigError, default_config_path, load_config, parse_config
+from tests.config.cfgkit import MC0, edited, minimal, run_cli, write_weights
 
-REPO = Path(__file__).resolve().parents[2]
 PP = f"{MC0}.plugin_params"
 
 # (id, env, {attribute: expected})
@@ -98,14 +95,6 @@ def test_config_path_from_env(tmp_path):
 
 
 # ---- CLI ---------------------------------------------------------------------------------
-
-def run_cli(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
-    full_env["PYTHONPATH"] = str(REPO)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=60)
-
 
 def test_check_valid_prints_effective_json(build):
     path = build({PP: '{"plugin_type":"mtp,prefix_cache","num_speculative_tokens":1}'})

@@ -17,10 +17,9 @@ import types
 
 import pytest
 
-from cfgkit import MC0, edited, minimal, write_weights
 from server.__main__ import main
 from server.config import parse_config
-from test_env_and_cli import run_cli
+from tests.config.cfgkit import MC0, edited, minimal, run_cli, write_weights
 
 SV, BC = "ServerConfig", "BackendConfig"
 MD, SC = "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"

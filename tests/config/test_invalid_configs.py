@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cfgkit import DELETE, MC0, edited, fixture, minimal, write_weights
 from server.config import ConfigError, ConfigIssue, load_config, parse_config
+from tests.config.cfgkit import DELETE, MC0, edited, fixture, minimal, write_weights
 
 SV, MD, SC = "ServerConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"
 PP = f"{MC0}.plugin_params"

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from cfgkit import MC0, edited, minimal, write_weights
 from server.config import ConfigError, parse_config
 from server.engine.config import engine_config_from_app
+from tests.config.cfgkit import MC0, edited, minimal, write_weights
 
 KP = "BackendConfig.kvPoolConfig"
 SC = "BackendConfig.ScheduleConfig"

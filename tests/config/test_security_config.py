@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cfgkit import edited, minimal, write_weights
 from server.config import ConfigError, parse_config
+from tests.config.cfgkit import edited, minimal, write_weights
 
 ALL_INTERFACES = ["0.0.0.0", "::", "::0", "0:0:0:0:0:0:0:0", "::0.0.0.0", "::ffff:0.0.0.0",
                   "0000:0000:0000:0000:0000:0000:0000:0000"]

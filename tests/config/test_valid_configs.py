@@ -10,8 +10,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from cfgkit import DATA, MC0, edited, fixture, minimal, write_weights
 from server.config import AppConfig, MtpSettings, load_config, parse_config
+from tests.config.cfgkit import DATA, MC0, edited, fixture, minimal, write_weights
 
 SV, MD, SC = "ServerConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"
 PP = f"{MC0}.plugin_params"

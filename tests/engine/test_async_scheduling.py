@@ -62,12 +62,20 @@ def sampled(i: int) -> SamplingParams:
 def test_greedy_identical_sixteen_staggered_and_one_at_a_time(k, adaptive):
     model = high_acceptance_model()
     reqs = requests(prompts(16, seed=21), GREEDY)
-    ref, got = both(model, k, lambda e: run_staggered(e, reqs, every=1), max_batch_size=16,
-                    adaptive_speculation=adaptive)
+
+    def run(e):
+        """16 staggered, then (the engine empty again) the first 4 one at a time: one
+        engine pair for both, as each async engine starts a worker process."""
+        staggered = run_staggered(e, reqs, every=1)
+        placeholders = watch_placeholders(e)          # the one-at-a-time steps' own
+        alone = {r.request_id: run_tokens(e, [r])[r.request_id] for r in reqs[:4]}
+        return staggered, alone, max(placeholders) > 0
+
+    (ref, ref1, sync_ahead), (got, got1, async_ahead) = both(
+        model, k, run, max_batch_size=16, adaptive_speculation=adaptive)
     assert got == ref
-    ref1, got1 = both(model, k, lambda e: {r.request_id: run_tokens(e, [r])[r.request_id]
-                                           for r in reqs[:4]}, adaptive_speculation=adaptive)
     assert got1 == ref1 == {r: ref[r] for r in ref1}
+    assert async_ahead and not sync_ahead         # one at a time too, async ran steps ahead
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])

@@ -15,7 +15,7 @@ import torch
 
 from server.engine.protocol import SamplingParams
 from server.model.loader import load_checkpoint
-from tests.api.daemon_proc import DEMO_MODEL
+from server.testing.daemon import DEMO_MODEL
 from tests.engine.helpers import make_engine, prompts, requests, run_staggered
 
 pytestmark = [pytest.mark.slow, pytest.mark.demo]
@@ -191,7 +191,7 @@ def test_daemon_serves_the_compiled_step_and_answers_as_the_uncompiled_one(tmp_p
 
     import openai
 
-    from tests.api.daemon_proc import Daemon, make_config
+    from server.testing.daemon import Daemon, make_config
     questions = ("What's the weather like in Paris?", "Tell me about the sea.")
     answers = []
     for compile_env in ("0", "1"):
@@ -256,3 +256,19 @@ def test_an_idle_engine_takes_up_the_background_outcome_without_a_request(monkey
     assert (eng.runtime.compile_state, eng.runtime.decode_path) == ("failed", "static")
     assert delivered and delivered[0] == []        # the change was sent on (engine_process)
     assert eng.stats().num_requests_finished == 0
+
+
+def test_a_compile_child_traces_the_tensor_dtypes_the_serving_model_has(tmp_path):
+    """A bf16 checkpoint keeps its router in float32; graphs compiled in the background
+    were traced on a model cast to bf16 whole, and answered token 0 at every position
+    once adopted (nothing checks dtypes at call time)."""
+    from server.engine.worker.compile_step import empty_model, tensor_dtypes
+    from server.model.loader import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
+    dtypes = tensor_dtypes(model)
+    assert {torch.float32, torch.bfloat16} <= set(dtypes.values())
+    traced = tensor_dtypes(empty_model(model.config, dtypes, torch.device("cpu")))
+    assert {n: d for n, d in dtypes.items() if n in traced} == \
+        {n: d for n, d in traced.items() if n in dtypes}
+    assert traced["model.layers.1.mlp.gate.weight"] == torch.float32

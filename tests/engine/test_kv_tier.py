@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_engine, prompts, requests, run_tokens, tiny_model
+from server.engine.kv.block_file import file_name, hash_of_name, read_block, write_block
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.host_pool import HostKVPool
 from server.engine.kv.host_tier import HostTier
-from server.engine.kv.block_file import file_name, hash_of_name, read_block, write_block
 from server.engine.protocol import SamplingParams
 from server.engine.sequence import Sequence
 from server.model.latent_cache import Int8LatentCache, LatentCache
+from tests.engine.helpers import make_engine, prompts, requests, run_tokens, tiny_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

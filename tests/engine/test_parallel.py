@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import free_port, prompts, requests, run_tokens
 from server.engine.config import EngineConfig, ParallelConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import SamplingParams
 from server.model.loader import CheckpointError, inspect_checkpoint, load_checkpoint
 from server.model.parallel import ParallelPlan
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
+from tests.engine.helpers import free_port, prompts, requests, run_tokens
 
 pytestmark = pytest.mark.slow
 DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"

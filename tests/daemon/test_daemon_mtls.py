@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.daemon_proc import MODEL_NAME, ROOT, Daemon, free_port, make_config
-from tests.api.tls_certs import KEY_PASSWORD, Pki, make_pki
+from server.testing.daemon import MODEL_NAME, ROOT, Daemon, free_port, make_config
+from tests.daemon.tls_certs import KEY_PASSWORD, Pki, make_pki
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
+from server.testing.daemon import MODEL_NAME, Daemon, make_config
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from server.testing.tiny_tokenizer import write_tiny_tokenizer
 from server.text.tokenizer import Tokenizer
-from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 

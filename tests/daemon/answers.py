@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 
-from daemon_proc import MODEL_NAME
+from server.testing.daemon import MODEL_NAME
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -13,6 +13,8 @@ TOOLS = [{"type": "function", "function": {
 LONG = ("Tell me a story about a dragon who lived in the mountains above a small village, "
         "and who one day decided to visit the baker because the smell of bread was too good.")
 QUESTIONS = ["What is 12 plus 30?", "What is the capital of France?", LONG]
+# MTP k=2, fixed (no adaptive speculation), so two daemons' acceptance counters can be compared.
+K2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2,"adaptive_speculation":false}'}
 
 
 def answers(base: str) -> list:

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import MINDIE_METRIC_NAMES, SPEC_METRIC_NAMES
-from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
+from server.testing.daemon import MODEL_NAME
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 
@@ -23,11 +23,8 @@ MSG = [{"role": "user", "content": "Hello! How are you today?"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_weights, tmp_path_factory):
-    d = Daemon(make_config(tmp_path_factory.mktemp("cfg"), tiny_weights)).start()
-    yield d
-    code = d.terminate()
-    assert code == 0, d.output()[-3000:]
+def daemon(plain_daemon):
+    return plain_daemon                 # tests/daemon/conftest.py: shared, drained at the end
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import random
 import httpx
 import pytest
 
+from server.testing.daemon import MODEL_NAME, Daemon, make_config
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
-from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 

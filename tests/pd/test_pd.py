@@ -24,12 +24,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from answers import LONG, QUESTIONS, answers, metric
-from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
 from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer
 from server.pd.trust import block_digests, new_key, sign_params
 from server.pd.wire import KVRows
+from server.testing.daemon import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
+from tests.daemon.answers import LONG, QUESTIONS, answers, metric
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,

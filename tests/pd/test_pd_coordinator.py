@@ -31,12 +31,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from daemon_proc import MODEL_NAME, Daemon, demo_model_ready, free_port
 from server.pd import trust
 from server.pd.coordinator.app import build_app, server_config
 from server.pd.coordinator.config import (CoordinatorConfig, CoordinatorConfigError, Instance)
 from server.pd.coordinator.fleet import role_body
 from server.pd.coordinator.routing import MAX_JSON_DEPTH, Coordinator, json_depth
+from server.testing.daemon import MODEL_NAME, Daemon, demo_model_ready, free_port
 
 HEADER_S = BODY_S = 1.0
 HEALTH_S = 0.2
@@ -609,7 +609,7 @@ def test_property_no_server_error_on_any_body(limited):
     """Any JSON body (reusing the daemon's fuzz strategies) and any bytes: never a 5xx."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from test_daemon_fuzz import _bodies
+    from tests.daemon.test_daemon_fuzz import _bodies
 
     raw = st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
                     st.one_of(st.binary(max_size=64),
@@ -640,7 +640,7 @@ def test_property_no_server_error_on_any_body(limited):
 
 @pytest.fixture(scope="module")
 def real_set(tmp_path_factory):
-    from test_pd import ENV, Coordinator as PDCoordinator, _pd_config
+    from tests.pd.test_pd import ENV, Coordinator as PDCoordinator, _pd_config
     daemons = [Daemon(_pd_config(tmp_path_factory.mktemp(n)), env=ENV) for n in ("p", "d")]
     holder = {"p": daemons[0], "d": daemons[1], "env": ENV}
     c = None

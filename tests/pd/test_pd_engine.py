@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import prompts, run_tokens
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.loader import load_checkpoint
+from tests.engine.helpers import prompts, run_tokens
 
 pytestmark = pytest.mark.demo
 DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"

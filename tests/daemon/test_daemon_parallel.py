@@ -17,15 +17,16 @@ import time
 import httpx
 import pytest
 
-from answers import answers, metric
-from daemon_proc import (MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config,
-                         process_alive)
+from server.testing.daemon import (MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port,
+                                   make_config, process_alive)
+from tests.daemon.answers import K2, answers, metric
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
               pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
-K2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2,"adaptive_speculation":false}'}
+
+
 def _env() -> dict:
     return {"MTP_SERVE_COMPILE": "0"}
 
@@ -40,13 +41,11 @@ def _acceptance(d: Daemon) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("single")
-    d = Daemon(make_config(folder, DEMO, model=K2), env=_env()).start()
-    try:
-        return _answers(d), _acceptance(d)
-    finally:
-        assert d.terminate() == 0
+def reference(demo_k2_reference):
+    """The one-process daemon's answers and (drafts, accepted drafts): conftest.py's, with
+    the engine on a thread (test_daemon_engine_process holds the engine process to it)."""
+    ref_answers, counters = demo_k2_reference
+    return ref_answers, counters[:2]
 
 
 def _children(pid: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
+from server.testing.daemon import MODEL_NAME
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 
@@ -77,10 +77,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_weights, tmp_path_factory):
-    d = Daemon(make_config(tmp_path_factory.mktemp("cfg"), tiny_weights)).start()
-    yield d
-    assert d.terminate() == 0
+def daemon(plain_daemon):
+    return plain_daemon                 # tests/daemon/conftest.py: shared, drained at the end
 
 
 def test_there_are_enough_cases():

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.daemon_proc import Daemon, make_config
+from server.testing.daemon import Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 

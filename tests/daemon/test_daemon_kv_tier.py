@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from tests.api.daemon_proc import MODEL_NAME, Daemon, make_config
+from server.testing.daemon import MODEL_NAME, Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 

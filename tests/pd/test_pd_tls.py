@@ -13,15 +13,15 @@ import ssl
 
 import pytest
 
-from daemon_proc import make_config, tiny_checkpoint
 from server.config import load_config
-from server.web.tls_files import TlsError
 from server.pd.kv_client import pull_kv
 from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer
 from server.pd.tls import kv_link_contexts
 from server.pd.wire import KVRows, TransferError
-from tls_certs import KEY_PASSWORD, _leaf, make_pki
+from server.testing.daemon import make_config, tiny_checkpoint
+from server.web.tls_files import TlsError
+from tests.daemon.tls_certs import KEY_PASSWORD, _leaf, make_pki
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ import time
 import httpx
 import pytest
 
-from answers import answers, metric
-from daemon_proc import MODEL_NAME, ROOT, Daemon, demo_model_ready, make_config, process_alive
+from server.testing.daemon import MODEL_NAME, ROOT, Daemon, demo_model_ready, make_config, process_alive
+from tests.daemon.answers import K2, answers, metric
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
               pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
-K2 = {"plugin_params": '{"plugin_type":"mtp","num_speculative_tokens":2,"adaptive_speculation":false}'}
 ENV = {"MTP_SERVE_COMPILE": "0"}
 
 
@@ -53,19 +52,8 @@ def k2_daemon(tmp_path):
         d.kill()
 
 
-@pytest.fixture(scope="module")
-def on_a_thread(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("thread")
-    d = Daemon(make_config(folder, DEMO, model=K2), env={**ENV, "MTP_SERVE_ENGINE_PROCESS": "0"}).start()
-    try:
-        assert d.status()["runtime"]["engine_pid"] == d.proc.pid
-        return answers(d.base), _counters(d)
-    finally:
-        assert d.terminate() == 0
-
-
-def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(on_a_thread, k2_daemon):
-    ref_answers, ref_counters = on_a_thread
+def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(demo_k2_reference, k2_daemon):
+    ref_answers, ref_counters = demo_k2_reference      # the engine on a thread (conftest.py)
     d, pid = k2_daemon
     assert pid != d.proc.pid and process_alive(pid)
     assert answers(d.base) == ref_answers

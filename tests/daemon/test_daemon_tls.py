@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.api.daemon_proc import MODEL_NAME, ROOT, Daemon, make_config
+from server.testing.daemon import MODEL_NAME, ROOT, Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.daemon_proc import DEMO_MODEL, Daemon, demo_model_ready, make_config
+from server.testing.daemon import DEMO_MODEL, Daemon, demo_model_ready, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.demo, pytest.mark.skipif(not demo_model_ready(), reason=(
     f"demo model not in the tree ({DEMO_MODEL}); tool-call and thinking behaviour is "
