@@ -205,6 +205,11 @@ class StaticDecoder:
             kinds.setdefault("gmoe" + self._suffix[i], i)
         return kinds
 
+    @property
+    def gather_max_tokens(self) -> int:
+        """The most tokens a window may have for the gathered MoE."""
+        return self._gather_max_tokens
+
     def _classify(self) -> None:
         """Each layer's kind and the MoE layers that can take the gathered form: from the
         layers as they are (the loader swaps in int8 layers after the model is built, so
@@ -336,10 +341,12 @@ class StaticDecoder:
 
 
 def _make(layer) -> tuple:
-    """What a compiled graph of the layer depends on besides sizes: its linear layers'
-    classes and int8 schemes, in order."""
-    return tuple((type(m).__name__, getattr(m, "scheme", None)) for m in layer.modules()
-                 if isinstance(m, torch.nn.Linear) or hasattr(m, "scheme"))
+    """What a compiled graph of the layer depends on besides sizes: the classes and int8
+    schemes of the linear layers of the parts it is given (attention, norms, MLP; an MTP
+    layer's other parts are not in the graph), in order."""
+    parts = (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp)
+    return tuple((type(m).__name__, getattr(m, "scheme", None)) for part in parts
+                 for m in part.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "scheme"))
 
 
 def _float_experts(moe) -> bool:

@@ -120,10 +120,17 @@ def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]
     and, for batches, the number of sequences); "many": a lone sequence's prompt window
     of any length (sizes symbolic)."""
     plan = []
-    for kind, index in model.static_decoder.layer_kinds().items():
+    decoder = model.static_decoder
+    for kind, index in decoder.layer_kinds().items():
+        if kind.startswith("gmoe"):
+            # The gathered MoE is for few tokens only: the windows it can take (a batch
+            # window has two sequences or more).
+            plan += [(kind, index, f"q{q}", lone) for lone in (False, True)
+                     for q in range(1, max_query_len + 1)
+                     if q * (1 if lone else 2) <= decoder.gather_max_tokens]
+            continue
         plan += [(kind, index, f"q{q}", lone) for lone in (False, True) for q in range(1, max_query_len + 1)]
-        if kind != "gmoe":                  # the gathered MoE is for few tokens only
-            plan.append((kind, index, "many", True))
+        plan.append((kind, index, "many", True))
     return plan
 
 
