@@ -2,6 +2,11 @@
 
 The only place that reads the process environment: it is handed to load_config.
 Exit codes: 0 ok, 1 could not serve, 2 bad arguments or bad config.
+
+A config whose parallel layout follows MindIE's rules but needs a kind of parallelism this
+build does not serve (dp, cp or sp above 1: config/parallel.py ``unserved_parallel``) is
+valid, and still not served: the daemon refuses it before anything is loaded, exit 1, and
+``--check`` says so and exits 1 too, so that ``--check`` passing means the daemon starts.
 """
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ import sys
 from typing import Mapping, Sequence
 
 from server.config import AppConfig, ConfigError, default_config_path, load_config
+from server.config.parallel import describe_layout
 
-EXIT_OK, EXIT_BAD_CONFIG = 0, 2     # 1 (could not serve) comes from server.daemon
+EXIT_OK, EXIT_NOT_SERVED, EXIT_BAD_CONFIG = 0, 1, 2   # 1 (could not serve) also from server.daemon
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -26,7 +32,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                              "else conf/config.json)")
     parser.add_argument("--check", action="store_true",
                         help="validate, print the effective config as JSON and exit "
-                             "(0 valid, 2 invalid)")
+                             "(0 valid and served, 1 valid but not served by this build, "
+                             "2 invalid)")
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["debug", "info", "warning", "error"], help="default: info")
     return parser
@@ -45,14 +52,32 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if args.check:
         json.dump(cfg.to_dict(), sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"parallel layout follows MindIE's rules: {describe_layout(cfg.parallel)}",
+              file=sys.stderr)
+        if cfg.unserved:
+            print(unserved_report(cfg), file=sys.stderr)
+            return EXIT_NOT_SERVED
         return EXIT_OK
     return serve(cfg)
+
+
+def unserved_report(cfg: AppConfig) -> str:
+    """What --check and the refused start print for a layout this build does not serve."""
+    lines = [f"error: not served by this build ({len(cfg.unserved)} key(s)); the layout "
+             "follows MindIE's rules, but the daemon refuses to start on it:"]
+    lines += [f"  - {issue.path}: {issue.message}" for issue in cfg.unserved]
+    return "\n".join(lines)
 
 
 def serve(cfg: AppConfig) -> int:
     """Run the daemon until it stops and return its exit code (0 after a clean drain, 1
     when it could not serve). Imported here, not at the top, so ``--check`` validates a
-    config without loading torch and the model code."""
+    config without loading torch and the model code.  A layout this build does not serve
+    is refused here, before any of that is imported (node 0 and worker nodes alike)."""
+    if cfg.unserved:
+        print(unserved_report(cfg), file=sys.stderr)
+        return EXIT_NOT_SERVED
     if cfg.parallel.node_rank > 0:          # a worker node of a multi-node group
         from server.node import run_node
         return run_node(cfg)

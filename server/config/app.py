@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from server.config.kv_pool import KvPoolSettings
-from server.config.parallel import ParallelLayout
+from server.config.errors import ConfigIssue
+from server.config.parallel import ParallelLayout, unserved_parallel
 from server.config.plugins import MtpSettings, PluginParams
 from server.config.rules import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from server.config.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
@@ -36,7 +37,7 @@ class AppConfig:
     draft_after_emit: bool = True           # $MTP_SERVE_DRAFT_AFTER_EMIT: a step's MTP passes after its tokens go out
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
     api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY
-    parallel: ParallelLayout = ParallelLayout()  # worldSize/tp/moe_tp/moe_ep, nodes ($NNODES...)
+    parallel: ParallelLayout = ParallelLayout()  # worldSize/tp/dp/cp/sp/moe_tp/moe_ep, nodes ($NNODES...)
     kv_pool: KvPoolSettings = KvPoolSettings()  # kvPoolConfig + its configPath file
 
     # ---- sections -------------------------------------------------------------------
@@ -108,6 +109,12 @@ class AppConfig:
         name = self.model_options.tool_call_options.tool_call_parser
         return TOOL_CALL_PARSERS[name] if name else DEFAULT_TOOL_CALL_PARSER
 
+    @property
+    def unserved(self) -> list[ConfigIssue]:
+        """Parts of the (rule-abiding) parallel layout this build does not serve; the
+        daemon refuses to start unless this is empty (config/parallel.py)."""
+        return unserved_parallel(self.parallel)
+
     # ---- names and limits -----------------------------------------------------------
     @property
     def model_name(self) -> str:
@@ -161,6 +168,11 @@ class AppConfig:
             "kvCacheDtype": self.kv_cache_dtype,
             "hostKvTierGB": self.host_kv_tier_gb,
             "kvPoolBackend": self.kv_pool.backend,
+            "parallel": {"worldSize": self.parallel.world_size, "tp": self.parallel.tp,
+                         "dp": self.parallel.dp, "cp": self.parallel.cp, "sp": self.parallel.sp,
+                         "moe_tp": self.parallel.moe_tp, "moe_ep": self.parallel.moe_ep,
+                         "followsMindIERules": True,     # a config that loaded passed them
+                         "notServed": [i.message for i in self.unserved]},
             "metricsEnabled": self.metrics_enabled,
             "apiKeys": len(self.api_keys),
             "warnings": list(self.warnings),

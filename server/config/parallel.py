@@ -1,13 +1,34 @@
-"""How worldSize, tp, dp, moe_tp, moe_ep, npuDeviceIds and the multi-node keys fit.
+"""How worldSize, tp, dp, cp, sp, moe_tp, moe_ep, npuDeviceIds and the multi-node keys fit.
 
-MindIE's rules: ``tp * dp == worldSize`` (tp defaults to worldSize, dp to 1), and the MoE
-layers use ``moe_tp * moe_ep == worldSize`` (moe_tp defaults to tp, or to worldSize /
-moe_ep when only moe_ep is given).  One node's ranks run on the devices of
-``npuDeviceIds[0]``, one per rank; with ``multiNodesInferEnabled`` the group spans
-``$NNODES`` nodes of ``worldSize / NNODES`` ranks each (npuDeviceIds is then ignored, as
-MindIE ignores it for multi-node), meeting at ``$MASTER_ADDR:$MASTER_PORT`` (the port
-defaults to ``multiNodesInferPort``).  dp > 1 (attention data parallel), cp, sp and pp are
-refused by the field validators in sections.py.
+MindIE's layout rules for DeepSeek-V3/R1 (keys of ``ModelConfig[0]``), checked by
+``parallel_issues``; each broken rule is one ConfigIssue at the key to edit:
+
+* ``tp * cp * dp == worldSize``.  tp defaults to worldSize, dp to -1 (unset, counted as
+  1), cp and sp to 1.
+* cp > 1 is never combined with dp > 1, and needs sp > 1 (CP runs on top of SP).
+* sp, when > 1, equals tp.
+* The MoE layers: ``moe_tp * moe_ep == worldSize`` (moe_ep 1: moe_tp == worldSize).
+  With neither key given moe_tp is tp (so tp < worldSize needs moe_ep or moe_tp); with
+  only moe_ep given moe_tp is worldSize / moe_ep, with only moe_tp, moe_ep is
+  worldSize / moe_tp.
+* tp and moe_tp each fit on one node (at most its devices) or span the whole world.
+* MTP with cp > 1 or sp > 1 drafts one token (num_speculative_tokens 1).
+* pp > 1 (pipeline parallel) is refused by the field validator in sections.py.
+
+Rank groups (``ParallelLayout.groups``): tp, moe_tp and sp groups are runs of contiguous
+ranks (0..n-1, n..2n-1, ...); dp, cp and moe_ep groups are strided: group j holds
+j, j + s, j + 2s, ... with s = worldSize / size.  (server/model/parallel.py places expert
+groups the same way: rank r is in expert group r // moe_tp, slice r % moe_tp.)
+
+One node's ranks run on the devices of ``npuDeviceIds[0]``, one per rank; with
+``multiNodesInferEnabled`` the group spans ``$NNODES`` nodes of ``worldSize / NNODES``
+ranks each (npuDeviceIds is then ignored, as MindIE ignores it for multi-node), meeting
+at ``$MASTER_ADDR:$MASTER_PORT`` (the port defaults to ``multiNodesInferPort``).
+
+What this build serves is a separate question, answered by ``unserved_parallel``: a
+layout can follow MindIE's rules and still need a kind of parallelism the engine does not
+run (today dp, cp and sp above 1).  Those are not rule violations: ``--check`` reports
+them apart, and the daemon refuses to start on them.
 """
 from __future__ import annotations
 
@@ -18,6 +39,10 @@ from server.config.errors import ConfigIssue
 from server.config.sections import MindIEConfig, ModelConfig
 
 BC = "BackendConfig"
+MC0 = "BackendConfig.ModelDeployConfig.ModelConfig[0]"
+
+CONTIGUOUS_GROUPS = ("tp", "moe_tp", "sp")
+STRIDED_GROUPS = ("dp", "cp", "moe_ep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +56,38 @@ class ParallelLayout:
     master_addr: str | None = None   # None: this node alone, rendezvous on loopback
     master_port: int | None = None   # None: any free loopback port
     device_ids: tuple[int, ...] = ()
+    dp: int = 1                      # attention data parallel (MindIE's -1 = unset = 1)
+    cp: int = 1                      # context parallel
+    sp: int = 1                      # sequence parallel
+
+    def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
+        """The rank groups of one kind ("tp", "moe_tp", "sp": contiguous; "dp", "cp",
+        "moe_ep": strided), each group's ranks in order."""
+        if kind not in CONTIGUOUS_GROUPS + STRIDED_GROUPS:
+            raise ValueError(f"no such group kind: {kind!r}")
+        size, world = getattr(self, kind), self.world_size
+        if size < 1 or world % size:
+            raise ValueError(f"{kind} {size} does not divide worldSize {world}")
+        count = world // size
+        if kind in CONTIGUOUS_GROUPS:
+            return tuple(tuple(range(g * size, (g + 1) * size)) for g in range(count))
+        return tuple(tuple(range(j, world, count)) for j in range(count))
+
+
+def _dp(mc: ModelConfig) -> int:
+    return 1 if mc.dp == -1 else mc.dp
+
+
+def _tp(mc: ModelConfig) -> int:
+    return mc.tp if mc.tp is not None else mc.world_size
 
 
 def _moe_sizes(mc: ModelConfig, tp: int) -> tuple[int, int]:
+    """MindIE's (moe_tp, moe_ep): neither given -> (tp, 1); one given -> the other is
+    worldSize divided by it."""
     world = mc.world_size
     if mc.moe_tp is None and mc.moe_ep is None:
-        return world, 1            # MindIE: moe_tp = tp, which must be worldSize here
+        return tp, 1
     if mc.moe_tp is None:
         return max(1, world // mc.moe_ep), mc.moe_ep
     if mc.moe_ep is None:
@@ -49,15 +100,121 @@ def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
     env = env or {}
     b = doc.backend
     mc = b.model_deploy.model_configs[0]
-    tp = mc.tp if mc.tp is not None else mc.world_size
+    tp = _tp(mc)
     moe_tp, moe_ep = _moe_sizes(mc, tp)
+    sizes = dict(dp=_dp(mc), cp=mc.cp, sp=mc.sp)
     if not b.multi_nodes_infer_enabled:
-        return ParallelLayout(mc.world_size, tp, moe_tp, moe_ep,
+        return ParallelLayout(mc.world_size, tp, moe_tp, moe_ep, **sizes,
                               device_ids=b.npu_device_ids[0] if mc.world_size > 1 else ())
-    return ParallelLayout(mc.world_size, tp, moe_tp, moe_ep, nnodes=int(env.get("NNODES", "1")),
+    return ParallelLayout(mc.world_size, tp, moe_tp, moe_ep, **sizes,
+                          nnodes=int(env.get("NNODES", "1")),
                           node_rank=int(env.get("NODE_RANK", "0")),
                           master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                           master_port=int(env.get("MASTER_PORT", b.multi_nodes_infer_port)))
+
+
+# What the engine runs today (server/model/parallel.py): attention and dense layers tensor
+# parallel over all ranks, experts over moe_ep groups of moe_tp ranks.  One entry per kind
+# of parallelism the engine does not run: serving one of them later removes its entry.
+_UNSERVED = {
+    "dp": ("attention data parallel", "serve with dp 1 and tp = worldSize ({world})"),
+    "cp": ("context parallel", "serve with cp 1 and sp 1"),
+    "sp": ("sequence parallel", "serve with sp 1"),
+}
+
+
+def unserved_parallel(layout: ParallelLayout) -> list[ConfigIssue]:
+    """The parts of a rule-abiding layout this build does not serve (empty: all served).
+
+    Not rule violations: the layout is a valid MindIE layout.  The daemon refuses to start
+    on any of them, and ``--check`` reports them apart from the rule check."""
+    out = []
+    for key, (what, advice) in _UNSERVED.items():
+        size = getattr(layout, key)
+        if size > 1:
+            out.append(ConfigIssue(
+                f"{MC0}.{key}", size, "1 (served by this build)",
+                f"{key} {size} ({what}) is a valid MindIE layout but this build does not "
+                f"serve it yet; {advice.format(world=layout.world_size)}",
+                related=(f"{MC0}.worldSize", f"{MC0}.tp")))
+    return out
+
+
+def describe_layout(layout: ParallelLayout) -> str:
+    """One line for --check and the logs: the sizes and how they cover worldSize."""
+    return (f"worldSize {layout.world_size} = tp {layout.tp} x cp {layout.cp} x dp {layout.dp}"
+            f" (sp {layout.sp}); MoE moe_tp {layout.moe_tp} x moe_ep {layout.moe_ep}")
+
+
+def _layout_issues(doc: MindIEConfig, per_node: int | None) -> Iterator[ConfigIssue]:
+    """MindIE's rules on tp, dp, cp, sp, moe_tp, moe_ep (and MTP with cp/sp)."""
+    mc = doc.backend.model_deploy.model_configs[0]
+    p = MC0
+    world, tp, dp, cp, sp = mc.world_size, _tp(mc), _dp(mc), mc.cp, mc.sp
+    sizes = {"worldSize": world, "tp": tp, "cp": cp, "dp": dp}
+    product_ok = tp * cp * dp == world
+    if not product_ok:
+        # Point at the key the operator most likely has to change: tp when written (or
+        # when nothing else is above 1), else the dp/cp they wrote next to a default tp.
+        key = "tp" if mc.tp is not None or (dp == 1 and cp == 1) else ("dp" if dp > 1 else "cp")
+        hint = ""
+        if world % (cp * dp) == 0:
+            hint = f"; with cp {cp} and dp {dp}, tp is {world // (cp * dp)}"
+        tp_unset = " (unset: worldSize)" if mc.tp is None else ""
+        dp_unset = " (unset: 1)" if mc.dp == -1 else ""
+        yield ConfigIssue(
+            f"{p}.{key}", sizes, f"tp * cp * dp == worldSize ({world})",
+            f"tp{tp_unset} x cp x dp{dp_unset} is {tp} x {cp} x {dp} = {tp * cp * dp}, not "
+            f"worldSize ({world}){hint}",
+            related=(f"{p}.worldSize", f"{p}.tp", f"{p}.cp", f"{p}.dp"))
+    if cp > 1 and dp > 1:
+        yield ConfigIssue(f"{p}.cp", cp, "1 when dp > 1",
+                          f"cp {cp} (context parallel) cannot be combined with dp {dp} "
+                          "(attention data parallel): with cp > 1, dp must be 1",
+                          related=(f"{p}.dp",))
+    if cp > 1 and sp <= 1:
+        yield ConfigIssue(f"{p}.cp", cp, "1 unless sp > 1",
+                          f"cp {cp} (context parallel) needs sp > 1 (sequence parallel, sp "
+                          "equal to tp): cp cannot be enabled on its own",
+                          related=(f"{p}.sp", f"{p}.tp"))
+    if sp > 1 and sp != tp:
+        yield ConfigIssue(f"{p}.sp", sp, f"1 or tp ({tp})",
+                          f"sp {sp} (sequence parallel) must equal tp ({tp}) when above 1",
+                          related=(f"{p}.tp",))
+    moe_tp, moe_ep = _moe_sizes(mc, tp)
+    moe = {"moe_tp": moe_tp, "moe_ep": moe_ep}
+    moe_given = mc.moe_tp is not None or mc.moe_ep is not None
+    if moe_tp * moe_ep != world and not moe_given and product_ok:
+        # (when tp itself is broken, the report above already covers its moe_tp default)
+        yield ConfigIssue(
+            f"{p}.moe_tp", moe, f"moe_tp * moe_ep == worldSize ({world})",
+            f"with neither moe_tp nor moe_ep set, moe_tp defaults to tp ({tp}) and moe_ep "
+            f"to 1, which do not cover worldSize ({world}): set moe_ep (e.g. "
+            f"{max(1, world // tp)}) or moe_tp (e.g. {world})",
+            related=(f"{p}.tp", f"{p}.worldSize", f"{p}.moe_ep"))
+    elif moe_tp * moe_ep != world and moe_given:
+        yield ConfigIssue(
+            f"{p}.moe_ep" if mc.moe_ep is not None else f"{p}.moe_tp", moe,
+            f"moe_tp * moe_ep == worldSize ({world})",
+            f"the MoE layers' ranks must cover the group: moe_tp x moe_ep is {moe_tp} x "
+            f"{moe_ep} = {moe_tp * moe_ep}, not worldSize ({world})",
+            related=(f"{p}.worldSize", f"{p}.moe_tp", f"{p}.moe_ep"))
+    if per_node is not None and per_node < world:
+        for key, size in (("tp", tp), ("moe_tp", moe_tp)):
+            if per_node < size < world:
+                yield ConfigIssue(
+                    f"{p}.{key}", size, f"<= {per_node} (one node's devices) or worldSize ({world})",
+                    f"{key} {size} spans more than one node ({per_node} ranks each) but not "
+                    "the whole group: a group must fit on one node or be the whole world",
+                    related=(f"{p}.worldSize", f"{BC}.multiNodesInferEnabled"))
+    mtp = mc.plugin_params.mtp
+    if mtp is not None and (cp > 1 or sp > 1) and mtp.num_speculative_tokens != 1:
+        with_ = " and ".join(f"{k} {v}" for k, v in (("cp", cp), ("sp", sp)) if v > 1)
+        yield ConfigIssue(
+            f"{p}.plugin_params.num_speculative_tokens", mtp.num_speculative_tokens,
+            "1 with cp or sp > 1",
+            f"MTP with {with_} drafts one token: num_speculative_tokens must be 1",
+            related=(f"{p}.cp", f"{p}.sp", f"{p}.plugin_params.plugin_type"))
 
 
 def parallel_issues(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> Iterator[ConfigIssue]:
@@ -66,28 +223,16 @@ def parallel_issues(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
     if not b.model_deploy.model_configs:
         return
     mc = b.model_deploy.model_configs[0]
-    p = "BackendConfig.ModelDeployConfig.ModelConfig[0]"
     world = mc.world_size
-    tp = mc.tp if mc.tp is not None else world
-    if tp != world:
-        yield ConfigIssue(f"{p}.tp", tp, f"worldSize ({world}): tp * dp == worldSize, dp is 1",
-                          "tp must equal worldSize (attention data parallelism, dp > 1, is "
-                          "not implemented)", related=(f"{p}.worldSize", f"{p}.dp"))
-    moe_tp, moe_ep = _moe_sizes(mc, tp)
-    if moe_tp * moe_ep != world:
-        yield ConfigIssue(f"{p}.moe_ep" if mc.moe_ep is not None else f"{p}.moe_tp",
-                          {"moe_tp": moe_tp, "moe_ep": moe_ep},
-                          f"moe_tp * moe_ep == worldSize ({world})",
-                          "the MoE layers' ranks must cover the group",
-                          related=(f"{p}.worldSize", f"{p}.moe_tp", f"{p}.moe_ep"))
     if not b.multi_nodes_infer_enabled:
         ids = b.npu_device_ids[0]
+        yield from _layout_issues(doc, len(ids) if len(ids) == world else None)
         if len(ids) != world:
             yield ConfigIssue(f"{BC}.npuDeviceIds", [list(ids)],
                               f"one list of worldSize ({world}) device ids, e.g. "
                               f"{[list(range(world))]}",
                               "each rank runs on one device of npuDeviceIds[0]",
-                              related=(f"{p}.worldSize",))
+                              related=(f"{MC0}.worldSize",))
         return
     if b.inter_node_tls_enabled:
         yield ConfigIssue(f"{BC}.interNodeTLSEnabled", True, "false",
@@ -98,10 +243,13 @@ def parallel_issues(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
         raw = env.get(var)
         if raw is not None and not raw.strip().isdecimal():
             yield ConfigIssue(f"${var}", raw, "a non-negative integer", "unrecognised value")
+            yield from _layout_issues(doc, None)
             return
     nnodes = int(env.get("NNODES", "1"))
     node_rank = int(env.get("NODE_RANK", "0"))
-    if nnodes < 1 or world % nnodes:
+    nodes_ok = nnodes >= 1 and world % nnodes == 0
+    yield from _layout_issues(doc, world // nnodes if nodes_ok else None)
+    if not nodes_ok:
         yield ConfigIssue("$NNODES", nnodes, f"a divisor of worldSize ({world})",
                           "every node runs worldSize / NNODES ranks")
     elif node_rank >= nnodes:

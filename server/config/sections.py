@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import (StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator,
+from pydantic import (StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
 
@@ -26,9 +26,11 @@ _BACKEND_NAME = re.compile(r"[a-z_]{1,50}")
 
 
 def _not_built(value: int | None, what: str, allowed: str) -> int | None:
-    """Refuse a parallel size above 1 for a kind of parallelism this daemon does not
-    build: accepting ``cp: 2`` while serving without it would mislead.  (worldSize, tp,
-    moe_tp and moe_ep are real: config/parallel.py checks how they fit together.)"""
+    """Refuse a parallel size above 1 for a kind of parallelism MindIE's DeepSeek layouts
+    do not use and this daemon does not build (pp): accepting ``pp: 2`` while serving
+    without it would mislead.  (worldSize, tp, dp, cp, sp, moe_tp and moe_ep follow
+    MindIE's layout rules: config/parallel.py checks them, and says which this build
+    serves.)"""
     if value is not None and value > 1:
         raise PydanticCustomError(
             "not_built", "{what} of {value} is not implemented; tensor parallel (tp) and "
@@ -95,9 +97,9 @@ class ModelConfig(Section):
     kv_trans_timeout: StrictInt = F("kv_trans_timeout", 10, lo=-I32 - 1, hi=I32)
     kv_link_timeout: StrictInt = F("kv_link_timeout", 1080, lo=-I32 - 1, hi=I32)
     tp: StrictInt | None = F("tp", None, lo=1, hi=I32)
-    dp: StrictInt = F("dp", -1, lo=-1, hi=I32, doc="-1 (unset) or >= 1")
-    cp: StrictInt = F("cp", 1, lo=1, hi=2)
-    sp: StrictInt = F("sp", 1, lo=1, hi=I32)
+    dp: StrictInt = F("dp", -1, lo=-1, hi=I32, doc="-1 (unset) or >= 1; tp * cp * dp == worldSize")
+    cp: StrictInt = F("cp", 1, lo=1, hi=2, doc="MindIE's range; > 1 needs sp > 1 and dp 1")
+    sp: StrictInt = F("sp", 1, lo=1, hi=I32, doc="1, or equal to tp")
     moe_tp: StrictInt | None = F("moe_tp", None, lo=1, hi=I32)
     moe_ep: StrictInt | None = F("moe_ep", None, lo=1, hi=I32)
     pp: StrictInt | None = F("pp", None, lo=1, hi=I32)
@@ -126,15 +128,13 @@ class ModelConfig(Section):
     @classmethod
     def _dp(cls, value: int) -> int:
         if value == 0:
-            raise PydanticCustomError("dp", "dp must not be 0", {"allowed": "-1 (unset) or 1"})
-        return _not_built(value, "dp (attention data parallelism)", "-1 (unset) or 1")
+            raise PydanticCustomError("dp", "dp must not be 0", {"allowed": "-1 (unset) or >= 1"})
+        return value
 
-    @field_validator("cp", "sp", "pp")
+    @field_validator("pp")
     @classmethod
-    def _parallel(cls, value: int | None, info: ValidationInfo) -> int | None:
-        what = {"cp": "cp (context parallelism)", "sp": "sp (sequence parallelism)",
-                "pp": "pp (pipeline parallelism)"}
-        return _not_built(value, what[info.field_name], "1 or unset" if info.field_name == "pp" else "1")
+    def _pp(cls, value: int | None) -> int | None:
+        return _not_built(value, "pp (pipeline parallelism)", "1 or unset")
 
 
 class ModelDeployConfig(Section):

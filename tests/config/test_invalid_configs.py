@@ -55,15 +55,15 @@ INVALID = [
     ("model-name-missing", {f"{MC0}.modelName": DELETE}, f"{MC0}.modelName", "required"),
     ("weight-path-missing", {f"{MC0}.modelWeightPath": DELETE}, f"{MC0}.modelWeightPath", "required"),
     ("world-size-zero", {f"{MC0}.worldSize": 0}, f"{MC0}.worldSize", "[1, "),
-    ("dp-zero", {f"{MC0}.dp": 0}, f"{MC0}.dp", "-1 (unset) or 1"),
-    # parallel layouts that do not fit together, and kinds of parallelism not built, are
-    # refused (an operator would be misled about where and how it runs)
+    ("dp-zero", {f"{MC0}.dp": 0}, f"{MC0}.dp", "must not be 0"),
+    # parallel layouts that do not fit together, and pipeline parallelism (not built), are
+    # refused (an operator would be misled about where and how it runs); MindIE's dp, cp,
+    # sp rules and what this build serves: test_parallel_layout.py
     ("world-size-four-one-device", {f"{MC0}.worldSize": 4}, "BackendConfig.npuDeviceIds",
      "one list of worldSize (4) device ids"),
-    ("tp-two", {f"{MC0}.tp": 2}, f"{MC0}.tp", "worldSize (1)"),
-    ("dp-two", {f"{MC0}.dp": 2}, f"{MC0}.dp", "-1 (unset) or 1"),
-    ("cp-two", {f"{MC0}.cp": 2}, f"{MC0}.cp", "context parallelism"),
-    ("sp-two", {f"{MC0}.sp": 2}, f"{MC0}.sp", "sequence parallelism"),
+    ("tp-two", {f"{MC0}.tp": 2}, f"{MC0}.tp", "tp * cp * dp == worldSize (1)"),
+    ("dp-two-on-one-rank", {f"{MC0}.dp": 2}, f"{MC0}.dp", "tp * cp * dp == worldSize (1)"),
+    ("sp-two-on-one-rank", {f"{MC0}.sp": 2}, f"{MC0}.sp", "must equal tp (1)"),
     ("moe-tp-two", {f"{MC0}.moe_tp": 2}, f"{MC0}.moe_tp", "moe_tp * moe_ep == worldSize (1)"),
     ("moe-ep-eight", {f"{MC0}.moe_ep": 8}, f"{MC0}.moe_ep", "moe_tp * moe_ep == worldSize (1)"),
     ("moe-ep-three-of-four", {f"{MC0}.worldSize": 4, f"{MC0}.moe_ep": 3,
