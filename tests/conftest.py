@@ -24,3 +24,21 @@ def tiny_weights(tmp_path_factory):
     the daemon's start-up units."""
     from server.testing.daemon import tiny_checkpoint
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"))
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory):
+    """The demo model through training/quantize.py, once per session: msModelSlim W8A8
+    mixed (static attention, dynamic MLPs), W4A8 experts, compressed-tensors int8 (every
+    linear W8A8_DYNAMIC) and FA3 KV scales.  Name -> checkpoint directory."""
+    from pathlib import Path
+    from training import quantize
+    demo = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-tiny-mtp"
+    if not any(demo.glob("*.safetensors")):
+        pytest.skip("demo model weights not present")
+    out = {}
+    for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
+                        ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
+        out[name] = tmp_path_factory.mktemp(name)
+        assert quantize.main([str(demo), str(out[name]), "--calib-samples", "32", *extra]) == 0
+    return out

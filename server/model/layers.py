@@ -212,6 +212,10 @@ class MoE(nn.Module):
         # expert_offset + len(experts)); ``combine`` sums the ranks' partial outputs.
         self.expert_offset = 0
         self.combine: nn.Module = nn.Identity()
+        # True when the shared experts' output is already whole on every rank (an int8
+        # down projection that sums its integer products over the group): added after
+        # ``combine``, or it would be counted once per rank.
+        self.shared_after_combine = False
         self._stack_key: tuple | None = None
         self._stack_params: list[nn.Parameter] | None = None
         self._stack: tuple | None = None
@@ -249,6 +253,8 @@ class MoE(nn.Module):
             ys = torch.cat(outs) * weights.reshape(-1)[mine, None]   # float32 weighting
             out.index_add_(0, token_of, ys.float())
         out = out.to(x.dtype)
+        if self.shared_experts is not None and self.shared_after_combine:
+            return (self.combine(out) + self.shared_experts(x)).reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.combine(out).reshape(shape)

@@ -31,6 +31,7 @@ from server.model.layers import column_major
 from server.model.meta import meta_device
 from server.model.parallel import ParallelPlan, ShardError, TensorSlice, shard_model
 from server.model.quant import QuantLinear, fastest_int8_backend
+from server.model.quant_shard import QuantShard, QuantShardError, shard_spec
 from server.model.quant_loader import (QuantConfigError, check_fa_scales, detect, install,
                                       load_layers)
 
@@ -110,20 +111,21 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     except QuantConfigError as e:
         raise CheckpointError(str(e)) from e
     slices: dict[str, TensorSlice] = {}
+    shard: QuantShard | None = None
     if plan is not None and plan.world_size > 1:
-        if spec is not None:
-            raise CheckpointError(f"{path}: int8-quantized checkpoints ({spec.describe()}) are "
-                                  "served on one device only; tensor/expert parallel needs a "
-                                  "float, bf16 or FP8 checkpoint")
         try:
             slices = shard_model(model, plan)
-        except ShardError as e:
+            if spec is not None:
+                local = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+                shard = shard_spec(spec, slices, local, plan)
+                spec = shard.spec
+        except (ShardError, QuantShardError) as e:
             raise CheckpointError(f"{path}: cannot be split over {plan.world_size} ranks "
                                   f"(moe_tp {plan.moe_tp}, moe_ep {plan.moe_ep}): {e}") from e
     if spec is not None:
         if int8_backend == "auto":
             int8_backend = fastest_int8_backend(device)
-        install(model, spec, int8_backend)
+        install(model, spec, int8_backend, shard.row_parallel if shard else frozenset())
     expected = dict(model.named_parameters())                  # tied duplicates appear once
     if spec is not None:                                       # loaded by quant_loader below
         for name in [n for n in expected if n.rpartition(".")[0] in spec.layer_types]:
@@ -157,20 +159,24 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
             consumed.add(name)
             return handles[file].get_tensor(name)  # type: ignore[attr-defined]
 
-        def get_param(name: str) -> torch.Tensor:
-            """The tensor parameter ``name`` loads: a slice of its source under a plan.
-            FP8 tensors are read whole (their scales cover 128 x 128 blocks), then cut."""
-            sl = slices.get(name)
+        def read(name: str, sl: TensorSlice | None) -> torch.Tensor:
+            """Checkpoint tensor ``name``, or only its slice ``sl``.  FP8 tensors are read
+            whole (their scales cover 128 x 128 blocks) and cut by the caller."""
             if sl is None:
                 return get(name)
-            file = where[sl.source]
+            file = where[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(path / file), framework="pt", device="cpu"))
-            consumed.add(sl.source)
-            part = handles[file].get_slice(sl.source)  # type: ignore[attr-defined]
+            consumed.add(name)
+            part = handles[file].get_slice(name)  # type: ignore[attr-defined]
             if part.get_dtype() in ("F8_E4M3", "F8_E5M2"):
-                return get(sl.source)
+                return get(name)
             return part[sl.index(len(part.get_shape()))]
+
+        def get_param(name: str) -> torch.Tensor:
+            """The tensor parameter ``name`` loads: a slice of its source under a plan."""
+            sl = slices.get(name)
+            return get(name) if sl is None else read(sl.source, sl)
 
         files = sorted(by_file)
         for i, file in enumerate(files, 1):
@@ -209,7 +215,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                         len(by_file[file]), len(loaded), len(expected))
         if spec is not None:
             check_fa_scales(spec, cfg.num_attention_heads, get, where.__contains__, errors)
-            for name, t in load_layers(model, spec, get, where.__contains__, device, errors).items():
+            qget, qhas = shard.reader(read, where.__contains__) if shard else (get, where.__contains__)
+            for name, t in load_layers(model, spec, qget, qhas, device, errors).items():
                 loaded[name] = t.to(dtype) if t.is_floating_point() and not isinstance(
                     model.get_submodule(name.rpartition(".")[0]), QuantLinear) else t
     if errors:

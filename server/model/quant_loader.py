@@ -155,8 +155,13 @@ def _from_compressed_tensors(cfg_file: Path, qc: dict, linear_prefixes: list[str
     return spec
 
 
-def install(model: nn.Module, spec: QuantSpec, backend: str) -> None:
-    """Swap each quantized nn.Linear for a QuantLinear (on the meta device, before loading)."""
+def install(model: nn.Module, spec: QuantSpec, backend: str,
+            row_parallel: frozenset[str] = frozenset()) -> None:
+    """Swap each quantized nn.Linear for a QuantLinear (on the meta device, before loading).
+
+    ``row_parallel``: layers a tensor-parallel rank holds an input slice of (quant_shard.py);
+    their QuantLinear sums over the group itself.  A MoE whose shared experts' down
+    projection is one of them adds that (then whole) output after its combine."""
     for prefix, t in spec.layer_types.items():
         if prefix.endswith(DEQUANTIZE_AT_LOAD):
             continue
@@ -164,8 +169,10 @@ def install(model: nn.Module, spec: QuantSpec, backend: str) -> None:
         parent, _, attr = prefix.rpartition(".")
         with meta_device():
             new = QuantLinear(old.in_features, old.out_features, SUPPORTED[t], backend=backend,
-                              bias=old.bias is not None)
+                              bias=old.bias is not None, row_parallel=prefix in row_parallel)
         setattr(model.get_submodule(parent), attr, new)
+        if prefix in row_parallel and prefix.endswith("shared_experts.down_proj"):
+            model.get_submodule(parent.rpartition(".")[0]).shared_after_combine = True
 
 
 def check_fa_scales(spec: QuantSpec, num_heads: int, get: Callable[[str], torch.Tensor],

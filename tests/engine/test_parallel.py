@@ -24,7 +24,7 @@ from tests.engine.helpers import free_port, prompts, requests, run_tokens
 
 pytestmark = pytest.mark.slow
 DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"
-LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4-moe2x2": (4, 2, 2)}
+LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4-moe2x2": (4, 2, 2), "tp4-ep4": (4, 1, 4)}
 BASE = EngineConfig(block_size=8, num_blocks=256, max_queue_delay_us=0, max_batch_size=8,
                     max_seq_len=512, adaptive_speculation=False)
 
@@ -117,6 +117,46 @@ def test_fp8_checkpoint_identical(tmp_path):
 
 def test_transformers_checkpoint_identical(hf_path):
     assert _parallel(hf_path, 0, "ep2") == _single(hf_path, 0)
+
+
+# Int8 checkpoints over tp=2 moe_ep=2 (MindIE's layout for W8A8 DeepSeek: experts whole per
+# rank).  "ct" is W8A8_DYNAMIC everywhere, "w8a8" W8A8 static attention + dynamic MLPs,
+# "w4a8" adds W4A8 routed experts.  Row-parallel int8 layers sum integers over the group,
+# so these are exact by construction, not by luck of the argmax.
+@pytest.mark.demo
+@pytest.mark.parametrize("name, k, kw", [("ct", 0, {}), ("ct", 1, {}), ("w8a8", 2, {}),
+                                         ("w4a8", 2, {"async_scheduling": True})])
+def test_int8_demo_tp2_ep2_identical(quantized, name, k, kw):
+    assert _parallel(str(quantized[name]), k, "ep2", **kw) == _single(str(quantized[name]), k)
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a8(tiny_path, tmp_path_factory) -> str:
+    from training import quantize
+    out = tmp_path_factory.mktemp("tp") / "tiny-w4a8"
+    assert quantize.main([tiny_path, str(out), "--calib-samples", "8", "--w4a8-experts"]) == 0
+    return str(out)
+
+
+def test_int8_random_checkpoint_tp4_ep4_identical(tiny_w4a8):
+    """8 int8 routed experts, two per rank; attention over 4 ranks (one head each)."""
+    assert _parallel(tiny_w4a8, 2, "tp4-ep4") == _single(tiny_w4a8, 2)
+
+
+def test_int8_experts_cut_within_themselves_are_refused(tiny_w4a8):
+    with pytest.raises(CheckpointError, match=r"moe_tp 2\) cannot be computed exactly; serve int8 "
+                                              r"experts whole: moe_tp 1, moe_ep 2"):
+        load_checkpoint(tiny_w4a8, plan=ParallelPlan(2, 0, 2, 1))
+
+
+@pytest.mark.demo
+def test_int8_shard_weights_are_at_most_055_of_the_whole(quantized, capsys):
+    full = _weight_bytes(load_checkpoint(quantized["w8a8"])[0])
+    for rank in (0, 1):
+        part = _weight_bytes(load_checkpoint(quantized["w8a8"], plan=ParallelPlan(2, rank, 1, 2))[0])
+        with capsys.disabled():
+            print(f"\nW8A8 tp=2 moe_ep=2 rank {rank}: {part} of {full} weight bytes ({part / full:.3f}x)")
+        assert part / full <= 0.55, (rank, part / full)
 
 
 def _weight_bytes(model) -> int:

@@ -35,15 +35,7 @@ pytestmark = [pytest.mark.demo, pytest.mark.skipif(not any(DEMO.glob("*.safetens
 WEIGHTS = "quant_model_weights.safetensors"
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory) -> dict[str, Path]:
-    from training import quantize
-    out = {}
-    for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
-                        ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
-        out[name] = tmp_path_factory.mktemp(name)
-        assert quantize.main([str(DEMO), str(out[name]), "--calib-samples", "32", *extra]) == 0
-    return out
+# ``quantized`` (tests/conftest.py): the demo model in each int8 format, once per session.
 
 
 @functools.lru_cache(maxsize=None)
