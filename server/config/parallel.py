@@ -27,8 +27,10 @@ at ``$MASTER_ADDR:$MASTER_PORT`` (the port defaults to ``multiNodesInferPort``).
 
 What this build serves is a separate question, answered by ``unserved_parallel``: a
 layout can follow MindIE's rules and still need a kind of parallelism the engine does not
-run (today dp, cp and sp above 1).  Those are not rule violations: ``--check`` reports
-them apart, and the daemon refuses to start on them.
+run (today dp and cp above 1), or sp above 1 next to a feature that moves whole KV blocks
+(``unserved_with_sp``: the host/disk KV tier, PD transfer; a striped pool has each block
+on one rank).  Those are not rule violations: ``--check`` reports them apart, and the
+daemon refuses to start on them.
 """
 from __future__ import annotations
 
@@ -114,12 +116,13 @@ def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
 
 
 # What the engine runs today (server/model/parallel.py): attention and dense layers tensor
-# parallel over all ranks, experts over moe_ep groups of moe_tp ranks.  One entry per kind
-# of parallelism the engine does not run: serving one of them later removes its entry.
+# parallel over all ranks, experts over moe_ep groups of moe_tp ranks, the latent KV
+# striped over the tp ranks with sp = tp (server/model/sequence_parallel.py).  One entry
+# per kind of parallelism the engine does not run: serving one of them later removes its
+# entry.
 _UNSERVED = {
     "dp": ("attention data parallel", "serve with dp 1 and tp = worldSize ({world})"),
-    "cp": ("context parallel", "serve with cp 1 and sp 1"),
-    "sp": ("sequence parallel", "serve with sp 1"),
+    "cp": ("context parallel", "serve with cp 1"),
 }
 
 
@@ -138,6 +141,26 @@ def unserved_parallel(layout: ParallelLayout) -> list[ConfigIssue]:
                 f"serve it yet; {advice.format(world=layout.world_size)}",
                 related=(f"{MC0}.worldSize", f"{MC0}.tp")))
     return out
+
+
+def unserved_with_sp(layout: ParallelLayout, *, kv_pool_backend: str, max_preempt_count: int,
+                     infer_mode: str) -> list[ConfigIssue]:
+    """sp > 1 next to what moves whole KV blocks by id (the host and disk tiers, PD
+    transfer): a striped pool holds each block on one rank only, so these are refused."""
+    if layout.sp <= 1:
+        return []
+    found = [(f"{BC}.kvPoolConfig.backend", kv_pool_backend, bool(kv_pool_backend),
+              "the host KV pool (and its disk tier)", "an empty kvPoolConfig.backend"),
+             (f"{BC}.ScheduleConfig.maxPreemptCount", max_preempt_count, max_preempt_count > 0,
+              "preemption by swapping to host memory", "maxPreemptCount 0"),
+             ("ServerConfig.inferMode", infer_mode, infer_mode == "dmi",
+              "PD disaggregation's KV transfer", "inferMode standard")]
+    return [ConfigIssue(path, value, f"{fix} (with sp > 1)",
+                        f"sp {layout.sp} (sequence parallel) stripes the KV pool over the "
+                        f"ranks, and {what} moves whole blocks of one pool: not served "
+                        f"together by this build; serve with {fix} or sp 1",
+                        related=(f"{MC0}.sp",))
+            for path, value, on, what, fix in found if on]
 
 
 def describe_layout(layout: ParallelLayout) -> str:

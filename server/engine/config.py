@@ -25,6 +25,7 @@ class ParallelConfig:
     world_size: int = 1
     moe_tp: int = 1
     moe_ep: int = 1
+    sp: int = 1                     # 1, or world_size: the latent KV striped over the ranks
     master_addr: str = "127.0.0.1"
     master_port: int = 1120
     nnodes: int = 1
@@ -129,8 +130,9 @@ def _parallel_config(app: Any) -> ParallelConfig:
         return ParallelConfig()
     port = lay.master_port if lay.master_port is not None else _free_port()
     return ParallelConfig(world_size=lay.world_size, moe_tp=lay.moe_tp, moe_ep=lay.moe_ep,
-                          master_addr=lay.master_addr or "127.0.0.1", master_port=port,
-                          nnodes=lay.nnodes, node_rank=lay.node_rank, device_ids=lay.device_ids)
+                          sp=lay.sp, master_addr=lay.master_addr or "127.0.0.1",
+                          master_port=port, nnodes=lay.nnodes, node_rank=lay.node_rank,
+                          device_ids=lay.device_ids)
 
 
 def _free_port() -> int:

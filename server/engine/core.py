@@ -79,7 +79,8 @@ class LLMEngine:
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
             swap_preemption=bool(host_blocks) and cfg.swap_preemption,
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
-            moe_ep=cfg.parallel.moe_ep, engine_pid=os.getpid(),
+            moe_ep=cfg.parallel.moe_ep, sp=info.sp, kv_blocks_per_rank=info.kv_blocks_per_rank,
+            engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
         self.blocks = blocks or make_block_manager(model.config, cfg, self.runtime)
         self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k,

@@ -115,6 +115,8 @@ class WorkerInfo:
     host_kv_blocks: int               # the host tier's slots (0: no tier)
     kv_block_bytes: int               # bytes one block moves (every cache layer)
     compile: CompileState
+    sp: int = 1                       # ranks the pool is striped over (sequence parallel)
+    kv_blocks_per_rank: int = 0       # blocks one rank holds: num_kv_blocks / sp
 
 
 @dataclass(slots=True)

@@ -48,6 +48,8 @@ class RuntimeInfo:
     world_size: int = 1                 # ranks of a tensor/expert-parallel group (executor/parallel.py)
     moe_tp: int = 1
     moe_ep: int = 1
+    sp: int = 1                         # ranks the KV pool is striped over (model/sequence_parallel.py)
+    kv_blocks_per_rank: int = 0         # blocks one rank holds (num_kv_blocks / sp)
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
     engine_pid: int = 0                 # the process running the engine loop (engine_process.py)
 
@@ -99,7 +101,7 @@ class RuntimeInfo:
                 f"(KV cache {self.kv_cache_dtype}); host KV tier {self.host_tier_text}; "
                 f"decode path {self.decode_path}"
                 + (f" on {self.world_size} ranks (tp {self.world_size}, moe_tp {self.moe_tp}, "
-                   f"moe_ep {self.moe_ep})" if self.world_size > 1 else "")
+                   f"moe_ep {self.moe_ep}, sp {self.sp})" if self.world_size > 1 else "")
                 + (f" (compiled in {self.compile_seconds:.1f} s)" if self.compile_seconds is not None else "")
                 + (" (compiling in the background)" if self.compile_state == "compiling" else "")
                 + "; "
@@ -111,6 +113,7 @@ class RuntimeInfo:
                 "adaptive_speculation": self.adaptive_speculation,
                 "async_scheduling_enabled": self.async_scheduling,
                 "kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
+                "kv_tokens": self.num_kv_blocks * self.block_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "lookahead_slots": self.lookahead_slots,
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,
@@ -120,5 +123,6 @@ class RuntimeInfo:
                                     if self.compile_seconds is not None else None),
                 "host_kv_tier": self.host_tier_dict(), "engine_pid": self.engine_pid,
                 "parallel": {"world_size": self.world_size, "tp": self.world_size,
-                             "moe_tp": self.moe_tp, "moe_ep": self.moe_ep,
+                             "moe_tp": self.moe_tp, "moe_ep": self.moe_ep, "sp": self.sp,
+                             "kv_blocks_per_rank": self.kv_blocks_per_rank,
                              "worker_pids": list(self.worker_pids)}}

@@ -182,20 +182,24 @@ class MLA(nn.Module):
         # otherwise a later prefix-cache hit (which reads the stored rows) would differ.
         if plan.fresh_lens is not None and cache.exact and cache.data.dtype == x.dtype:
             return self.o_proj(self._attend_fresh(q_nope, q_pe, latent, k_pe, plan.fresh_lens))
+        return self.o_proj(self._attend_cached(q_nope, q_pe, cache, plan, x.dtype))
+
+    def _attend_cached(self, q_nope, q_pe, cache, plan: AttentionPlan, dtype: torch.dtype
+                       ) -> torch.Tensor:
+        """The step's queries [T, nH, d] against their sequences' context in ``cache``
+        -> [T, nH * dv] (sequence_parallel.py replaces this for a striped cache)."""
         b, mq, ms = plan.num_seqs, plan.max_query_len, plan.max_seq_len
         ctx = cache.gather(plan.block_tables, ms)                      # [B, S, D]
         # Slots past a sequence's end may hold anything (even NaN): zero them so masked
         # scores stay finite.
-        ctx = ctx.to(x.dtype).masked_fill(~plan.key_valid, 0.0)
+        ctx = ctx.to(dtype).masked_fill(~plan.key_valid, 0.0)
         if plan.absorbed:
-            out = self._attend_absorbed(q_nope, q_pe, ctx, plan)
-        else:
-            qn = _pad(q_nope, plan.pad_index, b * mq).unflatten(0, (b, mq))
-            qp = _pad(q_pe, plan.pad_index, b * mq).unflatten(0, (b, mq))
-            lat, kp = ctx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            out = self._attend_decompressed(qn, qp, lat, kp, mask=plan.mask)   # [B, Lq, nH*dv]
-            out = _unpad(out.flatten(0, 1), plan.pad_index)
-        return self.o_proj(out)
+            return self._attend_absorbed(q_nope, q_pe, ctx, plan)
+        qn = _pad(q_nope, plan.pad_index, b * mq).unflatten(0, (b, mq))
+        qp = _pad(q_pe, plan.pad_index, b * mq).unflatten(0, (b, mq))
+        lat, kp = ctx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        out = self._attend_decompressed(qn, qp, lat, kp, mask=plan.mask)   # [B, Lq, nH*dv]
+        return _unpad(out.flatten(0, 1), plan.pad_index)
 
     def _attend_fresh(self, q_nope, q_pe, latent, k_pe, lens: list[int]) -> torch.Tensor:
         """Prefills from position 0 only: each sequence's keys are exactly its own new rows,
@@ -210,23 +214,30 @@ class MLA(nn.Module):
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _latent_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Fold W_UK into the query: [T, nH, dn], [T, nH, dr] -> [T, nH, kvr + dr]."""
+        nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
+        w_uk = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, :dn]   # [nH, dn, kvr]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)      # [T, nH, kvr]
+        return torch.cat([q_lat, q_pe], dim=-1)
+
+    def _value_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Unfold W_UV: latent-space outputs [T, nH, kvr] -> [T, nH * dv]."""
+        nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
+        w_uv = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, dn:]   # [nH, dv, kvr]
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
+
     def _attend_absorbed(self, q_nope, q_pe, ctx, plan: AttentionPlan) -> torch.Tensor:
         """Attend in latent space; all heads share one key/value row per token (MQA)."""
-        nh, dn, dv, kvr = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(nh, dn + dv, kvr)
-        w_uk, w_uv = w[:, :dn], w[:, dn:]                               # [nH, dn, kvr], [nH, dv, kvr]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nH, kvr]
-        q = torch.cat([q_lat, q_pe], dim=-1)                             # [T, nH, kvr + dr]
+        nh, kvr = self.num_heads, self.kv_lora_rank
         b, mq = plan.num_seqs, plan.max_query_len
-        q = _pad(q, plan.pad_index, b * mq)                              # [B*Lq, nH, D]
+        q = _pad(self._latent_query(q_nope, q_pe), plan.pad_index, b * mq)   # [B*Lq, nH, D]
         # Heads become extra query rows: [B, Lq * nH, D] against keys [B, S, D].  Three
         # plain kernels: on CPU this is ~2x faster than SDPA's math path at these sizes.
         q = q.view(b, mq * nh, -1)
         scores = torch.baddbmm(plan.head_bias.to(q.dtype), q, ctx.transpose(1, 2), alpha=self.scale)
         o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr])                 # [B, Lq*nH, kvr]
-        o = _unpad(o.view(b * mq, nh, kvr), plan.pad_index)                            # [T, nH, kvr]
-        out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)       # [T, nH, dv]
-        return out.flatten(1)
+        return self._value_out(_unpad(o.view(b * mq, nh, kvr), plan.pad_index))
 
 
 def _pad(x: torch.Tensor, pad_index: torch.Tensor, rows: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ rank holds only part of (gpt-fast's way: transform the model, do not branch insi
   and all-reduces its output.  The latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``)
   and their norms are replicated, so every rank writes the same latent rows: the latent KV
   cache is replicated per rank (it is shared by all heads, the MLA design; a per-head
-  split does not exist to be made).
+  split does not exist to be made).  With ``sp`` = tp the cache is striped over the
+  ranks by block instead, and attention over it merges the ranks' partial results
+  (sequence_parallel.py).
 * dense MLP: ``gate_proj``/``up_proj`` keep a slice of the intermediate rows,
   ``down_proj`` the matching columns and all-reduces.
 * MoE: the router is replicated (every rank routes every token the same way); routed
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.model.meta import meta_device
+from server.model.sequence_parallel import make_sequence_parallel
 
 
 class ShardError(ValueError):
@@ -45,17 +48,21 @@ class ShardError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ParallelPlan:
     """One rank's place in the group.  ``world_size`` = tp (attention and dense layers);
-    ``moe_tp * moe_ep == world_size``."""
+    ``moe_tp * moe_ep == world_size``; ``sp`` 1 (latent cache replicated) or tp (striped
+    over the ranks: sequence_parallel.py)."""
 
     world_size: int = 1
     rank: int = 0
     moe_tp: int = 1
     moe_ep: int = 1
+    sp: int = 1
 
     def __post_init__(self) -> None:
         if self.moe_tp * self.moe_ep != self.world_size:
             raise ShardError(f"moe_tp ({self.moe_tp}) x moe_ep ({self.moe_ep}) must equal the "
                              f"world size ({self.world_size})")
+        if self.sp not in (1, self.world_size):
+            raise ShardError(f"sp ({self.sp}) must be 1 or the world size ({self.world_size})")
         if not 0 <= self.rank < self.world_size:
             raise ShardError(f"rank {self.rank} outside [0, {self.world_size})")
 
@@ -189,6 +196,8 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
         attn.o_proj = _meta_linear(RowParallelLinear, local_heads * dv, cfg.hidden_size)
         cols(f"{p}.self_attn.o_proj.weight", h0 * dv, h1 * dv)
         attn.num_heads = local_heads
+        if plan.sp > 1:
+            make_sequence_parallel(attn, r, plan.sp)
         if hasattr(layer.mlp, "gate"):
             _shard_moe(layer.mlp, f"{p}.mlp", plan, rows, cols)
         else:

@@ -369,7 +369,8 @@ def _data(cache) -> torch.Tensor:
 
 def supports_static_decode(model, caches: list) -> bool:
     """Float (exact) caches: what the static functions are written for; int8 caches keep
-    the varlen path.  Float and int8 (QuantLinear) layers both run here: int8 layers as
+    the varlen path, and so do striped (sequence-parallel) caches, which ``attend`` would
+    read as whole ones (StripedLatentCache is no LatentCache).  Float and int8 (QuantLinear) layers both run here: int8 layers as
     modules inside the graphs (their GEMMs are torch._int_mm or exact float ones), int8
     experts in the routed form."""
     from server.model.latent_cache import LatentCache

@@ -1,7 +1,8 @@
 """MindIE's parallel layout rules (tp, dp, cp, sp, moe_tp, moe_ep) and what this build serves.
 
 A layout that breaks a rule is refused at load (ConfigError, one issue at the key to edit);
-a layout that follows the rules but needs dp, cp or sp above 1 loads, and is reported
+a layout that follows the rules but needs dp or cp above 1, or sp above 1 beside a feature
+that moves whole KV blocks (host/disk tier, swap preemption, PD), loads, and is reported
 apart as not served by this build: ``--check`` and the daemon's start exit 1 on it.
 """
 from __future__ import annotations
@@ -50,15 +51,15 @@ ACCEPTED = [
      (16, 8, 2, 1, 1, 1, 16), {"dp"}),
     ("dp2-tp1-moe_ep2", lay(2, dp=2, tp=1, moe_ep=2), (2, 1, 2, 1, 1, 1, 2), {"dp"}),
     ("dp2-tp2-moe_ep4", lay(4, dp=2, tp=2, moe_ep=4), (4, 2, 2, 1, 1, 1, 4), {"dp"}),
-    ("tp2-sp2", lay(2, tp=2, sp=2), (2, 2, 1, 1, 2, 2, 1), {"sp"}),
+    ("tp2-sp2", lay(2, tp=2, sp=2), (2, 2, 1, 1, 2, 2, 1), set()),
     # MoE keys given: with neither, moe_tp would be tp (2) and not cover the 4 ranks
-    ("tp2-sp2-cp2", lay(4, tp=2, sp=2, cp=2, moe_ep=4), (4, 2, 1, 2, 2, 1, 4), {"cp", "sp"}),
+    ("tp2-sp2-cp2", lay(4, tp=2, sp=2, cp=2, moe_ep=4), (4, 2, 1, 2, 2, 1, 4), {"cp"}),
     ("mindie-cp-example-16dev", lay(16, dp=1, cp=2, sp=8, tp=8, moe_ep=16, moe_tp=1),
-     (16, 8, 1, 2, 8, 1, 16), {"cp", "sp"}),
+     (16, 8, 1, 2, 8, 1, 16), {"cp"}),
     ("tp2-moe_ep2-moe_tp1", lay(2, tp=2, moe_ep=2, moe_tp=1), (2, 2, 1, 1, 1, 1, 2), set()),
     ("moe_tp-only", lay(4, moe_tp=2), (4, 4, 1, 1, 1, 2, 2), set()),
     ("dp-minus-one-is-unset", lay(2, dp=-1), (2, 2, 1, 1, 1, 2, 1), set()),
-    ("sp2-with-mtp-k1", {**lay(2, tp=2, sp=2), PP: mtp(1)}, (2, 2, 1, 1, 2, 2, 1), {"sp"}),
+    ("sp2-with-mtp-k1", {**lay(2, tp=2, sp=2), PP: mtp(1)}, (2, 2, 1, 1, 2, 2, 1), set()),
 ]
 
 
@@ -86,6 +87,41 @@ def test_dp_note_says_how_to_serve(tmp_path):
     assert note.path == f"{MC0}.dp" and note.value == 2
     assert note.message == ("dp 2 (attention data parallel) is a valid MindIE layout but this "
                             "build does not serve it yet; serve with dp 1 and tp = worldSize (16)")
+
+
+def test_sp_is_served_and_reaches_the_engine(tmp_path):
+    from server.engine.config import engine_config_from_app
+    cfg = load({**lay(2, tp=2, sp=2), PP: mtp(1)}, tmp_path)
+    assert cfg.unserved == []
+    par = engine_config_from_app(cfg).parallel
+    assert (par.world_size, par.sp, par.moe_tp, par.moe_ep) == (2, 2, 2, 1)
+
+
+SP_WITH = [
+    ("host-pool", {"BackendConfig.kvPoolConfig": {"backend": "host"},
+                   PP: json.dumps({"plugin_type": "prefix_cache"})},
+     "BackendConfig.kvPoolConfig.backend", "the host KV pool (and its disk tier)",
+     "an empty kvPoolConfig.backend"),
+    ("swap-preemption", {"BackendConfig.ScheduleConfig.maxPreemptCount": 2},
+     "BackendConfig.ScheduleConfig.maxPreemptCount", "preemption by swapping to host memory",
+     "maxPreemptCount 0"),
+    ("pd", {"ServerConfig.inferMode": "dmi", "ServerConfig.interCommPort": 1300,
+            "ServerConfig.pdRole": "prefill"},
+     "ServerConfig.inferMode", "PD disaggregation's KV transfer", "inferMode standard"),
+]
+
+
+@pytest.mark.parametrize("case_id,edits,path,what,fix", SP_WITH, ids=[c[0] for c in SP_WITH])
+def test_sp_beside_a_block_mover_is_not_served(case_id, edits, path, what, fix, tmp_path):
+    """sp 2 is served, but not beside what moves whole KV blocks of one pool: reported at
+    that key, as not served (the daemon refuses to start); with sp 1 it is served."""
+    cfg = load({**lay(2, tp=2, sp=2), **edits}, tmp_path)
+    [note] = cfg.unserved
+    assert note.path == path and f"{MC0}.sp" in note.related
+    assert note.message == (f"sp 2 (sequence parallel) stripes the KV pool over the ranks, and "
+                            f"{what} moves whole blocks of one pool: not served together by "
+                            f"this build; serve with {fix} or sp 1")
+    assert load({**lay(2, tp=2), **edits}, tmp_path).unserved == []
 
 
 # (id, edits, env, path, texts that must appear in the issue's message or allowed, related)
@@ -211,5 +247,5 @@ def test_daemon_refuses_an_unserved_layout_before_loading_anything(build):
     assert "loaded: False False False" in proc.stdout
     assert "the daemon refuses to start on it" in proc.stderr
     assert f"{MC0}.cp: cp 2 (context parallel) is a valid MindIE layout" in proc.stderr
-    assert f"{MC0}.sp: sp 2 (sequence parallel)" in proc.stderr
+    assert f"{MC0}.sp:" not in proc.stderr                # sp = tp is served
     assert "Traceback" not in proc.stderr

@@ -24,7 +24,9 @@ from tests.engine.helpers import free_port, prompts, requests, run_tokens
 
 pytestmark = pytest.mark.slow
 DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"
-LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4-moe2x2": (4, 2, 2), "tp4-ep4": (4, 1, 4)}
+# name: (world, moe_tp, moe_ep[, sp])
+LAYOUTS = {"tp2": (2, 2, 1), "ep2": (2, 1, 2), "tp4-moe2x2": (4, 2, 2), "tp4-ep4": (4, 1, 4),
+           "tp2-sp2": (2, 2, 1, 2)}
 BASE = EngineConfig(block_size=8, num_blocks=256, max_queue_delay_us=0, max_batch_size=8,
                     max_seq_len=512, adaptive_speculation=False)
 
@@ -42,10 +44,15 @@ def _single(path: str, k: int) -> dict[str, list[int]]:
     return run_tokens(LLMEngine(model.eval(), cfg, eos_token_ids=set()), _requests(model.config.vocab_size))
 
 
+def parallel_config(layout: str, **kw) -> ParallelConfig:
+    world, moe_tp, moe_ep, *sp = LAYOUTS[layout]
+    return ParallelConfig(world_size=world, moe_tp=moe_tp, moe_ep=moe_ep, sp=sp[0] if sp else 1,
+                          master_port=free_port(), **kw)
+
+
 def _parallel(path: str, k: int, layout: str, **kw) -> dict[str, list[int]]:
-    world, moe_tp, moe_ep = LAYOUTS[layout]
-    cfg = dataclasses.replace(BASE, num_speculative_tokens=k, **kw, parallel=ParallelConfig(
-        world_size=world, moe_tp=moe_tp, moe_ep=moe_ep, master_port=free_port()))
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=k, **kw,
+                              parallel=parallel_config(layout))
     summary = inspect_checkpoint(path)
     engine = LLMEngine(summary, cfg, eos_token_ids=set())
     try:

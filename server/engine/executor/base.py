@@ -41,6 +41,7 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
     a rank group (worldSize > 1)."""
     import torch
 
+    check_sequence_parallel(cfg)
     if cfg.parallel.world_size > 1:
         from server.engine.executor.parallel import ParallelExecutor
         if policy is not None:
@@ -61,3 +62,26 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
     worker = Worker(model, cfg, k, policy,
                     draft_after_emit=cfg.draft_after_emit and not cfg.async_scheduling)
     return InProcessExecutor(worker, async_scheduling=cfg.async_scheduling)
+
+
+def check_sequence_parallel(cfg: EngineConfig) -> None:
+    """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py) cannot do: its
+    blocks live on different ranks, while the host/disk tiers move whole blocks of one
+    device pool by global id.  (PD transfer, the other block mover, is refused by the
+    config: ServerConfig.inferMode "dmi" with sp > 1.)"""
+    par = cfg.parallel
+    if par.sp == 1:
+        return
+    if par.sp != par.world_size:
+        raise EngineError(f"sp {par.sp} (sequence parallel): allowed 1 or tp = worldSize "
+                          f"({par.world_size})")
+    tiers = [name for name, on in (
+        ("the host KV tier (kvPoolConfig.backend, or cpuMemSize with maxPreemptCount > 0)",
+         cfg.host_cache_gb > 0 or bool(cfg.host_cache_blocks)),
+        ("the disk KV tier (kvPoolConfig configPath's disk_path)", cfg.disk_cache_dir))
+        if on]
+    if tiers:
+        verb = "move" if len(tiers) > 1 else "moves"
+        raise EngineError(f"sp {par.sp} (sequence parallel) stripes the KV pool over the ranks, "
+                          f"and {' and '.join(tiers)} {verb} whole blocks of one pool: not "
+                          "served together; turn the tier off or serve with sp 1")

@@ -15,6 +15,11 @@ Sizing (``num_blocks_for``), in order of precedence:
     the model and everything else.
   In every case the count is capped at what maxBatchSize sequences of maxSeqLen (+ draft
   slots) can ever use, so a small model does not grab the whole device.
+
+Sequence parallel (sp > 1, model/sequence_parallel.py): the budget is one rank's, and buys
+that rank's stripe; the engine's pool is sp times the stripe (global block b on rank
+b % sp), so the same npuMemSize holds ~sp times the tokens.  An explicit ``num_blocks``
+is the engine's pool then.  Each rank keeps one sink block on top of its stripe.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 from server.engine.kv.layout import kv_block_bytes, kv_bytes_per_token
 from server.model.latent_cache import Int8LatentCache, LatentCache
+from server.model.sequence_parallel import StripedLatentCache, StripeIndex
 
 log = logging.getLogger("server.engine")
 
@@ -104,3 +110,21 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int,
             else LatentCache(torch.zeros(num_blocks, spec.block_size, spec.kv_cache_dim,
                                          dtype=spec.dtype, device=device))
             for i in range(spec.num_layers)]
+
+
+def rank_blocks(pool_blocks: int, sp: int) -> int:
+    """Blocks one rank allocates for an engine pool of ``pool_blocks``: all of them, or
+    with sp > 1 its stripe (ceil(pool_blocks / sp)) plus the sink block."""
+    return pool_blocks if sp == 1 else -(-pool_blocks // sp) + 1
+
+
+def stripe_kv_caches(caches: list, rank: int, sp: int, block_size: int) -> list:
+    """Rank ``rank``'s caches of a pool striped over ``sp`` ranks (sp 1: as they are);
+    each cache's ``num_blocks`` is then the engine's pool, sp x (allocated - 1)."""
+    if sp == 1:
+        return caches
+    if caches[0].num_blocks < 2:
+        raise ValueError("the KV budget holds one block per rank: sequence parallel needs a "
+                         "sink block besides the rank's stripe; give npuMemSize more room")
+    index = StripeIndex(rank, sp, block_size)        # one per pool: the layers share a step's
+    return [StripedLatentCache(c, index) for c in caches]

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from server.engine.config import EngineConfig
-from server.engine.kv.cache import KVCacheSpec, allocate_kv_caches, num_blocks_for
+from server.engine.kv.cache import (KVCacheSpec, allocate_kv_caches, num_blocks_for, rank_blocks,
+                                    stripe_kv_caches)
 from server.engine.kv.transfer import KVTransfer
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from server.engine.runtime import lookahead_slots
@@ -97,7 +98,8 @@ class Worker:
 
     def _allocate_kv(self, model: Any, cfg: EngineConfig, k: int) -> KVCacheSpec:
         """The KV pool: as many blocks as the budget holds, no more than the batch can use
-        (agreed over a rank group, so every rank has the same pool)."""
+        (agreed over a rank group, so every rank has the same pool).  With sp > 1 the
+        budget buys this rank's stripe and the pool is sp stripes (kv/cache.py)."""
         # kv_cache_dtype "int8" quantizes every layer's latent; otherwise the layers the
         # checkpoint's FA3 scales name (none for a float checkpoint).
         int8_layers = frozenset(range(model.num_kv_layers)) if cfg.kv_cache_dtype == "int8" \
@@ -106,18 +108,28 @@ class Worker:
                            next(model.parameters()).dtype,
                            rope_dim=model.config.qk_rope_head_dim, int8_layers=int8_layers)
         self.num_int8_kv_layers = len(int8_layers)
+        sp = cfg.parallel.sp if self.group is not None else 1
         per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
-        self.num_kv_blocks = num_blocks_for(spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
-                                            max_useful_blocks=cfg.max_batch_size * per_seq + 1,
-                                            num_blocks=cfg.num_blocks)
+        blocks = num_blocks_for(
+            spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
+            max_useful_blocks=rank_blocks(cfg.max_batch_size * per_seq + 1, sp),
+            num_blocks=None if cfg.num_blocks is None else rank_blocks(cfg.num_blocks, sp))
         if self.group is not None:
-            self.num_kv_blocks = self.group.agree_min(self.num_kv_blocks)
-        self.kv_caches = allocate_kv_caches(spec, self.num_kv_blocks, self.device)
+            blocks = self.group.agree_min(blocks)
+        self.kv_caches = stripe_kv_caches(allocate_kv_caches(spec, blocks, self.device),
+                                          self.group.rank % sp if sp > 1 else 0, sp,
+                                          cfg.block_size)
+        self.num_kv_blocks = self.kv_caches[0].num_blocks
+        self.sp = sp
+        if sp > 1:
+            log.info("KV pool striped over sp %d ranks: %d blocks, %d on each rank",
+                     sp, self.num_kv_blocks, self.num_kv_blocks // sp)
         return spec
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.num_kv_blocks, self.num_int8_kv_layers, self.kv_transfer.host_slots,
-                          self.kv_transfer.bytes_per_block, self.graphs.current())
+                          self.kv_transfer.bytes_per_block, self.graphs.current(),
+                          sp=self.sp, kv_blocks_per_rank=self.num_kv_blocks // self.sp)
 
     @property
     def policy(self) -> SpecPolicy | None:
