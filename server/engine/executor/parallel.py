@@ -23,9 +23,8 @@ import traceback
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from server.engine.child import init_child
+from server.engine.child import child_context, init_child
 from server.engine.config import EngineConfig
 from server.engine.executor.process import ProcessExecutor, read_into_queue, serve_steps
 from server.engine.worker.rank_group import PING, RankFailed, RankGroup, collective_error
@@ -43,11 +42,12 @@ def rank_device(cfg: EngineConfig, local_index: int) -> str:
 
 
 def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: int,
-              threads: int, log_level: int, requests: Any = None, results: Any = None) -> None:
+              threads: int, log_level: int, requests: Any = None, results: Any = None,
+              environ: dict | None = None) -> None:
     """One rank: join the group, load the shard, then execute broadcast steps until told
     to stop.  Rank 0 reads the engine's messages from ``requests`` and answers on
     ``results``; a local follower uses ``results`` once, to report start-up."""
-    init_child(log_level, threads, log_prefix=f"rank{rank} ")
+    init_child(log_level, threads, log_prefix=f"rank{rank} ", environ=environ)
     par = cfg.parallel
     device = rank_device(cfg, rank - par.local_ranks.start)
     if device.startswith("cuda"):
@@ -58,7 +58,7 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
         from server.engine.worker.worker import Worker
         from server.model.loader import load_checkpoint
         from server.model.parallel import ParallelPlan
-        plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep, par.sp)
+        plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep, par.sp, par.dp)
         model, _ = load_checkpoint(model_path, dtype=torch_dtype(cfg.dtype), device=device,
                                    plan=plan)
         group.ready()
@@ -119,7 +119,7 @@ class ParallelExecutor(ProcessExecutor):
 
     def __init__(self, model_path: str, cfg: EngineConfig, num_spec_tokens: int) -> None:
         par = cfg.parallel
-        ctx = mp.get_context("spawn")
+        ctx = child_context()
         threads = max(1, torch.get_num_threads() // max(1, par.ranks_per_node))
         requests_rx, requests = ctx.Pipe(duplex=False)
         results, results_tx = ctx.Pipe(duplex=False)
@@ -133,7 +133,8 @@ class ParallelExecutor(ProcessExecutor):
                 args = (None, tx)
             proc = ctx.Process(target=rank_main, name=f"engine-rank{rank}", daemon=True,
                                args=(rank, cfg, model_path, num_spec_tokens, threads,
-                                     logging.getLogger().level) + args)
+                                     logging.getLogger().level) + args,
+                               kwargs={"environ": dict(os.environ)})
             proc.start()
             procs.append(proc)
         requests_rx.close()
@@ -157,13 +158,13 @@ class ParallelExecutor(ProcessExecutor):
 def start_node_ranks(cfg: EngineConfig, model_path: str, num_spec_tokens: int) -> list:
     """Start this node's ranks of a multi-node group (node_rank > 0): they take their steps
     from rank 0 over the group, so they need no pipe to this process."""
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     threads = max(1, torch.get_num_threads() // max(1, cfg.parallel.ranks_per_node))
     procs = []
     for rank in cfg.parallel.local_ranks:
         proc = ctx.Process(target=rank_main, name=f"engine-rank{rank}",
                            args=(rank, cfg, model_path, num_spec_tokens, threads,
-                                 logging.getLogger().level))
+                                 logging.getLogger().level), kwargs={"environ": dict(os.environ)})
         proc.start()
         procs.append(proc)
     return procs

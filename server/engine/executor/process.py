@@ -22,9 +22,8 @@ import traceback
 from typing import Any, Callable
 
 import torch
-import torch.multiprocessing as mp
 
-from server.engine.child import init_child
+from server.engine.child import child_context, init_child
 from server.engine.config import START_TIMEOUT_S, EngineConfig
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -85,14 +84,14 @@ def serve_steps(inbox: queue.SimpleQueue, results: Any,
 
 
 def _serve(model: Any, cfg: EngineConfig, num_spec_tokens: int, policy: Any, threads: int,
-           log_level: int, requests: Any, results: Any) -> None:
+           log_level: int, requests: Any, results: Any, environ: dict | None = None) -> None:
     """The child: build the worker, then execute every message until ``None``.
 
     A reader thread drains ``requests`` at once, so the engine's send of step n+1 never
     waits for step n to finish.  Signals are the parent's business (it drains, then sends
     ``None``); a child whose parent is gone exits by itself.
     """
-    init_child(log_level, threads)
+    init_child(log_level, threads, environ=environ)
     from server.engine.worker.worker import Worker
     try:
         worker = Worker(model, cfg, num_spec_tokens, policy)
@@ -141,13 +140,13 @@ class ProcessExecutor:
 
     def __init__(self, model: Any, cfg: EngineConfig, num_spec_tokens: int,
                  policy: Any = None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = child_context()
         requests_rx, requests = ctx.Pipe(duplex=False)
         results, results_tx = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_serve, name="engine-worker", daemon=True,
                            args=(model, cfg, num_spec_tokens, policy,
                                  torch.get_num_threads(), logging.getLogger().level,
-                                 requests_rx, results_tx))
+                                 requests_rx, results_tx), kwargs={"environ": dict(os.environ)})
         proc.start()
         requests_rx.close()
         results_tx.close()
