@@ -12,7 +12,7 @@ from typing import Any
 
 from server.config.kv_pool import KvPoolSettings
 from server.config.errors import ConfigIssue
-from server.config.parallel import ParallelLayout, unserved_parallel, unserved_with_sp
+from server.config.parallel import ParallelLayout, unserved_parallel, unserved_with_striped_kv
 from server.config.plugins import MtpSettings, PluginParams
 from server.config.rules import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from server.config.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
@@ -114,7 +114,7 @@ class AppConfig:
         """Parts of the (rule-abiding) parallel layout this build does not serve, alone or
         with the features asked for; the daemon refuses to start unless this is empty
         (config/parallel.py)."""
-        return unserved_parallel(self.parallel) + unserved_with_sp(
+        return unserved_parallel(self.parallel) + unserved_with_striped_kv(
             self.parallel, kv_pool_backend=self.kv_pool.backend,
             max_preempt_count=self.schedule.max_preempt_count,
             infer_mode=self.server.infer_mode)

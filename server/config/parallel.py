@@ -27,10 +27,11 @@ at ``$MASTER_ADDR:$MASTER_PORT`` (the port defaults to ``multiNodesInferPort``).
 
 What this build serves is a separate question, answered by ``unserved_parallel``: a
 layout can follow MindIE's rules and still need a kind of parallelism the engine does not
-run (today dp and cp above 1), or sp above 1 next to a feature that moves whole KV blocks
-(``unserved_with_sp``: the host/disk KV tier, PD transfer; a striped pool has each block
-on one rank).  Those are not rule violations: ``--check`` reports them apart, and the
-daemon refuses to start on them.
+run (today cp above 1, and dp above 1 together with sp above 1), or sp or dp above 1
+next to a feature that moves whole KV blocks (``unserved_with_striped_kv``: the host/disk
+KV tier, swap preemption, PD transfer; a striped pool has each block on one rank, a dp
+pool each request's blocks in one group).  Those are not rule violations: ``--check``
+reports them apart, and the daemon refuses to start on them.
 """
 from __future__ import annotations
 
@@ -115,13 +116,13 @@ def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
                           master_port=int(env.get("MASTER_PORT", b.multi_nodes_infer_port)))
 
 
-# What the engine runs today (server/model/parallel.py): attention and dense layers tensor
-# parallel over all ranks, experts over moe_ep groups of moe_tp ranks, the latent KV
-# striped over the tp ranks with sp = tp (server/model/sequence_parallel.py).  One entry
-# per kind of parallelism the engine does not run: serving one of them later removes its
-# entry.
+# What the engine runs today (server/model/parallel.py): attention tensor parallel over
+# the tp ranks of each of dp attention data parallel groups (server/model/data_parallel.py),
+# dense layers over all ranks, experts over moe_ep groups of moe_tp ranks, the latent KV
+# striped over the tp ranks with sp = tp (server/model/sequence_parallel.py) when dp is 1.
+# One entry per kind of parallelism the engine does not run: serving one of them later
+# removes its entry.
 _UNSERVED = {
-    "dp": ("attention data parallel", "serve with dp 1 and tp = worldSize ({world})"),
     "cp": ("context parallel", "serve with cp 1"),
 }
 
@@ -140,14 +141,25 @@ def unserved_parallel(layout: ParallelLayout) -> list[ConfigIssue]:
                 f"{key} {size} ({what}) is a valid MindIE layout but this build does not "
                 f"serve it yet; {advice.format(world=layout.world_size)}",
                 related=(f"{MC0}.worldSize", f"{MC0}.tp")))
+    if layout.dp > 1 and layout.sp > 1:
+        out.append(ConfigIssue(
+            f"{MC0}.sp", layout.sp, "1 with dp > 1 (served by this build)",
+            f"sp {layout.sp} (sequence parallel) with dp {layout.dp} (attention data "
+            "parallel) is a valid MindIE layout but this build does not serve the two "
+            "together yet; serve with sp 1", related=(f"{MC0}.dp", f"{MC0}.tp")))
     return out
 
 
-def unserved_with_sp(layout: ParallelLayout, *, kv_pool_backend: str, max_preempt_count: int,
-                     infer_mode: str) -> list[ConfigIssue]:
-    """sp > 1 next to what moves whole KV blocks by id (the host and disk tiers, PD
-    transfer): a striped pool holds each block on one rank only, so these are refused."""
-    if layout.sp <= 1:
+def unserved_with_striped_kv(layout: ParallelLayout, *, kv_pool_backend: str,
+                             max_preempt_count: int, infer_mode: str) -> list[ConfigIssue]:
+    """sp > 1 or dp > 1 next to what moves whole KV blocks by id (the host and disk
+    tiers, swap preemption, PD transfer): a striped pool holds each block on one rank
+    only, a dp pool each request's blocks in one group's ranks, so these are refused."""
+    if layout.sp > 1:
+        key, size, does = "sp", layout.sp, "(sequence parallel) stripes the KV pool over the ranks"
+    elif layout.dp > 1:
+        key, size, does = "dp", layout.dp, "(attention data parallel) splits the KV pool over its groups"
+    else:
         return []
     found = [(f"{BC}.kvPoolConfig.backend", kv_pool_backend, bool(kv_pool_backend),
               "the host KV pool (and its disk tier)", "an empty kvPoolConfig.backend"),
@@ -155,11 +167,10 @@ def unserved_with_sp(layout: ParallelLayout, *, kv_pool_backend: str, max_preemp
               "preemption by swapping to host memory", "maxPreemptCount 0"),
              ("ServerConfig.inferMode", infer_mode, infer_mode == "dmi",
               "PD disaggregation's KV transfer", "inferMode standard")]
-    return [ConfigIssue(path, value, f"{fix} (with sp > 1)",
-                        f"sp {layout.sp} (sequence parallel) stripes the KV pool over the "
-                        f"ranks, and {what} moves whole blocks of one pool: not served "
-                        f"together by this build; serve with {fix} or sp 1",
-                        related=(f"{MC0}.sp",))
+    return [ConfigIssue(path, value, f"{fix} (with {key} > 1)",
+                        f"{key} {size} {does}, and {what} moves whole blocks of one pool: "
+                        f"not served together by this build; serve with {fix} or {key} 1",
+                        related=(f"{MC0}.{key}",))
             for path, value, on, what, fix in found if on]
 
 

@@ -37,6 +37,7 @@ worker, then the worker side):
 
     kv/                the KV pool and where blocks go besides it
       block_manager.py   block allocation, ref counts, MTP-aware prefix cache (no torch)
+      dp_blocks.py       one block pool per attention data parallel group (no torch)
       host_tier.py       host tier bookkeeping: hash -> slot, swap slots (no torch)
       disk_tier.py       disk tier: verified reads, write plans (no torch)
       block_file.py      one block on disk: checksummed, written atomically (no torch)

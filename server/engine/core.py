@@ -79,7 +79,8 @@ class LLMEngine:
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
             swap_preemption=bool(host_blocks) and cfg.swap_preemption,
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
-            moe_ep=cfg.parallel.moe_ep, sp=info.sp, kv_blocks_per_rank=info.kv_blocks_per_rank,
+            moe_ep=cfg.parallel.moe_ep, sp=info.sp, dp=info.dp,
+            kv_blocks_per_rank=info.kv_blocks_per_rank,
             engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
         self.blocks = blocks or make_block_manager(model.config, cfg, self.runtime)
@@ -155,9 +156,11 @@ class LLMEngine:
             if bad:
                 return f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
         need = self.scheduler.worst_case_blocks(seq)
-        if need > self.blocks.num_blocks:
+        if need > self.blocks.num_blocks_per_group:
+            pool = ("the pool has" if self.blocks.num_groups == 1
+                    else f"a dp group's pool (of {self.blocks.num_groups}) has")
             return (f"request needs up to {need} KV blocks ({n} prompt + {seq.max_output_tokens} "
-                    f"output tokens), the pool has {self.blocks.num_blocks}")
+                    f"output tokens), {pool} {self.blocks.num_blocks_per_group}")
         return None
 
     def abort(self, request_id: str) -> None:

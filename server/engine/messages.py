@@ -116,7 +116,8 @@ class WorkerInfo:
     kv_block_bytes: int               # bytes one block moves (every cache layer)
     compile: CompileState
     sp: int = 1                       # ranks the pool is striped over (sequence parallel)
-    kv_blocks_per_rank: int = 0       # blocks one rank holds: num_kv_blocks / sp
+    dp: int = 1                       # dp groups the pool is split over (attention data parallel)
+    kv_blocks_per_rank: int = 0       # blocks one rank holds: num_kv_blocks / (sp x dp)
 
 
 @dataclass(slots=True)

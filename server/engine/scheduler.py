@@ -23,6 +23,10 @@ there and loaded back when it resumes, with its computed positions as they were 
 drafts stay with the worker's proposer either way); recompute is the fallback.
 Freed blocks may be handed out while a step that still writes them is in flight: the
 worker runs steps in order, so the new owner's step writes them after it.
+
+Attention data parallel (dp > 1): the pool is one per dp group (kv/dp_blocks.py), and a
+sequence is placed in a group when it is admitted (``_place``: its prefix hit first,
+then the least loaded group); its blocks, reservation and room are that group's.
 """
 from __future__ import annotations
 
@@ -64,13 +68,20 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}       # every unfinished sequence, by id
         self._finished_ids: list[str] = []            # the worker drops their state next step
         self._step_id = 0
-        self._reserved_outstanding = 0          # blocks promised to reserved sequences
+        # Blocks promised to reserved sequences, per dp group (one without attention data
+        # parallel: kv/dp_blocks.py).
+        self._reserved = [0] * blocks.num_groups
         self._decode_waste_ms = 0.0
         self.num_preemptions = 0
         self.swap = cfg.swap_preemption and blocks.host is not None
         self.num_swapped_out = 0                # preemptions that swapped to the host tier
         self.num_swapped_in = 0                 # resumes that loaded the blocks back
         self.num_recomputed = 0                 # preemptions that dropped the KV (recompute)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks promised to reserved sequences and not yet taken by them."""
+        return sum(self._reserved)
 
     def worst_case_blocks(self, seq: Sequence) -> int:
         n = seq.num_prompt_tokens + seq.max_output_tokens + self.worst_case_extra
@@ -137,14 +148,14 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.reserved_blocks:
-            self._reserved_outstanding -= max(0, seq.reserved_blocks - len(seq.block_table))
+            self._reserved[seq.dp_group] -= max(0, seq.reserved_blocks - len(seq.block_table))
             seq.reserved_blocks = 0
         self.blocks.free(seq)
 
     def _room(self, seq: Sequence) -> int:
         """Blocks ``seq`` may take now: free ones minus what reserved sequences were promised."""
         own = max(0, seq.reserved_blocks - len(seq.block_table)) if seq.reserved_blocks else 0
-        return self.blocks.num_free_blocks - (self._reserved_outstanding - own)
+        return self.blocks.num_free(seq.dp_group) - (self._reserved[seq.dp_group] - own)
 
     def _grow(self, seq: Sequence, num_slots: int) -> bool:
         need = self.blocks.blocks_for(num_slots) - len(seq.block_table)
@@ -155,7 +166,7 @@ class Scheduler:
         before = len(seq.block_table)
         self.blocks.append_slots(seq, num_slots)
         if seq.reserved_blocks:
-            self._reserved_outstanding -= min(len(seq.block_table), seq.reserved_blocks) - \
+            self._reserved[seq.dp_group] -= min(len(seq.block_table), seq.reserved_blocks) - \
                 min(before, seq.reserved_blocks)
         return True
 
@@ -259,26 +270,20 @@ class Scheduler:
             seq = self.waiting[0]
             if id(seq) in skip or seq.num_inflight_steps:
                 break                          # freed this step, or its last step is in flight
-            # Prompt logprobs need logits at every prompt position: no prefix-cache hit.
-            match = self.blocks.match_prefix(seq) if seq.sampling.prompt_logprobs is None \
-                else PrefixMatch([], [], 0)
-            n_new = seq.num_tokens - match.num_blocks * self.blocks.block_size
-            swapped = bool(seq.swap_slots)     # its blocks come back from the host tier instead
-            if swapped:
-                n_new = seq.num_tokens - seq.swap_num_computed
-            if new and num_tokens + n_new > cfg.max_prefill_tokens:
-                break
             slots = self._slots_needed(seq)
-            if swapped:
-                need = max(self.blocks.blocks_for(slots), len(seq.swap_slots))
-            else:
-                need = self.blocks.blocks_for(slots) - match.num_device_blocks + match.num_free_hits
             reserve = cfg.max_preempt_count == 0 or seq.num_preemptions >= cfg.max_preempt_count
             worst = self.worst_case_blocks(seq) if reserve else 0
-            extra = max(0, worst - self.blocks.blocks_for(slots))
-            if need + extra > self.blocks.num_free_blocks - self._reserved_outstanding:
+            place = self._place(seq, slots, worst)
+            if place is None:
                 break                          # FCFS: the head waits for room
+            group, match = place
+            swapped = bool(seq.swap_slots)     # its blocks come back from the host tier instead
+            n_new = seq.num_tokens - (seq.swap_num_computed if swapped
+                                      else match.num_blocks * self.blocks.block_size)
+            if new and num_tokens + n_new > cfg.max_prefill_tokens:
+                break
             self.waiting.popleft()
+            seq.dp_group = group
             if swapped:
                 self.blocks.swap_in(seq, slots)
                 self.num_swapped_in += 1
@@ -286,7 +291,7 @@ class Scheduler:
                 self.blocks.allocate(seq, match, slots)
             if reserve:
                 seq.reserved_blocks = worst
-                self._reserved_outstanding += max(0, worst - len(seq.block_table))
+                self._reserved[group] += max(0, worst - len(seq.block_table))
             if seq.num_preemptions == 0:            # first admission
                 seq.counters.cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -297,6 +302,29 @@ class Scheduler:
                                       seq.max_output_tokens, seq.export_kv))
             seq.num_inflight_steps += 1
             num_tokens += n_new
+
+    def _place(self, seq: Sequence, slots: int, worst: int) -> tuple[int, PrefixMatch] | None:
+        """The dp group to admit ``seq`` into and its prefix match there, or None while no
+        group has room for its ``slots`` now (and its ``worst``-case blocks when admitted
+        in reserve).  One pool: group 0.  With attention data parallel (kv/dp_blocks.py):
+        the group with the longest prefix hit among those with room, then the one left
+        with the most room (the least loaded)."""
+        blocks = self.blocks
+        extra = max(0, worst - blocks.blocks_for(slots))
+        best, best_key = None, None
+        for g in range(blocks.num_groups):
+            if seq.swap_slots:                 # back from the host tier (one pool only)
+                match = PrefixMatch([], [], 0)
+                need = max(blocks.blocks_for(slots), len(seq.swap_slots))
+            else:
+                # Prompt logprobs need logits at every prompt position: no prefix-cache hit.
+                match = blocks.match_prefix(seq, g) if seq.sampling.prompt_logprobs is None \
+                    else PrefixMatch([], [], 0)
+                need = blocks.blocks_for(slots) - match.num_device_blocks + match.num_free_hits
+            room = blocks.num_free(g) - self._reserved[g] - need - extra
+            if room >= 0 and (best_key is None or (match.num_blocks, room) > best_key):
+                best, best_key = (g, match), (match.num_blocks, room)
+        return best
 
     # ---- update ---------------------------------------------------------------------
     def update(self, out: ModelRunnerOutput) -> list[SequenceUpdate]:

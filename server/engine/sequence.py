@@ -48,6 +48,7 @@ class Sequence(TokenView):
     num_hashed_blocks: int = 0        # leading blocks registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)
     reserved_blocks: int = 0          # worst-case block budget when admitted in reserve mode
+    dp_group: int = 0                 # attention data parallel group its blocks come from
     swap_slots: list[int] = field(default_factory=list)   # host tier slots while swapped out
     swap_num_computed: int = 0        # computed positions its swapped-out blocks hold
     export_kv: bool = False           # PD prefill: the worker exports the prompt blocks' KV

@@ -44,6 +44,9 @@ class BatchMetadata:
     seq_lens_cpu: list[int]
     # Token indices (into the flat token dimension) whose logits are wanted; None = all.
     logits_indices: torch.Tensor | None = None  # [num_logits] int64
+    # Host copy of each sequence's first KV block: attention data parallel reads which dp
+    # group holds a sequence from it without a device sync (model/data_parallel.py).
+    first_blocks_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

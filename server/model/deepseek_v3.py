@@ -94,6 +94,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.kv_cache_int8_layers: frozenset[int] = frozenset()
         # Steps given a DecodeMetadata (uniform windows) run here; the engine may compile it.
         self.static_decoder = StaticDecoder(self)
+        # Builds a step's attention plan from its BatchMetadata: one plan for every token,
+        # or with attention data parallel one for this rank's group (data_parallel.py).
+        self.plan_attention = build_plan
 
     # -- contract properties ---------------------------------------------------------------
     @property
@@ -114,7 +117,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.layers[self.config.num_hidden_layers + layer]  # type: ignore[return-value]
 
     def _plan(self, meta: BatchMetadata) -> AttentionPlan:
-        return build_plan(meta, self.rope, self.num_local_heads, self.absorb_max_query_len)
+        """The plan every layer's attention reads (a DataParallelPlan on a dp model)."""
+        return self.plan_attention(meta, self.rope, self.num_local_heads, self.absorb_max_query_len)
 
     # -- paged path ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata | DecodeMetadata,

@@ -3,14 +3,18 @@
 The model is built whole on the meta device, then ``shard_model`` replaces the pieces a
 rank holds only part of (gpt-fast's way: transform the model, do not branch inside it):
 
-* attention (MLA), tensor parallel over all ranks: ``q_proj``/``q_b_proj`` and
+* attention (MLA), tensor parallel over the tp ranks (all of them unless ``dp`` > 1):
+  ``q_proj``/``q_b_proj`` and
   ``kv_b_proj`` keep this rank's heads (rows), ``o_proj`` keeps the matching input columns
   and all-reduces its output.  The latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``)
   and their norms are replicated, so every rank writes the same latent rows: the latent KV
   cache is replicated per rank (it is shared by all heads, the MLA design; a per-head
   split does not exist to be made).  With ``sp`` = tp the cache is striped over the
   ranks by block instead, and attention over it merges the ranks' partial results
-  (sequence_parallel.py).
+  (sequence_parallel.py).  With ``dp`` > 1 (attention data parallel) the world is dp
+  groups of tp = worldSize / dp ranks, each attending for its own requests only, and
+  ``o_proj`` leaves its sum to the all-reduce that gathers the groups' rows
+  (data_parallel.py); everything below still runs over all ranks on every token.
 * dense MLP: ``gate_proj``/``up_proj`` keep a slice of the intermediate rows,
   ``down_proj`` the matching columns and all-reduces.
 * MoE: the router is replicated (every rank routes every token the same way); routed
@@ -37,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from server.model.data_parallel import make_data_parallel
 from server.model.meta import meta_device
 from server.model.sequence_parallel import make_sequence_parallel
 
@@ -47,24 +52,39 @@ class ShardError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ParallelPlan:
-    """One rank's place in the group.  ``world_size`` = tp (attention and dense layers);
-    ``moe_tp * moe_ep == world_size``; ``sp`` 1 (latent cache replicated) or tp (striped
-    over the ranks: sequence_parallel.py)."""
+    """One rank's place in the group.  ``world_size`` = dp x tp: dp attention data
+    parallel groups (1: none) of tp contiguous ranks, which split the attention heads;
+    dense layers, the vocabulary and ``moe_tp * moe_ep`` cover the world; ``sp`` 1
+    (latent cache replicated) or tp (striped over the ranks: sequence_parallel.py; not
+    with dp > 1)."""
 
     world_size: int = 1
     rank: int = 0
     moe_tp: int = 1
     moe_ep: int = 1
     sp: int = 1
+    dp: int = 1
 
     def __post_init__(self) -> None:
         if self.moe_tp * self.moe_ep != self.world_size:
             raise ShardError(f"moe_tp ({self.moe_tp}) x moe_ep ({self.moe_ep}) must equal the "
                              f"world size ({self.world_size})")
-        if self.sp not in (1, self.world_size):
-            raise ShardError(f"sp ({self.sp}) must be 1 or the world size ({self.world_size})")
+        if self.dp < 1 or self.world_size % self.dp:
+            raise ShardError(f"dp ({self.dp}) must divide the world size ({self.world_size})")
+        if self.sp not in (1, self.tp) or (self.sp > 1 and self.dp > 1):
+            raise ShardError(f"sp ({self.sp}) must be 1 or tp ({self.tp}), and 1 with dp > 1")
         if not 0 <= self.rank < self.world_size:
             raise ShardError(f"rank {self.rank} outside [0, {self.world_size})")
+
+    @property
+    def tp(self) -> int:
+        """Ranks that split one dp group's attention heads."""
+        return self.world_size // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's dp group (tp groups are contiguous ranks)."""
+        return self.rank // self.tp
 
     @property
     def ep_rank(self) -> int:
@@ -161,7 +181,7 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
     if plan.world_size == 1:
         return {}
     cfg = model.config
-    tp, r = plan.world_size, plan.rank
+    world, r = plan.world_size, plan.rank
     slices: dict[str, TensorSlice] = {}
 
     def rows(name: str, a: int, b: int, source: str | None = None) -> None:
@@ -170,46 +190,57 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
     def cols(name: str, a: int, b: int, source: str | None = None) -> None:
         slices[name] = TensorSlice(source or name, 1, a, b)
 
-    v0, v1 = _split(cfg.vocab_size, tp, r, "vocab_size")
+    v0, v1 = _split(cfg.vocab_size, world, r, "vocab_size")
     emb = model.model.embed_tokens
     with meta_device():
         model.model.embed_tokens = VocabParallelEmbedding(v1 - v0, emb.embedding_dim, v0)
-        model.lm_head = VocabParallelHead(v1 - v0, cfg.hidden_size, tp)
+        model.lm_head = VocabParallelHead(v1 - v0, cfg.hidden_size, world)
     rows("model.embed_tokens.weight", v0, v1)
     rows("lm_head.weight", v0, v1)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 
-    h0, h1 = _split(cfg.num_attention_heads, tp, r, "num_attention_heads")
+    h0, h1 = _split(cfg.num_attention_heads, plan.tp, r % plan.tp, "num_attention_heads")
     local_heads = h1 - h0
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
-        attn = layer.self_attn
-        qk, dv = attn.nope_dim + attn.rope_dim, attn.v_dim
-        q_name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
-        q = getattr(attn, q_name)
-        setattr(attn, q_name, _meta_linear(nn.Linear, q.in_features, local_heads * qk))
-        rows(f"{p}.self_attn.{q_name}.weight", h0 * qk, h1 * qk)
-        kvb = attn.kv_b_proj
-        attn.kv_b_proj = _meta_linear(nn.Linear, kvb.in_features, local_heads * (attn.nope_dim + dv))
-        rows(f"{p}.self_attn.kv_b_proj.weight", h0 * (attn.nope_dim + dv), h1 * (attn.nope_dim + dv))
-        attn.o_proj = _meta_linear(RowParallelLinear, local_heads * dv, cfg.hidden_size)
-        cols(f"{p}.self_attn.o_proj.weight", h0 * dv, h1 * dv)
-        attn.num_heads = local_heads
+        if plan.tp > 1:
+            _shard_attention(layer.self_attn, f"{p}.self_attn", h0, h1, plan, rows, cols)
         if plan.sp > 1:
-            make_sequence_parallel(attn, r, plan.sp)
+            make_sequence_parallel(layer.self_attn, r, plan.sp)
         if hasattr(layer.mlp, "gate"):
             _shard_moe(layer.mlp, f"{p}.mlp", plan, rows, cols)
         else:
-            a, b = _split(layer.mlp.gate_proj.out_features, tp, r, f"{p} intermediate_size")
+            a, b = _split(layer.mlp.gate_proj.out_features, world, r, f"{p} intermediate_size")
             _shard_mlp(layer.mlp, f"{p}.mlp", a, b, rows, cols, RowParallelLinear)
         head = getattr(layer, "shared_head", None)
         if head is not None:
             with meta_device():
-                head.head = VocabParallelHead(v1 - v0, cfg.hidden_size, tp)
+                head.head = VocabParallelHead(v1 - v0, cfg.hidden_size, world)
             rows(f"{p}.shared_head.head.weight", v0, v1)
     model.num_local_heads = local_heads
+    if plan.dp > 1:
+        make_data_parallel(model, plan.dp_rank, plan.dp)
     return slices
+
+
+def _shard_attention(attn: nn.Module, prefix: str, h0: int, h1: int, plan: ParallelPlan,
+                     rows, cols) -> None:
+    """Keep heads [h0, h1) of an MLA; ``o_proj`` all-reduces its output unless dp > 1,
+    where the all-reduce that gathers the groups' rows sums the heads too."""
+    hidden = attn.o_proj.out_features
+    qk, dv, heads = attn.nope_dim + attn.rope_dim, attn.v_dim, h1 - h0
+    q_name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
+    q = getattr(attn, q_name)
+    setattr(attn, q_name, _meta_linear(nn.Linear, q.in_features, heads * qk))
+    rows(f"{prefix}.{q_name}.weight", h0 * qk, h1 * qk)
+    kvb = attn.kv_b_proj
+    attn.kv_b_proj = _meta_linear(nn.Linear, kvb.in_features, heads * (attn.nope_dim + dv))
+    rows(f"{prefix}.kv_b_proj.weight", h0 * (attn.nope_dim + dv), h1 * (attn.nope_dim + dv))
+    o_cls = RowParallelLinear if plan.dp == 1 else nn.Linear
+    attn.o_proj = _meta_linear(o_cls, heads * dv, hidden)
+    cols(f"{prefix}.o_proj.weight", h0 * dv, h1 * dv)
+    attn.num_heads = heads
 
 
 def _shard_mlp(mlp: nn.Module, prefix: str, a: int, b: int, rows, cols,

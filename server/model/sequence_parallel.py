@@ -37,7 +37,8 @@ from server.model.latent_cache import Int8LatentCache, LatentCache
 
 
 class StripedLatentCache:
-    """This rank's blocks of a striped cache, addressed by global slots.
+    """This rank's blocks of a striped cache, addressed by global slots (also the
+    cache of an attention data parallel group: data_parallel.py, stripe = dp group).
 
     ``inner`` (a LatentCache or Int8LatentCache) holds the rank's local blocks plus one
     sink block last: rows of blocks another rank owns are written there (no host sync
@@ -90,8 +91,8 @@ class StripedLatentCache:
         local, owned = self.local_slots(torch.tensor(slots, dtype=torch.int64))
         if not bool(owned.all()):
             raise ValueError(f"slots {[s for s, o in zip(slots, owned.tolist()) if not o]} "
-                             f"are held by another rank of the sequence-parallel group "
-                             f"(this is rank {self.rank} of {self.size})")
+                             f"are held by another rank (this one holds stripe {self.rank} "
+                             f"of the {self.size} the pool is striped into)")
         return self.inner.read_slots(local.tolist())
 
     def block_tensors(self) -> tuple[torch.Tensor, ...]:

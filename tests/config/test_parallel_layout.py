@@ -1,9 +1,10 @@
 """MindIE's parallel layout rules (tp, dp, cp, sp, moe_tp, moe_ep) and what this build serves.
 
 A layout that breaks a rule is refused at load (ConfigError, one issue at the key to edit);
-a layout that follows the rules but needs dp or cp above 1, or sp above 1 beside a feature
-that moves whole KV blocks (host/disk tier, swap preemption, PD), loads, and is reported
-apart as not served by this build: ``--check`` and the daemon's start exit 1 on it.
+a layout that follows the rules but needs cp above 1, dp and sp both above 1, or sp or dp
+above 1 beside a feature that moves whole KV blocks (host/disk tier, swap preemption, PD),
+loads, and is reported apart as not served by this build: ``--check`` and the daemon's
+start exit 1 on it.
 """
 from __future__ import annotations
 
@@ -46,11 +47,11 @@ def refused(edits: dict, tmp_path, env: dict | None = None):
 # (id, edits, (world, tp, dp, cp, sp, moe_tp, moe_ep), keys this build does not serve)
 ACCEPTED = [
     ("16dev-dp2-tp8-moe_tp4-moe_ep4", lay(16, dp=2, tp=8, moe_tp=4, moe_ep=4),
-     (16, 8, 2, 1, 1, 4, 4), {"dp"}),
+     (16, 8, 2, 1, 1, 4, 4), set()),
     ("16dev-dp2-tp8-moe_tp1-moe_ep16", lay(16, dp=2, tp=8, moe_tp=1, moe_ep=16),
-     (16, 8, 2, 1, 1, 1, 16), {"dp"}),
-    ("dp2-tp1-moe_ep2", lay(2, dp=2, tp=1, moe_ep=2), (2, 1, 2, 1, 1, 1, 2), {"dp"}),
-    ("dp2-tp2-moe_ep4", lay(4, dp=2, tp=2, moe_ep=4), (4, 2, 2, 1, 1, 1, 4), {"dp"}),
+     (16, 8, 2, 1, 1, 1, 16), set()),
+    ("dp2-tp1-moe_ep2", lay(2, dp=2, tp=1, moe_ep=2), (2, 1, 2, 1, 1, 1, 2), set()),
+    ("dp2-tp2-moe_ep4", lay(4, dp=2, tp=2, moe_ep=4), (4, 2, 2, 1, 1, 1, 4), set()),
     ("tp2-sp2", lay(2, tp=2, sp=2), (2, 2, 1, 1, 2, 2, 1), set()),
     # MoE keys given: with neither, moe_tp would be tp (2) and not cover the 4 ranks
     ("tp2-sp2-cp2", lay(4, tp=2, sp=2, cp=2, moe_ep=4), (4, 2, 1, 2, 2, 1, 4), {"cp"}),
@@ -81,12 +82,21 @@ def test_mindie_layouts_follow_the_rules(case_id, edits, sizes, unserved, tmp_pa
     assert derived["notServed"] == [n.message for n in notes]
 
 
-def test_dp_note_says_how_to_serve(tmp_path):
-    cfg = load(lay(16, dp=2, tp=8, moe_tp=4, moe_ep=4), tmp_path)
+def test_dp_is_served_and_reaches_the_engine(tmp_path):
+    from server.engine.config import engine_config_from_app
+    cfg = load({**lay(2, dp=2, tp=1, moe_ep=2), PP: mtp(2)}, tmp_path)
+    assert cfg.unserved == []
+    par = engine_config_from_app(cfg).parallel
+    assert (par.world_size, par.dp, par.tp, par.moe_tp, par.moe_ep) == (2, 2, 1, 1, 2)
+
+
+def test_dp_with_sp_is_not_served(tmp_path):
+    cfg = load(lay(4, dp=2, tp=2, sp=2, moe_ep=4), tmp_path)
     [note] = cfg.unserved
-    assert note.path == f"{MC0}.dp" and note.value == 2
-    assert note.message == ("dp 2 (attention data parallel) is a valid MindIE layout but this "
-                            "build does not serve it yet; serve with dp 1 and tp = worldSize (16)")
+    assert note.path == f"{MC0}.sp" and f"{MC0}.dp" in note.related
+    assert note.message == ("sp 2 (sequence parallel) with dp 2 (attention data parallel) is "
+                            "a valid MindIE layout but this build does not serve the two "
+                            "together yet; serve with sp 1")
 
 
 def test_sp_is_served_and_reaches_the_engine(tmp_path):
@@ -109,6 +119,16 @@ SP_WITH = [
             "ServerConfig.pdRole": "prefill"},
      "ServerConfig.inferMode", "PD disaggregation's KV transfer", "inferMode standard"),
 ]
+
+
+@pytest.mark.parametrize("case_id,edits,path,what,fix", SP_WITH, ids=[c[0] for c in SP_WITH])
+def test_dp_beside_a_block_mover_is_not_served(case_id, edits, path, what, fix, tmp_path):
+    cfg = load({**lay(2, dp=2, tp=1, moe_ep=2), **edits}, tmp_path)
+    [note] = cfg.unserved
+    assert note.path == path and f"{MC0}.dp" in note.related
+    assert note.message == (f"dp 2 (attention data parallel) splits the KV pool over its "
+                            f"groups, and {what} moves whole blocks of one pool: not served "
+                            f"together by this build; serve with {fix} or dp 1")
 
 
 @pytest.mark.parametrize("case_id,edits,path,what,fix", SP_WITH, ids=[c[0] for c in SP_WITH])
@@ -185,7 +205,7 @@ def test_multi_node_layout_within_one_node_is_accepted(tmp_path):
     cfg = load({**lay(32, dp=2, tp=16, moe_ep=32), "BackendConfig.multiNodesInferEnabled": True,
                 "BackendConfig.interNodeTLSEnabled": False}, tmp_path, {"NNODES": "2"})
     assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.nnodes) == (16, 2, 2)
-    assert [n.path for n in cfg.unserved] == [f"{MC0}.dp"]
+    assert cfg.unserved == []
 
 
 def test_rank_groups():
@@ -205,21 +225,21 @@ def test_rank_groups():
 
 
 def test_check_reports_a_valid_but_unserved_layout(build):
-    """MindIE's 16-device dp2/tp8/moe_tp4/moe_ep4: the rules pass, the config prints, and
-    --check exits 1 because the daemon would refuse to start on it."""
-    path = build(lay(16, dp=2, tp=8, moe_tp=4, moe_ep=4))
+    """tp2/sp2/cp2/moe_ep4 on 4 devices: the rules pass, the config prints, and --check
+    exits 1 because the daemon would refuse to start on it."""
+    path = build(lay(4, tp=2, sp=2, cp=2, moe_ep=4))
     proc = run_cli("--check", "--config-file", str(path))
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert out["Derived"]["parallel"] == {
-        "worldSize": 16, "tp": 8, "dp": 2, "cp": 1, "sp": 1, "moe_tp": 4, "moe_ep": 4,
+        "worldSize": 4, "tp": 2, "dp": 1, "cp": 2, "sp": 2, "moe_tp": 1, "moe_ep": 4,
         "followsMindIERules": True,
-        "notServed": ["dp 2 (attention data parallel) is a valid MindIE layout but this build "
-                      "does not serve it yet; serve with dp 1 and tp = worldSize (16)"]}
-    assert ("parallel layout follows MindIE's rules: worldSize 16 = tp 8 x cp 1 x dp 2 (sp 1); "
-            "MoE moe_tp 4 x moe_ep 4") in proc.stderr
+        "notServed": ["cp 2 (context parallel) is a valid MindIE layout but this build "
+                      "does not serve it yet; serve with cp 1"]}
+    assert ("parallel layout follows MindIE's rules: worldSize 4 = tp 2 x cp 2 x dp 1 (sp 2); "
+            "MoE moe_tp 1 x moe_ep 4") in proc.stderr
     assert "not served by this build" in proc.stderr
-    assert f"{MC0}.dp: dp 2 (attention data parallel) is a valid MindIE layout" in proc.stderr
+    assert f"{MC0}.cp: cp 2 (context parallel) is a valid MindIE layout" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

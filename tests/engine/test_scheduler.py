@@ -195,7 +195,7 @@ def test_preempts_newest_and_recomputes_from_tokens():
     assert seen_preempt and seen_preempt[0] == new.request_id and new.num_preemptions >= 1
     assert old.num_preemptions == 0
     assert old.num_output_tokens == 12 and new.num_output_tokens == 12
-    assert s.blocks.num_free_blocks == 6 and s._reserved_outstanding == 0
+    assert s.blocks.num_free_blocks == 6 and s.num_reserved_blocks == 0
 
 
 def test_reserve_mode_never_preempts_and_never_deadlocks():

@@ -41,7 +41,7 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
     a rank group (worldSize > 1)."""
     import torch
 
-    check_sequence_parallel(cfg)
+    check_striped_pool(cfg)
     if cfg.parallel.world_size > 1:
         from server.engine.executor.parallel import ParallelExecutor
         if policy is not None:
@@ -64,17 +64,27 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
     return InProcessExecutor(worker, async_scheduling=cfg.async_scheduling)
 
 
-def check_sequence_parallel(cfg: EngineConfig) -> None:
-    """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py) cannot do: its
-    blocks live on different ranks, while the host/disk tiers move whole blocks of one
-    device pool by global id.  (PD transfer, the other block mover, is refused by the
-    config: ServerConfig.inferMode "dmi" with sp > 1.)"""
+def check_striped_pool(cfg: EngineConfig) -> None:
+    """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py; dp > 1,
+    model/data_parallel.py) cannot do: its blocks live on different ranks, while the
+    host/disk tiers move whole blocks of one device pool by global id.  (PD transfer, the
+    other block mover, is refused by the config: ServerConfig.inferMode "dmi" with sp or
+    dp > 1.)"""
     par = cfg.parallel
-    if par.sp == 1:
+    if par.dp > 1:
+        if par.sp > 1 or par.world_size % par.dp:
+            raise EngineError(f"dp {par.dp} (attention data parallel): allowed with sp 1 and "
+                              f"a worldSize ({par.world_size}) it divides")
+        what = f"dp {par.dp} (attention data parallel) splits the KV pool over its groups"
+        fix = "dp 1"
+    elif par.sp == 1:
         return
-    if par.sp != par.world_size:
+    elif par.sp != par.world_size:
         raise EngineError(f"sp {par.sp} (sequence parallel): allowed 1 or tp = worldSize "
                           f"({par.world_size})")
+    else:
+        what = f"sp {par.sp} (sequence parallel) stripes the KV pool over the ranks"
+        fix = "sp 1"
     tiers = [name for name, on in (
         ("the host KV tier (kvPoolConfig.backend, or cpuMemSize with maxPreemptCount > 0)",
          cfg.host_cache_gb > 0 or bool(cfg.host_cache_blocks)),
@@ -82,6 +92,5 @@ def check_sequence_parallel(cfg: EngineConfig) -> None:
         if on]
     if tiers:
         verb = "move" if len(tiers) > 1 else "moves"
-        raise EngineError(f"sp {par.sp} (sequence parallel) stripes the KV pool over the ranks, "
-                          f"and {' and '.join(tiers)} {verb} whole blocks of one pool: not "
-                          "served together; turn the tier off or serve with sp 1")
+        raise EngineError(f"{what}, and {' and '.join(tiers)} {verb} whole blocks of one "
+                          f"pool: not served together; turn the tier off or serve with {fix}")

@@ -82,17 +82,26 @@ def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | N
 
 
 class BlockManager:
+    """One pool of blocks (``block_ids``: their ids, default 0..num_blocks-1; an attention
+    data parallel group's stripe of the engine's pool otherwise: kv/dp_blocks.py)."""
+
+    num_groups = 1                    # dp groups a sequence may be placed in (dp_blocks.py)
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = False,
                  hash_next_token: bool = True, host: HostTier | None = None,
-                 host_prefix: bool = False, disk: DiskTier | None = None) -> None:
+                 host_prefix: bool = False, disk: DiskTier | None = None,
+                 block_ids: range | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        ids = range(num_blocks) if block_ids is None else block_ids
+        if len(ids) != num_blocks:
+            raise ValueError(f"{num_blocks} blocks but {len(ids)} block ids")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_cache = enable_prefix_cache
         self.hash_next_token = hash_next_token
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_plain: deque[int] = deque(range(num_blocks))
+        self.blocks = {i: Block(i) for i in ids}
+        self._free_plain: deque[int] = deque(ids)
         self._free_cached: OrderedDict[int, None] = OrderedDict()   # LRU: oldest first
         self._cached: dict[int, int] = {}                           # hash -> block id
         # Metrics: prompt tokens looked up / found in the prefix cache.
@@ -125,6 +134,15 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    @property
+    def num_blocks_per_group(self) -> int:
+        """The most blocks one sequence can ever hold (its dp group's pool)."""
+        return self.num_blocks
+
+    def num_free(self, group: int = 0) -> int:
+        """Free blocks of dp group ``group`` (one pool: all of them)."""
+        return self.num_free_blocks
+
     def blocks_for(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
 
@@ -139,8 +157,9 @@ class BlockManager:
             out.append(parent)
         return out
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Longest run of cached blocks for ``seq.token_ids``, leaving >= 1 token to compute.
+    def match_prefix(self, seq: Sequence, group: int = 0) -> PrefixMatch:
+        """Longest run of cached blocks for ``seq.token_ids``, leaving >= 1 token to compute
+        (``group``: the dp group to look in; one pool has only group 0).
 
         After the device run and the tiers, a PD decode request's rows pulled from the
         prefill instance (``seq.remote_kv``, block by block) count as well: with or

@@ -20,6 +20,8 @@ Sequence parallel (sp > 1, model/sequence_parallel.py): the budget is one rank's
 that rank's stripe; the engine's pool is sp times the stripe (global block b on rank
 b % sp), so the same npuMemSize holds ~sp times the tokens.  An explicit ``num_blocks``
 is the engine's pool then.  Each rank keeps one sink block on top of its stripe.
+Attention data parallel (dp > 1, model/data_parallel.py) stripes the pool the same way,
+one stripe per dp group: the same npuMemSize holds ~dp times one group's tokens.
 """
 from __future__ import annotations
 
@@ -124,7 +126,8 @@ def stripe_kv_caches(caches: list, rank: int, sp: int, block_size: int) -> list:
     if sp == 1:
         return caches
     if caches[0].num_blocks < 2:
-        raise ValueError("the KV budget holds one block per rank: sequence parallel needs a "
-                         "sink block besides the rank's stripe; give npuMemSize more room")
+        raise ValueError("the KV budget holds one block per rank: a striped pool (sp or dp "
+                         "> 1) needs a sink block besides the rank's stripe; give npuMemSize "
+                         "more room")
     index = StripeIndex(rank, sp, block_size)        # one per pool: the layers share a step's
     return [StripedLatentCache(c, index) for c in caches]

@@ -15,6 +15,7 @@ from typing import Any
 from server.engine.config import EngineConfig
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.disk_tier import DiskTier
+from server.engine.kv.dp_blocks import DataParallelBlocks
 from server.engine.kv.host_tier import HostTier
 from server.engine.kv.layout import disk_tier_blocks
 from server.engine.runtime import RuntimeInfo
@@ -23,8 +24,14 @@ from server.engine.stats import EngineStats
 log = logging.getLogger("server.engine")
 
 
-def make_block_manager(model_config: Any, cfg: EngineConfig, rt: RuntimeInfo) -> BlockManager:
-    """The engine's block manager with the tiers its worker's host pool allows."""
+def make_block_manager(model_config: Any, cfg: EngineConfig,
+                       rt: RuntimeInfo) -> BlockManager | DataParallelBlocks:
+    """The engine's block manager with the tiers its worker's host pool allows; one pool
+    per dp group with attention data parallel (kv/dp_blocks.py: no tiers)."""
+    if rt.dp > 1:
+        return DataParallelBlocks(rt.num_kv_blocks, cfg.block_size, rt.dp,
+                                  enable_prefix_cache=cfg.enable_prefix_cache,
+                                  hash_next_token=rt.mtp_enabled)
     host = HostTier(rt.host_kv_blocks) if rt.host_kv_blocks else None
     return BlockManager(rt.num_kv_blocks, cfg.block_size,
                         enable_prefix_cache=cfg.enable_prefix_cache,

@@ -35,4 +35,5 @@ def build_metadata(starts: list[int], query_lens: list[int], tables: list[list[i
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens,
         logits_indices=logits_indices.to(device) if logits_indices is not None else None,
+        first_blocks_cpu=[t[0] if t else 0 for t in tables],
     )

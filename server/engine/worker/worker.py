@@ -98,8 +98,9 @@ class Worker:
 
     def _allocate_kv(self, model: Any, cfg: EngineConfig, k: int) -> KVCacheSpec:
         """The KV pool: as many blocks as the budget holds, no more than the batch can use
-        (agreed over a rank group, so every rank has the same pool).  With sp > 1 the
-        budget buys this rank's stripe and the pool is sp stripes (kv/cache.py)."""
+        (agreed over a rank group, so every rank has the same pool).  With sp > 1 (or
+        dp > 1) the budget buys this rank's stripe and the pool is sp (dp) stripes
+        (kv/cache.py)."""
         # kv_cache_dtype "int8" quantizes every layer's latent; otherwise the layers the
         # checkpoint's FA3 scales name (none for a float checkpoint).
         int8_layers = frozenset(range(model.num_kv_layers)) if cfg.kv_cache_dtype == "int8" \
@@ -108,28 +109,32 @@ class Worker:
                            next(model.parameters()).dtype,
                            rope_dim=model.config.qk_rope_head_dim, int8_layers=int8_layers)
         self.num_int8_kv_layers = len(int8_layers)
-        sp = cfg.parallel.sp if self.group is not None else 1
+        par = cfg.parallel
+        stripes = par.kv_stripes if self.group is not None else 1
         per_seq = -(-(cfg.max_seq_len + lookahead_slots(k, cfg.async_scheduling)) // cfg.block_size)
         blocks = num_blocks_for(
             spec, mem_size_gb=cfg.mem_size_gb, device=self.device,
-            max_useful_blocks=rank_blocks(cfg.max_batch_size * per_seq + 1, sp),
-            num_blocks=None if cfg.num_blocks is None else rank_blocks(cfg.num_blocks, sp))
+            max_useful_blocks=rank_blocks(cfg.max_batch_size * per_seq + 1, stripes),
+            num_blocks=None if cfg.num_blocks is None else rank_blocks(cfg.num_blocks, stripes))
         if self.group is not None:
             blocks = self.group.agree_min(blocks)
+        stripe = par.kv_stripe(self.group.rank) if stripes > 1 else 0
         self.kv_caches = stripe_kv_caches(allocate_kv_caches(spec, blocks, self.device),
-                                          self.group.rank % sp if sp > 1 else 0, sp,
-                                          cfg.block_size)
+                                          stripe, stripes, cfg.block_size)
         self.num_kv_blocks = self.kv_caches[0].num_blocks
-        self.sp = sp
-        if sp > 1:
-            log.info("KV pool striped over sp %d ranks: %d blocks, %d on each rank",
-                     sp, self.num_kv_blocks, self.num_kv_blocks // sp)
+        self.sp = par.sp if stripes > 1 else 1
+        self.dp = par.dp if stripes > 1 else 1
+        if stripes > 1:
+            log.info("KV pool striped over %s: %d blocks, %d on each rank",
+                     f"sp {self.sp} ranks" if self.sp > 1 else f"dp {self.dp} groups",
+                     self.num_kv_blocks, self.num_kv_blocks // stripes)
         return spec
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.num_kv_blocks, self.num_int8_kv_layers, self.kv_transfer.host_slots,
                           self.kv_transfer.bytes_per_block, self.graphs.current(),
-                          sp=self.sp, kv_blocks_per_rank=self.num_kv_blocks // self.sp)
+                          sp=self.sp, dp=self.dp,
+                          kv_blocks_per_rank=self.num_kv_blocks // (self.sp * self.dp))
 
     @property
     def policy(self) -> SpecPolicy | None:
