@@ -119,6 +119,30 @@ def test_demo_model_identical(k):
 
 
 @pytest.mark.slow
+@pytest.mark.demo
+def test_acceptance_is_the_one_processs_k2():
+    """SGLang saw acceptance fall with DP attention on (reference: scale-facts.md); here
+    every draft is the one process's, so the draft and acceptance counts are equal."""
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=2)
+    model, _ = load_checkpoint(DEMO)
+    reqs = _requests(model.config.vocab_size)
+    one = LLMEngine(model.eval(), cfg, eos_token_ids=set())
+    want = run_tokens(one, reqs)
+    par = _dp_engine(str(DEMO), cfg)
+    try:
+        got, st = run_tokens(par, reqs), par.stats()
+    finally:
+        par.shutdown()
+    ref = one.stats()
+    assert got == want
+    counts = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_position)
+    assert counts == (ref.num_drafts, ref.num_draft_tokens, ref.num_accepted_tokens,
+                      ref.accepted_per_position)
+    print(f"\nk=2 acceptance, one process and dp=2: {st.num_accepted_tokens}/"
+          f"{st.num_draft_tokens} ({st.num_accepted_tokens / st.num_draft_tokens:.3f})")
+
+
+@pytest.mark.slow
 def test_random_checkpoint_identical_k2_async(tiny_path):
     assert _served(tiny_path, 2, async_scheduling=True) == _single(tiny_path, 2)
 
