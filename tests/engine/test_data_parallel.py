@@ -22,7 +22,8 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.worker.metadata import build_metadata
 from server.model.data_parallel import sub_batch
-from server.model.loader import inspect_checkpoint, load_checkpoint
+from server.model.loader import CheckpointError, inspect_checkpoint, load_checkpoint
+from server.model.parallel import ParallelPlan
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import free_port, prompts, requests, run_tokens
 from tests.engine.test_parallel import BASE, DEMO, _requests, _single
@@ -152,6 +153,19 @@ def test_two_groups_of_two_heads_halves_identical_k2(tiny_path):
     """dp=2 tp=2 moe_ep=4 (4 ranks): each group's attention cut by heads over its two
     ranks; the one all-reduce that gathers the groups' rows sums the heads too."""
     assert _served(tiny_path, 2, "dp2-tp2") == _single(tiny_path, 2)
+
+
+@pytest.mark.slow
+def test_int8_random_checkpoint_identical_k1(tmp_path, tiny_path):
+    """W8A8 with W4A8 experts: attention whole per rank (tp 1) in int8, int8 experts whole
+    over moe_ep 2, the dense layers' int8 down projections summing over all ranks."""
+    from training import quantize
+    out = tmp_path / "tiny-w4a8"
+    assert quantize.main([tiny_path, str(out), "--calib-samples", "8", "--w4a8-experts"]) == 0
+    assert _served(str(out), 1) == _single(str(out), 1)
+    with pytest.raises(CheckpointError, match=r"an int8 attention layer cut over tp 2 ranks "
+                                              r"with dp 2 .*serve int8 attention with dp and tp 1"):
+        load_checkpoint(str(out), plan=ParallelPlan(4, 0, 1, 4, dp=2))
 
 
 def _long_batches(vocab: int) -> list[list]:
