@@ -233,7 +233,7 @@ class Scheduler:
             slots = self._slots_needed(seq)
             before = len(seq.block_table)
             while not self._grow(seq, slots):
-                victim = self._pick_victim(i)
+                victim = self._pick_victim(i, seq.dp_group)
                 if victim is None:
                     break
                 preempted.append(victim)
@@ -254,10 +254,11 @@ class Scheduler:
         for victim in sorted(preempted, key=lambda s: s.arrival_time, reverse=True):
             self.waiting.appendleft(victim)
 
-    def _pick_victim(self, first: int) -> Sequence | None:
-        """Newest preemptible sequence not yet scheduled this step (index >= ``first``)."""
+    def _pick_victim(self, first: int, group: int) -> Sequence | None:
+        """Newest preemptible sequence not yet scheduled this step (index >= ``first``) of
+        dp group ``group``: only its blocks make room there (one pool: every sequence)."""
         for seq in reversed(self.running[first:]):
-            if not seq.reserved_blocks:
+            if not seq.reserved_blocks and seq.dp_group == group:
                 return seq
         return None
 

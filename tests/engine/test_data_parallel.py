@@ -17,6 +17,7 @@ import torch
 from server.engine.config import EngineConfig, EngineError, ParallelConfig
 from server.engine.engine import LLMEngine
 from server.engine.kv.dp_blocks import DataParallelBlocks
+from server.engine.messages import ModelRunnerOutput
 from server.engine.protocol import FinishReason, SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
@@ -94,6 +95,23 @@ def test_groups_place_requests_and_keep_their_blocks_and_prefixes():
     assert other.num_blocks == 0                             # the other group has no such rows
 
 
+def test_preemption_frees_blocks_of_the_group_that_needs_them():
+    """Group 0 is full when its first sequence needs a block: its newest sequence is
+    preempted, not the newest overall, which sits in group 1 and would free nothing there."""
+    blocks = DataParallelBlocks(8, 4, 2)
+    sched = Scheduler(EngineConfig(block_size=4, max_queue_delay_us=0, max_seq_len=64,
+                                   max_preempt_count=3), blocks)
+    for rid, n in (("a", 8), ("b", 8), ("c", 8), ("d", 3)):
+        sched.add(_seq(rid, list(range(2, 2 + n))))
+    first = sched.schedule()
+    assert [sched.requests[r].dp_group for r in "abcd"] == [0, 1, 0, 1]
+    ids = list(first.request_ids)
+    sched.update(ModelRunnerOutput(first.step_id, ids, [[5]] * 4, [0] * 4, [0] * 4, [None] * 4))
+    second = sched.schedule()                                  # a needs a third block in group 0
+    assert second.preempted_request_ids == ("c",)
+    assert sorted(r.request_id for r in second.cached_requests) == ["a", "b", "d"]
+
+
 def test_sub_batch_picks_a_groups_sequences():
     meta = build_metadata([5, 0, 7], [2, 3, 1], [[7, 2], [4], [1, 3]], 4, torch.device("cpu"))
     assert meta.first_blocks_cpu == [7, 4, 1]
@@ -153,6 +171,21 @@ def test_two_groups_of_two_heads_halves_identical_k2(tiny_path):
     """dp=2 tp=2 moe_ep=4 (4 ranks): each group's attention cut by heads over its two
     ranks; the one all-reduce that gathers the groups' rows sums the heads too."""
     assert _served(tiny_path, 2, "dp2-tp2") == _single(tiny_path, 2)
+
+
+@pytest.mark.slow
+def test_recompute_preemption_in_small_groups_identical_k1(tiny_path):
+    """32 blocks (16 a group) for 8 requests that need up to 8 each: sequences are
+    preempted and recomputed, in their group or another, and the tokens do not change."""
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=1, num_blocks=32, max_preempt_count=4)
+    model, _ = load_checkpoint(tiny_path)
+    want = run_tokens(LLMEngine(model.eval(), cfg, eos_token_ids=set()), _requests(512))
+    par = _dp_engine(tiny_path, cfg)
+    try:
+        got, preemptions = run_tokens(par, _requests(512)), par.stats().num_preemptions
+    finally:
+        par.shutdown()
+    assert got == want and preemptions > 0
 
 
 @pytest.mark.slow
