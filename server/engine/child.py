@@ -21,8 +21,9 @@ import signal
 from typing import Any
 
 # What a worker process or a rank imports anyway: loaded once, in the fork server.
-FORKSERVER_PRELOAD = ["torch", "server.engine.executor.parallel", "server.engine.worker.worker",
-                      "server.model.loader"]
+# ``server`` first: its warning filter must be in place before torch imports.
+FORKSERVER_PRELOAD = ["server", "torch", "server.engine.executor.parallel",
+                      "server.engine.worker.worker", "server.model.loader"]
 START_ENV = "MTP_SERVE_CHILD_START"      # "spawn" forces the old way (a fresh interpreter each)
 
 
