@@ -289,7 +289,8 @@ def quantize_streaming(src: Path, dst: Path, scheme: str, calib_samples: int = 1
     from server.model.deepseek_v3 import DeepseekV3ForCausalLM
     from server.model.loader import _tensor_index
     from server.model.meta import meta_device
-    from training.quantize import COPY, dynamic_w4a8, dynamic_w8a8, static_w8a8
+    from training.quantize import (COPY, compressed_tensors_config, dynamic_w4a8, dynamic_w8a8,
+                                   static_w8a8)
 
     raw = json.loads((src / "config.json").read_text())
     n_main = raw["num_hidden_layers"]
@@ -355,16 +356,7 @@ def quantize_streaming(src: Path, dst: Path, scheme: str, calib_samples: int = 1
     if ct:                                            # as training.quantize --format compressed-tensors
         (dst / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
-        cfg["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "int-quantized",
-            "quantization_status": "compressed", "kv_cache_scheme": None,
-            "ignore": ["lm_head", "re:.*kv_b_proj$", "re:.*shared_head.head$"],
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                            "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
-                                      "strategy": "token", "dynamic": True}}}}
+        cfg["quantization_config"] = compressed_tensors_config()
     else:
         full = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0, **desc}
         (dst / "quant_model_description.json").write_text(json.dumps(full, indent=1))

@@ -118,6 +118,21 @@ def static_w8a8(w: torch.Tensor, lo: float, hi: float) -> dict[str, torch.Tensor
             "deq_scale": deq, "quant_bias": qbias}
 
 
+
+def compressed_tensors_config() -> dict:
+    """config.json's ``quantization_config`` for vLLM's int8 (channel weights, dynamic
+    token activations) with the layers this recipe keeps float."""
+    return {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quantization_status": "compressed", "kv_cache_scheme": None,
+        "ignore": ["lm_head", "re:.*kv_b_proj$", "re:.*shared_head.head$"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                        "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                  "strategy": "token", "dynamic": True}}}}
+
 def dynamic_w8a8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     q, scale = per_channel(w, 127)
     return {"weight": q, "weight_scale": scale[:, None], "weight_offset": torch.zeros_like(scale)[:, None]}
@@ -224,16 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(raw)
     if args.format == "compressed-tensors":
         save_file(out, str(dst / "model.safetensors"))
-        cfg["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "int-quantized",
-            "quantization_status": "compressed", "kv_cache_scheme": None,
-            "ignore": ["lm_head", "re:.*kv_b_proj$", "re:.*shared_head.head$"],
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                            "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
-                                      "strategy": "token", "dynamic": True}}}}
+        cfg["quantization_config"] = compressed_tensors_config()
     else:
         save_file(out, str(dst / "quant_model_weights.safetensors"))
         full = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0,
