@@ -27,6 +27,7 @@ class ParallelConfig:
     moe_ep: int = 1
     sp: int = 1                     # 1, or world_size: the latent KV striped over the ranks
     dp: int = 1                     # attention data parallel groups of world_size / dp ranks
+    cp: int = 1                     # context parallel ranks (with sp = tp): a step's tokens split
     master_addr: str = "127.0.0.1"
     master_port: int = 1120
     nnodes: int = 1
@@ -37,13 +38,14 @@ class ParallelConfig:
 
     @property
     def tp(self) -> int:
-        """Ranks of one dp group (they split its attention heads)."""
-        return self.world_size // self.dp
+        """Ranks of one dp group or cp rank (they split its attention heads)."""
+        return self.world_size // (self.dp * self.cp)
 
     @property
     def kv_stripes(self) -> int:
         """Stripes the KV pool is cut into by block (global block b in stripe b % n):
-        sp > 1 over the tp ranks, dp > 1 one per dp group (they never combine), else 1."""
+        sp > 1 over the tp ranks (each cp rank holding a copy), dp > 1 one per dp group
+        (they never combine), else 1."""
         return self.sp * self.dp
 
     def kv_stripe(self, rank: int) -> int:
@@ -146,7 +148,7 @@ def _parallel_config(app: Any) -> ParallelConfig:
         return ParallelConfig()
     port = lay.master_port if lay.master_port is not None else _free_port()
     return ParallelConfig(world_size=lay.world_size, moe_tp=lay.moe_tp, moe_ep=lay.moe_ep,
-                          sp=lay.sp, dp=lay.dp, master_addr=lay.master_addr or "127.0.0.1",
+                          sp=lay.sp, dp=lay.dp, cp=lay.cp, master_addr=lay.master_addr or "127.0.0.1",
                           master_port=port, nnodes=lay.nnodes, node_rank=lay.node_rank,
                           device_ids=lay.device_ids)
 

@@ -15,6 +15,9 @@ rank holds only part of (gpt-fast's way: transform the model, do not branch insi
   groups of tp = worldSize / dp ranks, each attending for its own requests only, and
   ``o_proj`` leaves its sum to the all-reduce that gathers the groups' rows
   (data_parallel.py); everything below still runs over all ranks on every token.
+  With ``cp`` > 1 (context parallel, on top of sp) the world is cp groups of tp ranks
+  that split each step's query tokens (context_parallel.py); ``o_proj`` again leaves its
+  sum to the all-reduce that gathers the cp ranks' rows.
 * dense MLP: ``gate_proj``/``up_proj`` keep a slice of the intermediate rows,
   ``down_proj`` the matching columns and all-reduces.
 * MoE: the router is replicated (every rank routes every token the same way); routed
@@ -41,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from server.model.context_parallel import make_context_parallel
 from server.model.data_parallel import make_data_parallel
 from server.model.meta import meta_device
 from server.model.sequence_parallel import make_sequence_parallel
@@ -52,11 +56,11 @@ class ShardError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ParallelPlan:
-    """One rank's place in the group.  ``world_size`` = dp x tp: dp attention data
-    parallel groups (1: none) of tp contiguous ranks, which split the attention heads;
-    dense layers, the vocabulary and ``moe_tp * moe_ep`` cover the world; ``sp`` 1
-    (latent cache replicated) or tp (striped over the ranks: sequence_parallel.py; not
-    with dp > 1)."""
+    """One rank's place in the group.  ``world_size`` = dp x cp x tp: dp attention data
+    parallel groups or cp context parallel ranks (1: none; never both) of tp contiguous
+    ranks, which split the attention heads; dense layers, the vocabulary and
+    ``moe_tp * moe_ep`` cover the world; ``sp`` 1 (latent cache replicated) or tp
+    (striped over the ranks: sequence_parallel.py; not with dp > 1, needed by cp > 1)."""
 
     world_size: int = 1
     rank: int = 0
@@ -64,13 +68,17 @@ class ParallelPlan:
     moe_ep: int = 1
     sp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.moe_tp * self.moe_ep != self.world_size:
             raise ShardError(f"moe_tp ({self.moe_tp}) x moe_ep ({self.moe_ep}) must equal the "
                              f"world size ({self.world_size})")
-        if self.dp < 1 or self.world_size % self.dp:
-            raise ShardError(f"dp ({self.dp}) must divide the world size ({self.world_size})")
+        if self.dp < 1 or self.cp < 1 or self.world_size % (self.dp * self.cp):
+            raise ShardError(f"dp ({self.dp}) x cp ({self.cp}) must divide the world size "
+                             f"({self.world_size})")
+        if self.cp > 1 and (self.dp > 1 or self.sp == 1):
+            raise ShardError(f"cp ({self.cp}) needs sp = tp > 1 and dp 1")
         if self.sp not in (1, self.tp) or (self.sp > 1 and self.dp > 1):
             raise ShardError(f"sp ({self.sp}) must be 1 or tp ({self.tp}), and 1 with dp > 1")
         if not 0 <= self.rank < self.world_size:
@@ -78,12 +86,17 @@ class ParallelPlan:
 
     @property
     def tp(self) -> int:
-        """Ranks that split one dp group's attention heads."""
-        return self.world_size // self.dp
+        """Ranks that split one dp group's (or cp rank's) attention heads."""
+        return self.world_size // (self.dp * self.cp)
 
     @property
     def dp_rank(self) -> int:
         """This rank's dp group (tp groups are contiguous ranks)."""
+        return self.rank // self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its cp group (cp groups are strided: j, j + tp, ...)."""
         return self.rank // self.tp
 
     @property
@@ -207,7 +220,7 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
         if plan.tp > 1:
             _shard_attention(layer.self_attn, f"{p}.self_attn", h0, h1, plan, rows, cols)
         if plan.sp > 1:
-            make_sequence_parallel(layer.self_attn, r, plan.sp)
+            make_sequence_parallel(layer.self_attn, r % plan.tp, plan.sp)
         if hasattr(layer.mlp, "gate"):
             _shard_moe(layer.mlp, f"{p}.mlp", plan, rows, cols)
         else:
@@ -221,13 +234,15 @@ def shard_model(model: nn.Module, plan: ParallelPlan) -> dict[str, TensorSlice]:
     model.num_local_heads = local_heads
     if plan.dp > 1:
         make_data_parallel(model, plan.dp_rank, plan.dp)
+    if plan.cp > 1:
+        make_context_parallel(model, plan.cp_rank, plan.cp)
     return slices
 
 
 def _shard_attention(attn: nn.Module, prefix: str, h0: int, h1: int, plan: ParallelPlan,
                      rows, cols) -> None:
-    """Keep heads [h0, h1) of an MLA; ``o_proj`` all-reduces its output unless dp > 1,
-    where the all-reduce that gathers the groups' rows sums the heads too."""
+    """Keep heads [h0, h1) of an MLA; ``o_proj`` all-reduces its output unless dp or
+    cp > 1, where the all-reduce that gathers the groups' rows sums the heads too."""
     hidden = attn.o_proj.out_features
     qk, dv, heads = attn.nope_dim + attn.rope_dim, attn.v_dim, h1 - h0
     q_name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
@@ -237,7 +252,7 @@ def _shard_attention(attn: nn.Module, prefix: str, h0: int, h1: int, plan: Paral
     kvb = attn.kv_b_proj
     attn.kv_b_proj = _meta_linear(nn.Linear, kvb.in_features, heads * (attn.nope_dim + dv))
     rows(f"{prefix}.kv_b_proj.weight", h0 * (attn.nope_dim + dv), h1 * (attn.nope_dim + dv))
-    o_cls = RowParallelLinear if plan.dp == 1 else nn.Linear
+    o_cls = RowParallelLinear if plan.dp == 1 and plan.cp == 1 else nn.Linear
     attn.o_proj = _meta_linear(o_cls, heads * dv, hidden)
     cols(f"{prefix}.o_proj.weight", h0 * dv, h1 * dv)
     attn.num_heads = heads

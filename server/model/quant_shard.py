@@ -96,6 +96,11 @@ def shard_spec(spec: QuantSpec, slices: dict[str, TensorSlice], local_linears: l
                             f"with dp {plan.dp} would sum its integers over the groups' "
                             "different tokens; serve int8 attention with dp and tp 1")
             break
+        if sl.dim == 1 and plan.cp > 1 and ".self_attn." in prefix:
+            problems.append(f"{prefix}: an int8 attention layer cut over tp {plan.tp} ranks "
+                            f"with cp {plan.cp} would sum its integers over the cp ranks' "
+                            "different tokens; serve int8 attention with cp 1")
+            break
         if sl.dim == 1 and expert and plan.moe_tp > 1:
             problems.append(f"{prefix}: an int8 routed expert cut {plan.moe_tp} ways within "
                             f"itself (moe_tp {plan.moe_tp}) cannot be computed exactly; serve "

@@ -29,6 +29,8 @@ same batch, so the collectives line up.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -160,26 +162,31 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * outs).sum(dim=0) / total[..., None]
 
 
-def all_gather_cat(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-    """Every rank's ``x`` (same shape on all), concatenated along ``dim`` in rank order."""
+def all_gather_cat(x: torch.Tensor, size: int, dim: int, group: Any = None) -> torch.Tensor:
+    """Every rank's ``x`` (same shape on all), concatenated along ``dim`` in rank order
+    (``group``: the ``size`` ranks to gather over; None: the world)."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x)
+    dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
 class SequenceParallelMLA(MLA):
     """MLA over a striped cache (module docstring).  ``sp_rank`` / ``sp_size`` are set by
-    ``make_sequence_parallel``; ``num_heads`` is this rank's heads, as under TP."""
+    ``make_sequence_parallel``; ``num_heads`` is this rank's heads, as under TP.
+    ``sp_group``: the process group of the sp ranks (None: the world; context_parallel.py
+    binds one per cp rank)."""
 
     sp_rank: int = 0
     sp_size: int = 1
+    sp_group: Any = None
 
     def _attend_cached(self, q_nope, q_pe, cache: StripedLatentCache, plan: AttentionPlan,
                        dtype: torch.dtype) -> torch.Tensor:
         """[T, nH/S, d] queries -> [T, nH/S * dv], context from every rank's positions."""
         own_heads, kvr, size = self.num_heads, self.kv_lora_rank, self.sp_size
-        q = all_gather_cat(self._latent_query(q_nope, q_pe), size, dim=1)   # [T, nH, D]
+        q = all_gather_cat(self._latent_query(q_nope, q_pe), size, dim=1,
+                           group=self.sp_group)                              # [T, nH, D]
         nh = q.shape[1]
         b, mq = plan.num_seqs, plan.max_query_len
         q = _pad(q, plan.pad_index, b * mq).view(b, mq * nh, -1)
@@ -197,7 +204,7 @@ class SequenceParallelMLA(MLA):
         packed = torch.cat([o.float(), lse.float()[..., None]], dim=-1)
         send = packed.view(o.shape[0], size, own_heads, kvr + 1).transpose(0, 1).contiguous()
         recv = torch.empty_like(send)                                       # [S, T, nH/S, kvr+1]
-        dist.all_to_all_single(recv, send)
+        dist.all_to_all_single(recv, send, group=self.sp_group)
         merged = merge_partials(recv[..., :kvr], recv[..., kvr])          # [T, nH/S, kvr]
         return self._value_out(merged.to(dtype))
 

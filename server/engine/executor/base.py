@@ -65,23 +65,26 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
 
 
 def check_striped_pool(cfg: EngineConfig) -> None:
-    """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py; dp > 1,
-    model/data_parallel.py) cannot do: its blocks live on different ranks, while the
-    host/disk tiers move whole blocks of one device pool by global id.  (PD transfer, the
-    other block mover, is refused by the config: ServerConfig.inferMode "dmi" with sp or
-    dp > 1.)"""
+    """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py, also under
+    cp > 1, model/context_parallel.py; dp > 1, model/data_parallel.py) cannot do: its
+    blocks live on different ranks, while the host/disk tiers move whole blocks of one
+    device pool by global id.  (PD transfer, the other block mover, is refused by the
+    config: ServerConfig.inferMode "dmi" with sp or dp > 1.)"""
     par = cfg.parallel
     if par.dp > 1:
-        if par.sp > 1 or par.world_size % par.dp:
-            raise EngineError(f"dp {par.dp} (attention data parallel): allowed with sp 1 and "
-                              f"a worldSize ({par.world_size}) it divides")
+        if par.sp > 1 or par.cp > 1 or par.world_size % par.dp:
+            raise EngineError(f"dp {par.dp} (attention data parallel): allowed with sp 1, "
+                              f"cp 1 and a worldSize ({par.world_size}) it divides")
         what = f"dp {par.dp} (attention data parallel) splits the KV pool over its groups"
         fix = "dp 1"
+    elif par.cp > 1 and (par.sp == 1 or par.world_size % par.cp):
+        raise EngineError(f"cp {par.cp} (context parallel): allowed with sp = tp > 1, dp 1 "
+                          f"and a worldSize ({par.world_size}) it divides")
     elif par.sp == 1:
         return
-    elif par.sp != par.world_size:
-        raise EngineError(f"sp {par.sp} (sequence parallel): allowed 1 or tp = worldSize "
-                          f"({par.world_size})")
+    elif par.sp != par.tp:
+        tp = f"worldSize ({par.world_size})" if par.cp == 1 else f"worldSize / cp ({par.tp})"
+        raise EngineError(f"sp {par.sp} (sequence parallel): allowed 1 or tp = {tp}")
     else:
         what = f"sp {par.sp} (sequence parallel) stripes the KV pool over the ranks"
         fix = "sp 1"

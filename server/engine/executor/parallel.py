@@ -58,9 +58,12 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
         from server.engine.worker.worker import Worker
         from server.model.loader import load_checkpoint
         from server.model.parallel import ParallelPlan
-        plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep, par.sp, par.dp)
+        plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep, par.sp, par.dp, par.cp)
         model, _ = load_checkpoint(model_path, dtype=torch_dtype(cfg.dtype), device=device,
                                    plan=plan)
+        if plan.cp > 1:                          # its sp and cp process groups
+            from server.model.context_parallel import join_groups
+            join_groups(model, plan.world_size, plan.tp)
         group.ready()
         # Compiled graphs would have to carry the collectives; the static step runs plain.
         worker = Worker(model, dataclasses.replace(cfg, device=device, compile="off"),
