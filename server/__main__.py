@@ -4,11 +4,11 @@ The only place that reads the process environment: it is handed to load_config.
 Exit codes: 0 ok, 1 could not serve, 2 bad arguments or bad config.
 
 A config whose parallel layout follows MindIE's rules but needs a kind of parallelism this
-build does not serve (cp above 1, dp and sp both above 1, or sp or dp above 1 with the
-KV tiers, swap preemption or PD: config/parallel.py ``unserved_parallel``,
-``unserved_with_striped_kv``) is
-valid, and still not served: the daemon refuses it before anything is loaded, exit 1, and
-``--check`` says so and exits 1 too, so that ``--check`` passing means the daemon starts.
+build does not serve (dp and sp both above 1, or sp or dp above 1 with the KV tiers,
+swap preemption or PD: config/parallel.py ``unserved_parallel``,
+``unserved_with_striped_kv``) is valid, and still not served: the daemon refuses it
+before anything is loaded, exit 1, and ``--check`` says so and exits 1 too, so that
+``--check`` passing means the daemon starts.
 """
 from __future__ import annotations
 

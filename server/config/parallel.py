@@ -13,6 +13,8 @@ MindIE's layout rules for DeepSeek-V3/R1 (keys of ``ModelConfig[0]``), checked b
   worldSize / moe_tp.
 * tp and moe_tp each fit on one node (at most its devices) or span the whole world.
 * MTP with cp > 1 or sp > 1 drafts one token (num_speculative_tokens 1).
+* With MoE expert parallel (moe_ep > 1) in PD disaggregation only the P node supports cp
+  and sp: a D node (``ServerConfig.pdRole`` "decode") has them at 1.
 * pp > 1 (pipeline parallel) is refused by the field validator in sections.py.
 
 Rank groups (``ParallelLayout.groups``): tp, moe_tp and sp groups are runs of contiguous
@@ -27,10 +29,11 @@ at ``$MASTER_ADDR:$MASTER_PORT`` (the port defaults to ``multiNodesInferPort``).
 
 What this build serves is a separate question, answered by ``unserved_parallel``: a
 layout can follow MindIE's rules and still need a kind of parallelism the engine does not
-run (today cp above 1, and dp above 1 together with sp above 1), or sp or dp above 1
-next to a feature that moves whole KV blocks (``unserved_with_striped_kv``: the host/disk
-KV tier, swap preemption, PD transfer; a striped pool has each block on one rank, a dp
-pool each request's blocks in one group).  Those are not rule violations: ``--check``
+run (today dp above 1 together with sp above 1), or sp or dp above 1 next to a feature
+that moves whole KV blocks (``unserved_with_striped_kv``: the host/disk KV tier, swap
+preemption, PD transfer; a striped pool has each block on one rank, a dp pool each
+request's blocks in one group).  cp above 1 is served (server/model/context_parallel.py)
+and always comes with sp above 1, so those refusals cover it too.  Those are not rule violations: ``--check``
 reports them apart, and the daemon refuses to start on them.
 """
 from __future__ import annotations
@@ -119,12 +122,11 @@ def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
 # What the engine runs today (server/model/parallel.py): attention tensor parallel over
 # the tp ranks of each of dp attention data parallel groups (server/model/data_parallel.py),
 # dense layers over all ranks, experts over moe_ep groups of moe_tp ranks, the latent KV
-# striped over the tp ranks with sp = tp (server/model/sequence_parallel.py) when dp is 1.
-# One entry per kind of parallelism the engine does not run: serving one of them later
+# striped over the tp ranks with sp = tp (server/model/sequence_parallel.py) when dp is 1,
+# a step's tokens split over cp ranks (server/model/context_parallel.py).  One entry per
+# kind of parallelism the engine does not run (none today): serving one of them later
 # removes its entry.
-_UNSERVED = {
-    "cp": ("context parallel", "serve with cp 1"),
-}
+_UNSERVED: dict[str, tuple[str, str]] = {}
 
 
 def unserved_parallel(layout: ParallelLayout) -> list[ConfigIssue]:
@@ -241,6 +243,14 @@ def _layout_issues(doc: MindIEConfig, per_node: int | None) -> Iterator[ConfigIs
                     f"{key} {size} spans more than one node ({per_node} ranks each) but not "
                     "the whole group: a group must fit on one node or be the whole world",
                     related=(f"{p}.worldSize", f"{BC}.multiNodesInferEnabled"))
+    sv = doc.server
+    if (cp > 1 or sp > 1) and moe_ep > 1 and sv.infer_mode == "dmi" and sv.pd_role == "decode":
+        key, size = ("cp", cp) if cp > 1 else ("sp", sp)
+        yield ConfigIssue(
+            f"{p}.{key}", size, "1 on a D node with moe_ep > 1",
+            f"{key} {size} on a PD decode node with moe_ep {moe_ep}: with MoE expert "
+            "parallel only the P node supports cp and sp; serve the D node with cp 1 and sp 1",
+            related=("ServerConfig.pdRole", f"{p}.moe_ep", f"{p}.sp"))
     mtp = mc.plugin_params.mtp
     if mtp is not None and (cp > 1 or sp > 1) and mtp.num_speculative_tokens != 1:
         with_ = " and ".join(f"{k} {v}" for k, v in (("cp", cp), ("sp", sp)) if v > 1)

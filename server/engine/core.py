@@ -79,7 +79,7 @@ class LLMEngine:
             host_cache_prefix=bool(host_blocks) and cfg.host_cache_prefix and cfg.enable_prefix_cache,
             swap_preemption=bool(host_blocks) and cfg.swap_preemption,
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
-            moe_ep=cfg.parallel.moe_ep, sp=info.sp, dp=info.dp,
+            moe_ep=cfg.parallel.moe_ep, sp=info.sp, dp=info.dp, cp=cfg.parallel.cp,
             kv_blocks_per_rank=info.kv_blocks_per_rank,
             engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())

@@ -50,6 +50,7 @@ class RuntimeInfo:
     moe_ep: int = 1
     sp: int = 1                         # ranks the KV pool is striped over (model/sequence_parallel.py)
     dp: int = 1                         # attention data parallel groups (model/data_parallel.py)
+    cp: int = 1                         # context parallel ranks (model/context_parallel.py)
     kv_blocks_per_rank: int = 0         # blocks one rank holds (num_kv_blocks / (sp x dp))
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
     engine_pid: int = 0                 # the process running the engine loop (engine_process.py)
@@ -101,8 +102,9 @@ class RuntimeInfo:
                 f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
                 f"(KV cache {self.kv_cache_dtype}); host KV tier {self.host_tier_text}; "
                 f"decode path {self.decode_path}"
-                + (f" on {self.world_size} ranks (dp {self.dp}, tp {self.world_size // self.dp}, "
-                   f"moe_tp {self.moe_tp}, moe_ep {self.moe_ep}, sp {self.sp})"
+                + (f" on {self.world_size} ranks (dp {self.dp}, cp {self.cp}, tp "
+                   f"{self.world_size // (self.dp * self.cp)}, moe_tp {self.moe_tp}, "
+                   f"moe_ep {self.moe_ep}, sp {self.sp})"
                    if self.world_size > 1 else "")
                 + (f" (compiled in {self.compile_seconds:.1f} s)" if self.compile_seconds is not None else "")
                 + (" (compiling in the background)" if self.compile_state == "compiling" else "")
@@ -124,8 +126,8 @@ class RuntimeInfo:
                 "compile_seconds": (round(self.compile_seconds, 2)
                                     if self.compile_seconds is not None else None),
                 "host_kv_tier": self.host_tier_dict(), "engine_pid": self.engine_pid,
-                "parallel": {"world_size": self.world_size, "tp": self.world_size // self.dp,
-                             "dp": self.dp, "moe_tp": self.moe_tp, "moe_ep": self.moe_ep,
+                "parallel": {"world_size": self.world_size, "tp": self.world_size // (self.dp * self.cp),
+                             "dp": self.dp, "cp": self.cp, "moe_tp": self.moe_tp, "moe_ep": self.moe_ep,
                              "sp": self.sp,
                              "kv_blocks_per_rank": self.kv_blocks_per_rank,
                              "worker_pids": list(self.worker_pids)}}

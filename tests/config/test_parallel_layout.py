@@ -1,10 +1,10 @@
 """MindIE's parallel layout rules (tp, dp, cp, sp, moe_tp, moe_ep) and what this build serves.
 
 A layout that breaks a rule is refused at load (ConfigError, one issue at the key to edit);
-a layout that follows the rules but needs cp above 1, dp and sp both above 1, or sp or dp
-above 1 beside a feature that moves whole KV blocks (host/disk tier, swap preemption, PD),
-loads, and is reported apart as not served by this build: ``--check`` and the daemon's
-start exit 1 on it.
+a layout that follows the rules but needs dp and sp both above 1, or sp or dp above 1
+beside a feature that moves whole KV blocks (host/disk tier, swap preemption, PD; cp
+above 1 always comes with sp above 1), loads, and is reported apart as not served by
+this build: ``--check`` and the daemon's start exit 1 on it.  tp2/sp2/cp2 is served.
 """
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ ACCEPTED = [
     ("dp2-tp2-moe_ep4", lay(4, dp=2, tp=2, moe_ep=4), (4, 2, 2, 1, 1, 1, 4), set()),
     ("tp2-sp2", lay(2, tp=2, sp=2), (2, 2, 1, 1, 2, 2, 1), set()),
     # MoE keys given: with neither, moe_tp would be tp (2) and not cover the 4 ranks
-    ("tp2-sp2-cp2", lay(4, tp=2, sp=2, cp=2, moe_ep=4), (4, 2, 1, 2, 2, 1, 4), {"cp"}),
+    ("tp2-sp2-cp2", lay(4, tp=2, sp=2, cp=2, moe_ep=4), (4, 2, 1, 2, 2, 1, 4), set()),
     ("mindie-cp-example-16dev", lay(16, dp=1, cp=2, sp=8, tp=8, moe_ep=16, moe_tp=1),
-     (16, 8, 1, 2, 8, 1, 16), {"cp"}),
+     (16, 8, 1, 2, 8, 1, 16), set()),
     ("tp2-moe_ep2-moe_tp1", lay(2, tp=2, moe_ep=2, moe_tp=1), (2, 2, 1, 1, 1, 1, 2), set()),
     ("moe_tp-only", lay(4, moe_tp=2), (4, 4, 1, 1, 1, 2, 2), set()),
     ("dp-minus-one-is-unset", lay(2, dp=-1), (2, 2, 1, 1, 1, 2, 1), set()),
@@ -144,6 +144,33 @@ def test_sp_beside_a_block_mover_is_not_served(case_id, edits, path, what, fix, 
     assert load({**lay(2, tp=2), **edits}, tmp_path).unserved == []
 
 
+def test_cp_is_served_and_reaches_the_engine(tmp_path):
+    from server.engine.config import engine_config_from_app
+    cfg = load({**lay(4, tp=2, sp=2, cp=2, moe_ep=4), PP: mtp(1)}, tmp_path)
+    assert cfg.unserved == []
+    par = engine_config_from_app(cfg).parallel
+    assert (par.world_size, par.tp, par.cp, par.sp, par.moe_tp, par.moe_ep) == (4, 2, 2, 2, 1, 4)
+
+
+def test_cp_on_a_P_node_with_moe_ep_is_a_rule_pass_but_pd_is_not_served(tmp_path):
+    """The seed's rule refuses cp/sp on a D node only; a P node passes the rules, and PD's
+    KV transfer beside a striped pool is then not served by this build (at inferMode)."""
+    p_node = {**D_NODE, "ServerConfig.pdRole": "prefill", "ServerConfig.pdPeers": []}
+    cfg = load({**lay(4, tp=2, sp=2, cp=2, moe_ep=4), **p_node}, tmp_path)
+    assert [n.path for n in cfg.unserved] == ["ServerConfig.inferMode"]
+
+
+@pytest.mark.parametrize("case_id,edits,path,what,fix", SP_WITH, ids=[c[0] for c in SP_WITH])
+def test_cp_beside_a_block_mover_is_not_served(case_id, edits, path, what, fix, tmp_path):
+    """cp > 1 runs on sp's striped pool: the same block movers are refused, at their key."""
+    cfg = load({**lay(4, tp=2, sp=2, cp=2, moe_ep=4), **edits}, tmp_path)
+    [note] = cfg.unserved
+    assert note.path == path and f"{MC0}.sp" in note.related
+    assert f"{what} moves whole blocks of one pool: not served together" in note.message
+
+
+D_NODE = {"ServerConfig.inferMode": "dmi", "ServerConfig.interCommPort": 1300,
+          "ServerConfig.pdRole": "decode", "ServerConfig.pdPeers": ["10.0.0.2"]}
 # (id, edits, env, path, texts that must appear in the issue's message or allowed, related)
 REFUSED = [
     ("tp-cp-dp-not-world", lay(4, tp=2, moe_ep=2), None, f"{MC0}.tp",
@@ -168,6 +195,13 @@ REFUSED = [
      ["MTP with sp 2", "num_speculative_tokens must be 1", "1 with cp or sp > 1"], f"{MC0}.sp"),
     ("mtp-k2-with-cp", {**lay(4, tp=2, sp=2, cp=2, moe_ep=4), PP: mtp(2)}, None, NST,
      ["MTP with cp 2 and sp 2", "num_speculative_tokens must be 1"], f"{MC0}.cp"),
+    # with MoE EP only the P node supports cp and sp (MindIE)
+    ("cp-on-a-D-node-with-moe_ep", {**lay(4, tp=2, sp=2, cp=2, moe_ep=4), **D_NODE}, None,
+     f"{MC0}.cp", ["cp 2 on a PD decode node with moe_ep 4", "only the P node supports cp "
+                   "and sp", "1 on a D node with moe_ep > 1"], "ServerConfig.pdRole"),
+    ("sp-on-a-D-node-with-moe_ep", {**lay(2, tp=2, sp=2, moe_ep=2, moe_tp=1), **D_NODE}, None,
+     f"{MC0}.sp", ["sp 2 on a PD decode node with moe_ep 2", "serve the D node with cp 1 "
+                   "and sp 1"], f"{MC0}.moe_ep"),
     ("pp-two", {f"{MC0}.pp": 2}, None, f"{MC0}.pp", ["pp (pipeline parallelism)", "not implemented"], None),
     ("dp-zero", {f"{MC0}.dp": 0}, None, f"{MC0}.dp", ["dp must not be 0", "-1 (unset) or >= 1"], None),
     # several nodes of worldSize / NNODES ranks: a tp or moe_tp group fits in one or is all
@@ -224,23 +258,39 @@ def test_rank_groups():
         c.groups("pp")
 
 
+DP_SP_NOTE = ("sp 2 (sequence parallel) with dp 2 (attention data parallel) is a valid "
+              "MindIE layout but this build does not serve the two together yet; serve "
+              "with sp 1")
+
+
 def test_check_reports_a_valid_but_unserved_layout(build):
-    """tp2/sp2/cp2/moe_ep4 on 4 devices: the rules pass, the config prints, and --check
+    """dp2/tp2/sp2/moe_ep4 on 4 devices: the rules pass, the config prints, and --check
     exits 1 because the daemon would refuse to start on it."""
-    path = build(lay(4, tp=2, sp=2, cp=2, moe_ep=4))
+    path = build(lay(4, dp=2, tp=2, sp=2, moe_ep=4))
     proc = run_cli("--check", "--config-file", str(path))
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert out["Derived"]["parallel"] == {
-        "worldSize": 4, "tp": 2, "dp": 1, "cp": 2, "sp": 2, "moe_tp": 1, "moe_ep": 4,
-        "followsMindIERules": True,
-        "notServed": ["cp 2 (context parallel) is a valid MindIE layout but this build "
-                      "does not serve it yet; serve with cp 1"]}
-    assert ("parallel layout follows MindIE's rules: worldSize 4 = tp 2 x cp 2 x dp 1 (sp 2); "
+        "worldSize": 4, "tp": 2, "dp": 2, "cp": 1, "sp": 2, "moe_tp": 1, "moe_ep": 4,
+        "followsMindIERules": True, "notServed": [DP_SP_NOTE]}
+    assert ("parallel layout follows MindIE's rules: worldSize 4 = tp 2 x cp 1 x dp 2 (sp 2); "
             "MoE moe_tp 1 x moe_ep 4") in proc.stderr
     assert "not served by this build" in proc.stderr
-    assert f"{MC0}.cp: cp 2 (context parallel) is a valid MindIE layout" in proc.stderr
+    assert f"{MC0}.sp: {DP_SP_NOTE}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_check_passes_tp2_sp2_cp2_on_4_devices(build):
+    """Context parallel is served: --check exits 0 on MindIE's tp2/sp2/cp2 layout."""
+    proc = run_cli("--check", "--config-file", str(build(lay(4, tp=2, sp=2, cp=2, moe_ep=4))))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["Derived"]["parallel"] == {
+        "worldSize": 4, "tp": 2, "dp": 1, "cp": 2, "sp": 2, "moe_tp": 1, "moe_ep": 4,
+        "followsMindIERules": True, "notServed": []}
+    assert ("parallel layout follows MindIE's rules: worldSize 4 = tp 2 x cp 2 x dp 1 (sp 2); "
+            "MoE moe_tp 1 x moe_ep 4") in proc.stderr
+    assert "not served" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_check_passes_a_served_layout_and_fails_a_broken_one(build):
@@ -256,7 +306,7 @@ def test_check_passes_a_served_layout_and_fails_a_broken_one(build):
 def test_daemon_refuses_an_unserved_layout_before_loading_anything(build):
     """The start path (server.__main__.main without --check) refuses with the message and
     exit 1, and has imported neither the daemon nor torch."""
-    path = build(lay(4, tp=2, sp=2, cp=2, moe_ep=4))
+    path = build(lay(4, dp=2, tp=2, sp=2, moe_ep=4))
     code = ("import sys; from server.__main__ import main; "
             f"rc = main(['--config-file', {str(path)!r}], env={{}}); "
             "print('loaded:', 'server.daemon' in sys.modules, 'server.node' in sys.modules, "
@@ -266,6 +316,5 @@ def test_daemon_refuses_an_unserved_layout_before_loading_anything(build):
     assert proc.returncode == 1, proc.stderr
     assert "loaded: False False False" in proc.stdout
     assert "the daemon refuses to start on it" in proc.stderr
-    assert f"{MC0}.cp: cp 2 (context parallel) is a valid MindIE layout" in proc.stderr
-    assert f"{MC0}.sp:" not in proc.stderr                # sp = tp is served
+    assert f"{MC0}.sp: {DP_SP_NOTE}" in proc.stderr
     assert "Traceback" not in proc.stderr
