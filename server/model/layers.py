@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.model import quant
 from server.model.config import DeepseekConfig, yarn_get_mscale
 
 
@@ -219,7 +220,7 @@ class MoE(nn.Module):
         self._stack_key: tuple | None = None
         self._stack_params: list[nn.Parameter] | None = None
         self._stack: tuple | None = None
-        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None    # expert_stacks()
+        self._gather: tuple[torch.Tensor, ...] | None = None    # expert_stacks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -284,33 +285,37 @@ class MoE(nn.Module):
 
     @property
     def can_gather(self) -> bool:
-        """Plain float experts on one device: what the gathered form of the static step
-        (static_decode.gathered_moe) reads by index."""
-        return self.expert_offset == 0 and isinstance(self.combine, nn.Identity) and all(
-            type(p) is nn.Linear for m in self.experts
-            for p in (m.gate_proj, m.up_proj, m.down_proj))
+        """Experts on one device, all plain float or all int8 of the dynamic scheme: what
+        the gathered form of the static step (static_decode.gathered_moe) reads by index."""
+        if self.expert_offset != 0 or not isinstance(self.combine, nn.Identity):
+            return False
+        parts = [p for m in self.experts for p in (m.gate_proj, m.up_proj, m.down_proj)]
+        return all(type(p) is nn.Linear for p in parts) or all(quant.gatherable(p) for p in parts)
 
-    def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routed experts' weights as [E, 2I, H] (gate rows, then up rows) and
-        [E, H, I] (down), read by index in the gathered MoE.  Built once, and each
-        expert's own weights become views into them, so nothing is held twice; built
-        again if an expert's weight was replaced since."""
+    def expert_stacks(self) -> tuple[torch.Tensor, ...]:
+        """The routed experts' weights stacked for the gathered MoE: float experts
+        (gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]); int8 experts
+        (gate_up, its weight_scale [E, 2I], down, its weight_scale [E, H]).  Built once,
+        and each expert's own tensors become views into them, so nothing is held twice;
+        built again if an expert's weight was replaced since."""
         first = self.experts[0].gate_proj.weight
         if self._gather is not None and first.data_ptr() == self._gather[0].data_ptr():
             return self._gather
+        names = ("weight",) if type(self.experts[0].gate_proj) is nn.Linear else ("weight", "weight_scale")
         # Plain tensors even when first asked inside inference mode: the dense stack keys
         # its cache on the weights' version counters, which inference tensors lack.
         with torch.inference_mode(False), torch.no_grad():
-            gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight])
-                                   for m in self.experts])
-            down = torch.stack([m.down_proj.weight for m in self.experts])
+            gate_up = {n: torch.stack([torch.cat([getattr(m.gate_proj, n), getattr(m.up_proj, n)])
+                                       for m in self.experts]) for n in names}
+            down = {n: torch.stack([getattr(m.down_proj, n) for m in self.experts]) for n in names}
         for e, m in enumerate(self.experts):
             i = m.gate_proj.out_features
-            for lin, view in ((m.gate_proj, gate_up[e, :i]), (m.up_proj, gate_up[e, i:]),
-                              (m.down_proj, down[e])):
-                lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
+            for n in names:
+                for lin, view in ((m.gate_proj, gate_up[n][e, :i]), (m.up_proj, gate_up[n][e, i:]),
+                                  (m.down_proj, down[n][e])):
+                    setattr(lin, n, nn.Parameter(view, requires_grad=getattr(lin, n).requires_grad))
         self._stack_params = self._stack_key = self._stack = None   # the dense stack re-reads
-        self._gather = (gate_up, down)
+        self._gather = tuple(gate_up[n] for n in names) + tuple(down[n] for n in names)
         return self._gather
 
     def local_scale(self, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,40 @@ def test_int_mm_backend_computes_the_same_integers(quantized, monkeypatch):
     assert torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["w8a8", "w4a8", "ct"])
+def test_gathered_int8_experts_equal_the_routed_ones(quantized, name):
+    """The gathered MoE reads each token's top-k int8 experts by index (one graph, no host
+    read of the counts) and computes the routed per-expert QuantLinears' numbers: the
+    integer sums are the same, only the order of the final float32 sum over k differs.
+    Compiled, too; the experts' own tensors become views of the stacks (nothing held twice),
+    and a first expert replaced after stacking is seen (the stacks are rebuilt)."""
+    from server.model.static_decode import gathered_moe
+    model = load_checkpoint(quantized[name])[0].eval()
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    assert moe.can_gather and isinstance(moe.experts[0].down_proj, QuantLinear)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        stacks = moe.expert_stacks()
+        assert [t.dtype for t in stacks] == [torch.int8, torch.float32] * 2
+        e = moe.experts[1]
+        assert e.up_proj.weight_scale.data_ptr() == stacks[1][1, e.gate_proj.out_features:].data_ptr()
+        assert e.down_proj.weight.data_ptr() == stacks[2][1].data_ptr()
+        compiled = torch.compile(gathered_moe, fullgraph=True, dynamic=False)
+        for t in (1, 3):
+            x = torch.randn(t, model.config.hidden_size, generator=g)
+            routed = moe(x)
+            torch.testing.assert_close(gathered_moe(moe, x, *stacks), routed, rtol=1e-5, atol=1e-6)
+            if t == 1:
+                torch.testing.assert_close(compiled(moe, x, *stacks), routed, rtol=1e-4, atol=1e-5)
+    with torch.inference_mode(False), torch.no_grad():
+        moe.experts[0].gate_proj.weight = nn.Parameter(torch.zeros_like(e.gate_proj.weight),
+                                                       requires_grad=False)
+    with torch.inference_mode():
+        fresh = moe.expert_stacks()
+        assert fresh[0][0, :e.gate_proj.out_features].abs().sum() == 0
+        assert fresh[0].data_ptr() != stacks[0].data_ptr()
+
+
 TIE = 0.02     # logits this close are a near-tie for the lossless check below
 
 
