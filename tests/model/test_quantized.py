@@ -163,6 +163,21 @@ def test_gathered_int8_experts_equal_the_routed_ones(quantized, name):
         assert fresh[0].data_ptr() != stacks[0].data_ptr()
 
 
+def test_a_compile_child_traces_the_int8_layers_the_serving_model_has(quantized):
+    """A background compile child builds an empty model from the config: without the int8
+    layers it traced float ones (and failed setting int8 dtypes on them), so every int8
+    checkpoint's first start compiled in the serving process instead."""
+    from server.engine.worker.compile_step import empty_model, int8_layers, tensor_dtypes
+    model = load_checkpoint(quantized["w8a8"])[0]
+    layers = int8_layers(model)
+    assert len(layers) > 10 and {m["scheme"] for m in layers.values()} == {"w8a8_static", "w8a8_dynamic"}
+    empty = empty_model(model.config, tensor_dtypes(model), torch.device("cpu"), layers)
+    serving, traced = tensor_dtypes(model), tensor_dtypes(empty)
+    assert {n: d for n, d in serving.items() if n in traced} == {n: d for n, d in traced.items() if n in serving}
+    assert sum(d == torch.int8 for d in traced.values()) == sum(d == torch.int8 for d in serving.values())
+    assert int8_layers(empty) == layers
+
+
 TIE = 0.02     # logits this close are a near-tie for the lossless check below
 
 

@@ -61,6 +61,7 @@ import torch
 from server.model import static_decode
 from server.model.batch import DecodeMetadata
 from server.model.meta import meta_device
+from server.model.quant import QuantLinear
 
 log = logging.getLogger("server.engine")
 
@@ -216,6 +217,16 @@ def compile_static_decoder(model, block_size: int, device: torch.device, max_que
     them, before returning; returns the seconds it took."""
     t0 = time.perf_counter()
     folder = cache_dir(model, device)
+    missing = [name for round_ in graph_rounds(model, max_query_len) for name in round_
+               if not (folder / name).is_file()]
+    if len(missing) > 1 and (os.cpu_count() or 1) > 1:
+        # The graphs are independent: made on every core (a first start's 8 graphs of the
+        # demo model on 2 cores: 28 s against 50 s one after another).  Whatever a child
+        # leaves unmade, the in-process pass below makes.
+        try:
+            compile_in_children(model, block_size, device, folder, max_query_len, missing)
+        except RuntimeError as exc:
+            log.warning("static decode step: %s; compiling in-process", exc)
     graphs, loaded = _prepare(model, block_size, device, folder, max_query_len)
     model.static_decoder.use_graphs(graphs)
     seconds = time.perf_counter() - t0
@@ -270,40 +281,14 @@ class BackgroundGraphs:
         if missing:
             log.info("static decode step: compiling %d graphs in child processes (serving the "
                      "step without them meanwhile)", len(missing))
-            self._compile_in_children(missing)
+            compile_in_children(self.model, self.block_size, self.device, self.folder,
+                                self.max_query_len, missing)
         graphs, loaded = _prepare(self.model, self.block_size, self.device, self.folder,
                                   self.max_query_len, only=names)
         if loaded != len(graphs):                 # the child left a file that does not load
             log.warning("static decode step: %d graphs compiled in-process after the child's",
                         len(graphs) - loaded)
         return graphs
-
-    def _compile_in_children(self, files: list[str]) -> None:
-        """Compile ``files`` in child processes, one per core up to four (the graphs are
-        independent, and a first start is otherwise idle), each with one torch thread."""
-        spec = {"config": self.model.config, "dtypes": tensor_dtypes(self.model),
-                "block_size": self.block_size, "device": str(self.device), "folder": str(self.folder),
-                "max_query_len": self.max_query_len}
-        n = max(1, min(len(files), os.cpu_count() or 1, 4))
-        with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
-            children = []
-            for i in range(n):
-                spec_file = Path(tmp) / f"spec{i}.pkl"
-                spec_file.write_bytes(pickle.dumps({**spec, "files": files[i::n]}))
-                log_file = Path(tmp) / f"compile{i}.log"
-                with open(log_file, "w") as out:
-                    proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
-                                            stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
-                                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-                children.append((proc, log_file))
-            failures = []
-            for proc, log_file in children:
-                rc = proc.wait()
-                if rc != 0:
-                    tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
-                    failures.append(f"exited {rc}: {' | '.join(tail)}")
-            if failures:
-                raise RuntimeError(f"the compile process {failures[0]}")
 
     def poll(self) -> tuple[dict, bool] | None:
         """(every graph made so far, is this the last round?) once a round is ready and
@@ -322,14 +307,58 @@ class BackgroundGraphs:
         return time.perf_counter() - self._t0
 
 
-def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device):
+def compile_in_children(model, block_size: int, device: torch.device, folder: Path,
+                        max_query_len: int, files: list[str]) -> None:
+    """Compile ``files`` into ``folder`` in child processes, one per core up to four (the
+    graphs are independent, and a first start is otherwise idle), each with one torch
+    thread.  Raises RuntimeError naming a child that failed."""
+    spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
+            "block_size": block_size,
+            "device": str(device), "folder": str(folder), "max_query_len": max_query_len}
+    n = max(1, min(len(files), os.cpu_count() or 1, 4))
+    with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
+        children = []
+        for i in range(n):
+            spec_file = Path(tmp) / f"spec{i}.pkl"
+            spec_file.write_bytes(pickle.dumps({**spec, "files": files[i::n]}))
+            log_file = Path(tmp) / f"compile{i}.log"
+            with open(log_file, "w") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
+                                        stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+            children.append((proc, log_file))
+        failures = []
+        for proc, log_file in children:
+            rc = proc.wait()
+            if rc != 0:
+                tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+                failures.append(f"exited {rc}: {' | '.join(tail)}")
+        if failures:
+            raise RuntimeError(f"the compile process {failures[0]}")
+
+
+def int8_layers(model) -> dict[str, dict]:
+    """Each QuantLinear's name and make: what a compile child swaps into its empty model
+    (a graph traced with a float layer where the server has an int8 one would be another
+    function)."""
+    return {name: dict(in_features=m.in_features, out_features=m.out_features, scheme=m.scheme,
+                       backend=m.backend, bias=m.bias is not None, row_parallel=m.row_parallel)
+            for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device,
+                int8: dict[str, dict] | None = None):
     """The model a compile child traces: never read, so shapes and dtypes are what count,
     each tensor's as the serving model has it (a graph traced with a bf16 router would
-    read the serving model's float32 one wrong, and nothing checks it at call time)."""
+    read the serving model's float32 one wrong, and nothing checks it at call time), and
+    its int8 layers (``int8_layers``) where the serving model has them."""
     from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 
     with meta_device():
         model = DeepseekV3ForCausalLM(config)
+        for name, make in (int8 or {}).items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, QuantLinear(**make))
     model = model.to_empty(device=device)
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if name in dtypes and t.dtype != dtypes[name]:
@@ -349,7 +378,7 @@ def _child(spec_file: Path) -> int:
     threading.Thread(target=watch, daemon=True).start()
     torch.set_num_threads(1)
     device = torch.device(spec["device"])
-    model = empty_model(spec["config"], spec["dtypes"], device)
+    model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"])
     folder = Path(spec["folder"])
     t0 = time.perf_counter()
     _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"])
