@@ -85,7 +85,8 @@ class ContextParallelPlan:
     order: torch.Tensor                    # [C * width] step row of each gathered row (T: padding)
 
 
-def chunk_batch(meta: BatchMetadata, runs: list[tuple[int, int, int]]) -> tuple[BatchMetadata, list[int]]:
+def chunk_batch(meta: BatchMetadata, runs: list[tuple[int, int, int]]
+                ) -> tuple[BatchMetadata, list[int]]:
     """Runs (sequence, start, stop) of new tokens as pseudo-sequences, and their tokens'
     rows in the step.  A run ending ``k`` tokens before its sequence's last new token has
     seq_len ``seq_len - k``: its queries are the last of that shorter context."""

@@ -3,7 +3,8 @@ cp ranks, their latent rows all-gathered into each cp rank's sp-striped pool.
 
 The engines serve the same tokens as one process, greedy and seeded, MTP off and k=1
 (the only k MindIE allows with cp), on the demo model and on a random checkpoint (also
-with an int8 KV cache), with the prefix cache on and hitting; prompts of 24-60 tokens give every cp rank real chunks.
+with an int8 KV cache), with the prefix cache on and hitting; prompts of 24-60 tokens
+give every cp rank real chunks.
 Without ranks: the split covers every token once and its pseudo-sequences' masks are the
 whole step's rows.  With ranks but no engine: the hidden states of a prefill and a
 decode step match one process's, and skipping the KV exchange breaks them.
@@ -75,7 +76,8 @@ def test_rank_plans_are_the_whole_steps_rows(tiny_path):
         for j, t in enumerate(index):
             b, i = divmod(pad[j], local.max_query_len)
             s = seq_of[t]
-            assert torch.equal(local.block_tables[b], whole.block_tables[s][: local.block_tables.shape[1]])
+            width = local.block_tables.shape[1]
+            assert torch.equal(local.block_tables[b], whole.block_tables[s][:width])
             keys = local.mask[b, 0, i].nonzero().flatten().tolist()
             assert keys == list(range(q_pos[t] + 1))
             assert whole.mask[s, 0, pad_row(whole, t)].nonzero().flatten().tolist() == keys
@@ -127,7 +129,8 @@ def _steps() -> list:
     ids = [torch.randint(2, 500, (30,), generator=g), torch.randint(2, 500, (21,), generator=g)]
     tables = [list(range(8)), list(range(8, 14))]
     cpu = torch.device("cpu")
-    return [(torch.cat([ids[0][:29], ids[1][:13]]), build_metadata([0, 0], [29, 13], tables, 4, cpu)),
+    return [(torch.cat([ids[0][:29], ids[1][:13]]),
+             build_metadata([0, 0], [29, 13], tables, 4, cpu)),
             (torch.cat([ids[1][13:], ids[0][29:]]),
              build_metadata([13, 29], [8, 1], tables[::-1], 4, cpu))]
 
