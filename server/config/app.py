@@ -116,8 +116,7 @@ class AppConfig:
         (config/parallel.py)."""
         return unserved_parallel(self.parallel) + unserved_with_striped_kv(
             self.parallel, kv_pool_backend=self.kv_pool.backend,
-            max_preempt_count=self.schedule.max_preempt_count,
-            infer_mode=self.server.infer_mode)
+            max_preempt_count=self.schedule.max_preempt_count)
 
     # ---- names and limits -----------------------------------------------------------
     @property

@@ -30,9 +30,10 @@ at ``$MASTER_ADDR:$MASTER_PORT`` (the port defaults to ``multiNodesInferPort``).
 What this build serves is a separate question, answered by ``unserved_parallel``: a
 layout can follow MindIE's rules and still need a kind of parallelism the engine does not
 run (today dp above 1 together with sp above 1), or sp or dp above 1 next to a feature
-that moves whole KV blocks (``unserved_with_striped_kv``: the host/disk KV tier, swap
-preemption, PD transfer; a striped pool has each block on one rank, a dp pool each
-request's blocks in one group).  cp above 1 is served (server/model/context_parallel.py)
+that moves whole KV blocks of one device pool (``unserved_with_striped_kv``: the host/disk
+KV tier, swap preemption; a striped pool has each block on one rank, a dp pool each
+request's blocks in one group).  PD disaggregation's KV transfer is served beside them:
+it reads and writes blocks by global id over the stripes (engine/kv/striped_transfer.py).  cp above 1 is served (server/model/context_parallel.py)
 and always comes with sp above 1, so those refusals cover it too.  Those are not rule violations: ``--check``
 reports them apart, and the daemon refuses to start on them.
 """
@@ -153,10 +154,11 @@ def unserved_parallel(layout: ParallelLayout) -> list[ConfigIssue]:
 
 
 def unserved_with_striped_kv(layout: ParallelLayout, *, kv_pool_backend: str,
-                             max_preempt_count: int, infer_mode: str) -> list[ConfigIssue]:
-    """sp > 1 or dp > 1 next to what moves whole KV blocks by id (the host and disk
-    tiers, swap preemption, PD transfer): a striped pool holds each block on one rank
-    only, a dp pool each request's blocks in one group's ranks, so these are refused."""
+                             max_preempt_count: int) -> list[ConfigIssue]:
+    """sp > 1 or dp > 1 next to what moves whole KV blocks of one device pool (the host
+    and disk tiers, swap preemption): a striped pool holds each block on one rank only, a
+    dp pool each request's blocks in one group's ranks, so these are refused.  (PD's KV
+    transfer is served: engine/kv/striped_transfer.py.)"""
     if layout.sp > 1:
         key, size, does = "sp", layout.sp, "(sequence parallel) stripes the KV pool over the ranks"
     elif layout.dp > 1:
@@ -166,9 +168,7 @@ def unserved_with_striped_kv(layout: ParallelLayout, *, kv_pool_backend: str,
     found = [(f"{BC}.kvPoolConfig.backend", kv_pool_backend, bool(kv_pool_backend),
               "the host KV pool (and its disk tier)", "an empty kvPoolConfig.backend"),
              (f"{BC}.ScheduleConfig.maxPreemptCount", max_preempt_count, max_preempt_count > 0,
-              "preemption by swapping to host memory", "maxPreemptCount 0"),
-             ("ServerConfig.inferMode", infer_mode, infer_mode == "dmi",
-              "PD disaggregation's KV transfer", "inferMode standard")]
+              "preemption by swapping to host memory", "maxPreemptCount 0")]
     return [ConfigIssue(path, value, f"{fix} (with {key} > 1)",
                         f"{key} {size} {does}, and {what} moves whole blocks of one pool: "
                         f"not served together by this build; serve with {fix} or {key} 1",

@@ -98,8 +98,8 @@ class StripedLatentCache:
         return self.inner.read_slots(local.tolist())
 
     def block_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The local tensors (local block ids, sink last): moving blocks by global id is
-        refused with sp > 1 (no host/disk tier, no PD transfer)."""
+        """The local tensors (local block ids, sink last): PD rows move by global id
+        through engine/kv/striped_transfer.py; the host/disk tiers are refused."""
         return self.inner.block_tensors()
 
 

@@ -115,9 +115,6 @@ SP_WITH = [
     ("swap-preemption", {"BackendConfig.ScheduleConfig.maxPreemptCount": 2},
      "BackendConfig.ScheduleConfig.maxPreemptCount", "preemption by swapping to host memory",
      "maxPreemptCount 0"),
-    ("pd", {"ServerConfig.inferMode": "dmi", "ServerConfig.interCommPort": 1300,
-            "ServerConfig.pdRole": "prefill"},
-     "ServerConfig.inferMode", "PD disaggregation's KV transfer", "inferMode standard"),
 ]
 
 
@@ -152,12 +149,32 @@ def test_cp_is_served_and_reaches_the_engine(tmp_path):
     assert (par.world_size, par.tp, par.cp, par.sp, par.moe_tp, par.moe_ep) == (4, 2, 2, 2, 1, 4)
 
 
-def test_cp_on_a_P_node_with_moe_ep_is_a_rule_pass_but_pd_is_not_served(tmp_path):
-    """The seed's rule refuses cp/sp on a D node only; a P node passes the rules, and PD's
-    KV transfer beside a striped pool is then not served by this build (at inferMode)."""
-    p_node = {**D_NODE, "ServerConfig.pdRole": "prefill", "ServerConfig.pdPeers": []}
-    cfg = load({**lay(4, tp=2, sp=2, cp=2, moe_ep=4), **p_node}, tmp_path)
-    assert [n.path for n in cfg.unserved] == ["ServerConfig.inferMode"]
+P_NODE_ROLE = {"ServerConfig.inferMode": "dmi", "ServerConfig.interCommPort": 1300,
+               "ServerConfig.pdRole": "prefill", "ServerConfig.pdPeers": []}
+
+
+@pytest.mark.parametrize("case_id,edits,sizes", [
+    # the issue's "1 P with cp=2 sp=2 + 1 D with dp=2" (tests/pd/test_pd_parallel.py)
+    ("P-tp2-sp2-cp2", {**lay(4, tp=2, sp=2, cp=2, moe_ep=4), "pd": "prefill"}, (4, 2, 2, 2, 1)),
+    ("D-dp2-tp1-ep2", {**lay(2, dp=2, tp=1, moe_ep=2), "pd": "decode"}, (2, 1, 1, 1, 2)),
+    # sp on a D node is MindIE's rule-pass without moe_ep (experts over moe_tp)
+    ("D-sp2-moe_tp2", {**lay(2, tp=2, sp=2), "pd": "decode"}, (2, 2, 1, 2, 1)),
+    ("P-dp2-tp1-ep2", {**lay(2, dp=2, tp=1, moe_ep=2), "pd": "prefill"}, (2, 1, 1, 1, 2)),
+], ids=lambda c: c if isinstance(c, str) else "")
+def test_pd_beside_a_striped_pool_is_served_and_reaches_the_engine(case_id, edits, sizes,
+                                                                   tmp_path):
+    """PD's KV transfer reads and writes blocks over the stripes
+    (engine/kv/striped_transfer.py): a P or D node with sp, cp or dp validates and is
+    served; only the KV tiers and swap preemption stay refused beside a striped pool."""
+    from server.engine.config import engine_config_from_app
+    edits = dict(edits)
+    role = edits.pop("pd")
+    node = {**P_NODE_ROLE, "ServerConfig.pdRole": role,
+            "ServerConfig.pdPeers": [] if role == "prefill" else ["10.0.0.2"]}
+    cfg = load({**edits, **node, PP: mtp(1)}, tmp_path)
+    assert cfg.unserved == []
+    par = engine_config_from_app(cfg).parallel
+    assert (par.world_size, par.tp, par.cp, par.sp, par.dp) == sizes
 
 
 @pytest.mark.parametrize("case_id,edits,path,what,fix", SP_WITH, ids=[c[0] for c in SP_WITH])

@@ -68,8 +68,8 @@ def check_striped_pool(cfg: EngineConfig) -> None:
     """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py, also under
     cp > 1, model/context_parallel.py; dp > 1, model/data_parallel.py) cannot do: its
     blocks live on different ranks, while the host/disk tiers move whole blocks of one
-    device pool by global id.  (PD transfer, the other block mover, is refused by the
-    config: ServerConfig.inferMode "dmi" with sp or dp > 1.)"""
+    device pool by global id.  (PD transfer, the other block mover, is served: it reads
+    and writes rows over the stripes, kv/striped_transfer.py.)"""
     par = cfg.parallel
     if par.dp > 1:
         if par.sp > 1 or par.cp > 1 or par.world_size % par.dp:

@@ -13,9 +13,12 @@ local blocks 0, 1 and 3.
 
 The scheduler places a sequence when it admits it (scheduler.py ``_place``: the group
 with the longest prefix hit that has room, then the one with the most room); a sequence
-preempted and recomputed may be placed again elsewhere.  The host/disk KV tiers, swap
-preemption and PD transfer move whole blocks of one device pool: not with dp (refused at
-start: executor/base.py, config/parallel.py).
+preempted and recomputed may be placed again elsewhere.  The host/disk KV tiers and swap
+preemption move whole blocks of one device pool: not with dp (refused at start:
+executor/base.py, config/parallel.py).  PD transfer is served: a decode request's pulled
+rows (``seq.remote_kv``) match in whichever group it is placed, the group's manager queues
+their loads at its own block ids, and ``take_transfers`` hands them all to the step, where
+each rank writes the ones of its group (kv/striped_transfer.py).
 """
 from __future__ import annotations
 
@@ -80,7 +83,8 @@ class DataParallelBlocks:
 
     num_prefix_queries = property(lambda self: self._total("num_prefix_queries"))
     num_prefix_hits = property(lambda self: self._total("num_prefix_hits"))
-    num_host_hits = num_disk_hits = num_remote_hits = property(lambda self: 0)
+    num_remote_hits = property(lambda self: self._total("num_remote_hits"))
+    num_host_hits = num_disk_hits = property(lambda self: 0)
     num_blocks_saved = num_blocks_loaded = property(lambda self: 0)
 
     # ---- a sequence's blocks, in its group ---------------------------------------------
@@ -106,4 +110,8 @@ class DataParallelBlocks:
         return False
 
     def take_transfers(self) -> Transfers:
-        return Transfers()
+        """The groups' queued loads of PD rows (by global block id; no tier copies)."""
+        out = Transfers()
+        for g in self.groups:
+            out.row_loads += g.take_transfers().row_loads
+        return out

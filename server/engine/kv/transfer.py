@@ -7,7 +7,8 @@ instance); after a PD prefill, ``export`` hands out a prompt's full blocks as ro
 the tiers (kv/host_pool.py) and the PD transfer (server/pd) are composed here, the way
 vLLM's KV connector carries offload and disaggregation alike, and the worker knows
 neither.  Order in a step: the host tier's copies (their own order, kv/host_pool.py),
-then the rows, which are written last.
+then the rows, which are written last.  With a pool striped over ranks (sp, cp, dp) the
+rows are read and written by global id through kv/striped_transfer.py.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from server.engine.kv.block_rows import BlockRows
 from server.engine.kv.host_pool import HostKVPool
+from server.engine.kv.striped_transfer import StripedRows, StripePlace
 from server.engine.messages import SchedulerOutput
 
 log = logging.getLogger("server.engine")
@@ -25,8 +27,10 @@ log = logging.getLogger("server.engine")
 
 class KVTransfer:
     def __init__(self, caches: Sequence, device: torch.device, host_slots: int = 0,
-                 async_write: bool = False) -> None:
-        self.rows = BlockRows(caches, device)
+                 async_write: bool = False, stripes: StripePlace | None = None) -> None:
+        """``stripes``: this rank's place in a striped pool (None: it holds every block)."""
+        self.rows = BlockRows(caches, device) if stripes is None \
+            else StripedRows(caches, device, stripes)
         self.host: HostKVPool | None = None
         if host_slots > 0:
             self.host = HostKVPool(self.rows, host_slots, device, async_write)

@@ -28,6 +28,7 @@ import torch
 from server.engine.config import EngineConfig
 from server.engine.kv.cache import (KVCacheSpec, allocate_kv_caches, num_blocks_for, rank_blocks,
                                     stripe_kv_caches)
+from server.engine.kv.striped_transfer import StripePlace
 from server.engine.kv.transfer import KVTransfer
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from server.engine.runtime import lookahead_slots
@@ -77,7 +78,7 @@ class Worker:
         self.kv_transfer = KVTransfer(
             self.kv_caches, self.device, KVTransfer.host_slots_for(
                 spec.bytes_per_block, cfg.host_cache_blocks, cfg.host_cache_gb),
-            cfg.kv_pool_async_write)
+            cfg.kv_pool_async_write, self.stripes)
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
         if self.static_decode:
             model.static_decoder.prepare()
@@ -124,6 +125,8 @@ class Worker:
         self.num_kv_blocks = self.kv_caches[0].num_blocks
         self.sp = par.sp if stripes > 1 else 1
         self.dp = par.dp if stripes > 1 else 1
+        # PD rows by global block id over the stripes (kv/striped_transfer.py).
+        self.stripes = StripePlace.of(par, self.group.rank) if stripes > 1 else None
         if stripes > 1:
             log.info("KV pool striped over %s: %d blocks, %d on each rank",
                      f"sp {self.sp} ranks" if self.sp > 1 else f"dp {self.dp} groups",
@@ -269,7 +272,8 @@ class Worker:
         """PD prefill: the full prompt blocks' rows of each request whose prompt this step
         finished (what a decode instance's prefix match can take: block b while
         (b + 1) * block_size <= prompt - 1, so the MTP layer's KV at its last slot, which
-        reads the next token, is final)."""
+        reads the next token, is final).  With a striped pool each export is a collective
+        (kv/striped_transfer.py): every rank runs this loop over the same states."""
         bs = self.runner.block_size
         for st in states:
             if st.export_kv and st.num_computed_tokens >= st.num_prompt_tokens \
