@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from server.config.pd_link import parse_peer, read_key_file
@@ -48,6 +48,9 @@ class PDSettings:
     max_exports: int = 256            # pdMaxExports
     max_export_bytes: int = 2 << 30   # pdMaxExportMb
     request_life_s: float = 600.0     # e2eTimeout: how long a reservation may wait
+    # role -> why this instance's layout may not take it (a role the management API assigns
+    # later obeys the rule config/parallel.py checks for pdRole)
+    refused_roles: dict[str, str] = field(default_factory=dict)
 
 
 def pd_settings(cfg: Any) -> PDSettings | None:
@@ -56,10 +59,16 @@ def pd_settings(cfg: Any) -> PDSettings | None:
         return None
     mc = cfg.model_config
     key = read_key_file(s.pd_transfer_key_file) if s.pd_transfer_key_file else None
+    par, refused = cfg.parallel, {}
+    if (par.cp > 1 or par.sp > 1) and par.moe_ep > 1:
+        refused["decode"] = (f"cp {par.cp} and sp {par.sp} with moe_ep {par.moe_ep}: with MoE "
+                             "expert parallel only the P node supports cp and sp (MindIE), so "
+                             "this instance takes the prefill role only")
     return PDSettings(s.pd_role, tuple(s.pd_peers), s.ip_address, s.inter_comm_port,
                       float(mc.kv_trans_timeout if mc.kv_trans_timeout > 0 else 1),
                       float(mc.kv_link_timeout if mc.kv_link_timeout > 0 else 1080),
-                      key, s.pd_max_exports, s.pd_max_export_mb << 20, float(s.e2e_timeout))
+                      key, s.pd_max_exports, s.pd_max_export_mb << 20, float(s.e2e_timeout),
+                      refused)
 
 
 class PDMetrics:
@@ -82,7 +91,7 @@ class PDInstance:
     def __init__(self, settings: PDSettings, runtime: Any, registry: Any = None,
                  client_ssl: ssl.SSLContext | None = None) -> None:
         self.settings = settings
-        self.roles = RoleState(key=settings.key)
+        self.roles = RoleState(key=settings.key, refused=dict(settings.refused_roles))
         if settings.role is not None:
             peers = [parse_peer(p) for p in settings.peers] or [(settings.host, None)]
             self.roles.assign(settings.role, {"local": {}, "peers": [

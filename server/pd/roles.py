@@ -37,11 +37,15 @@ class RoleState:
     # peer address -> the KV ports of the prefill instances there (several P may share a host)
     kv_ports: dict[str, frozenset[int]] = field(default_factory=dict)
     key: bytes | None = None                     # the deployment's KV transfer key
+    # role -> why this instance may not take it (its parallel layout: PDSettings)
+    refused: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def assign(self, role: str, body: Any, api_version: int = 1) -> None:
         if role not in ROLES:
             raise RoleError(f"role {role!r} is not built here; allowed: prefill, decode")
+        if role in self.refused:
+            raise RoleError(self.refused[role])
         if not isinstance(body, dict) or "local" not in body:
             raise RoleError("the body needs \"local\" and \"peers\"")
         peers = body.get("peers")

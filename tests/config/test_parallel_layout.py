@@ -335,3 +335,22 @@ def test_daemon_refuses_an_unserved_layout_before_loading_anything(build):
     assert "the daemon refuses to start on it" in proc.stderr
     assert f"{MC0}.sp: {DP_SP_NOTE}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_instance_with_cp_and_moe_ep_takes_only_the_prefill_role(tmp_path):
+    """MindIE's rule for a D node (only P supports cp/sp with MoE EP) also holds for a role
+    the management API assigns later: POST /v1/role/decode is refused with the reason."""
+    from server.pd.instance import pd_settings
+    from server.pd.roles import RoleError, RoleState
+    no_role = {"ServerConfig.inferMode": "dmi", "ServerConfig.interCommPort": 1300}
+    body = {"local": {}, "peers": [{"server_ip": "10.0.0.2"}]}
+    settings = pd_settings(load({**lay(4, tp=2, sp=2, cp=2, moe_ep=4), **no_role}, tmp_path))
+    roles = RoleState(refused=dict(settings.refused_roles))
+    with pytest.raises(RoleError, match=r"cp 2 and sp 2 with moe_ep 4: with MoE expert "
+                                        r"parallel only the P node supports cp and sp"):
+        roles.assign("decode", body)
+    assert roles.role is None
+    roles.assign("prefill", body)
+    assert roles.role == "prefill"
+    for served in (lay(2, dp=2, tp=1, moe_ep=2), lay(2, tp=2, sp=2)):
+        assert pd_settings(load({**served, **no_role}, tmp_path)).refused_roles == {}

@@ -13,6 +13,7 @@ A daemon test runs the same layouts through the coordinator, with the trust chec
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -178,3 +179,60 @@ def test_rows_move_by_global_block_over_the_stripes_and_a_wrong_mapping_bites(tm
         assert results == [{"p": True, "d": True}] * 4
     else:            # P's export and D's writes are wrong (on rank 0: all ranks get P's rows)
         assert not results[0]["p"] and not all(r["d"] for r in results)
+
+
+# -- daemons: the same layouts through the coordinator -------------------------------------
+K1 = '{"plugin_type":"mtp","num_speculative_tokens":1,"adaptive_speculation":false}'
+P_KEYS = {"worldSize": 4, "tp": 2, "sp": 2, "cp": 2, "moe_ep": 4, "plugin_params": K1}
+D_KEYS = {"worldSize": 2, "dp": 2, "tp": 1, "moe_ep": 2, "plugin_params": K1}
+
+
+def _daemon_answers(base: str) -> list[str]:
+    """Few short requests: the long prompt greedy and seeded (its 3 full blocks move),
+    a chat greedy."""
+    import openai
+
+    from server.testing.daemon import MODEL_NAME
+    from tests.daemon.answers import LONG
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
+    out = [client.completions.create(model=MODEL_NAME, prompt=LONG, max_tokens=12,
+                                     temperature=t, seed=7).choices[0].text for t in (0, 0.9)]
+    r = client.chat.completions.create(model=MODEL_NAME, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"}])
+    return out + [r.choices[0].message.content]
+
+
+def test_daemons_p_cp2_sp2_and_d_dp2_answer_like_one_process(tmp_path):
+    from server.testing.daemon import Daemon, make_config
+    from tests.daemon.answers import metric
+    from tests.pd.test_pd import ENV, Coordinator, _pd_config
+    for sub in ("ref", "p", "d"):
+        (tmp_path / sub).mkdir()
+    ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": K1},
+                               schedule={"cacheBlockSize": 16}), env=ENV).start()
+    try:
+        want = _daemon_answers(ref_d.base)
+    finally:
+        assert ref_d.terminate() == 0
+    p_cfg, d_cfg = (_pd_config(tmp_path / "p", "prefill"), _pd_config(tmp_path / "d", "decode"))
+    for cfg, keys in ((p_cfg, P_KEYS), (d_cfg, D_KEYS)):
+        doc = json.loads(cfg.read_text())
+        doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(keys)
+        doc["BackendConfig"]["npuDeviceIds"] = [list(range(keys["worldSize"]))]
+        cfg.write_text(json.dumps(doc))
+    p = Daemon(p_cfg, env=ENV, new_session=True).start()
+    d = Daemon(d_cfg, env=ENV, new_session=True).start()
+    c = None
+    try:
+        assert (p.status()["runtime"]["parallel"]["cp"], d.status()["runtime"]["parallel"]["dp"]) == (2, 2)
+        c = Coordinator(tmp_path, p, d)
+        assert _daemon_answers(c.base) == want
+        received = metric(d.metrics, "kv_transfer_bytes_total", 'direction="received"')
+        assert received == metric(p.metrics, "kv_transfer_bytes_total", 'direction="sent"') > 0
+        assert metric(d.metrics, "prefix_cache_hit_tokens_total", 'tier="remote"') > 0
+        assert metric(d.metrics, "kv_transfer_failures_total") == 0
+    finally:
+        if c is not None:
+            c.stop()
+        p.kill()
+        d.kill()
