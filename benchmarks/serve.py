@@ -191,12 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp", "pd",
-                                          "structured", "process"),
+                                          "structured", "process", "parallel"),
                     default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
                          "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
     ap.add_argument("--quantized", type=Path, help="an int8 checkpoint (with --compare quant)")
+    ap.add_argument("--long-tokens", type=int, default=None,
+                    help="--compare parallel: the long prompt's tokens (default 4000, or the "
+                         "model's context less 64 + --max-tokens)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="run every request to max_tokens (past the model's answer) instead of stopping at EOS")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers reference rows")
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = models.ensure(args.realistic, args.models_dir or models.DEFAULT_DIR,
                                    log=lambda m: print(m, file=sys.stderr))
     realistic = args.model is not None
-    if args.compare in ("kvpool", "pd", "structured"):     # comparisons with their own rows
+    if args.compare in ("kvpool", "pd", "structured", "parallel"):     # comparisons with their own rows
         import importlib
         return importlib.import_module(f"benchmarks.{args.compare}").run(args)
 
