@@ -20,7 +20,7 @@ import sys
 from typing import Mapping, Sequence
 
 from server.config import AppConfig, ConfigError, default_config_path, load_config
-from server.config.parallel import describe_layout
+from server.config.parallel import CONTIGUOUS_GROUPS, STRIDED_GROUPS, ParallelLayout, describe_layout
 
 EXIT_OK, EXIT_NOT_SERVED, EXIT_BAD_CONFIG = 0, 1, 2   # 1 (could not serve) also from server.daemon
 
@@ -57,11 +57,20 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         sys.stdout.flush()
         print(f"parallel layout follows MindIE's rules: {describe_layout(cfg.parallel)}",
               file=sys.stderr)
+        for line in describe_groups(cfg.parallel):
+            print(line, file=sys.stderr)
         if cfg.unserved:
             print(unserved_report(cfg), file=sys.stderr)
             return EXIT_NOT_SERVED
         return EXIT_OK
     return serve(cfg)
+
+
+def describe_groups(layout: ParallelLayout) -> list[str]:
+    """The process groups the daemon builds (each kind above one rank), as rank lists:
+    what an operator checks against the devices' links before starting 16 processes."""
+    return [f"  {kind} groups: " + " ".join("[" + ",".join(map(str, g)) + "]" for g in layout.groups(kind))
+            for kind in CONTIGUOUS_GROUPS + STRIDED_GROUPS if getattr(layout, kind) > 1]
 
 
 def unserved_report(cfg: AppConfig) -> str:
