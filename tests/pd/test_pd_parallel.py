@@ -8,7 +8,9 @@ process, the KV really moved (D's remote prefix hits cover every full prompt blo
 the rows P's four ranks export are one process's rows (float rounding only).
 Ranks without an engine: ``StripedRows`` reads and writes each block on the ranks of its
 stripe, and a wrong block-to-rank mapping gives other rows (the check bites).
-A daemon test runs the same layouts through the coordinator, with the trust checks.
+Daemons (MTP off and k=1): the same layouts through the coordinator, with the trust
+checks; the answers are the one-process daemon's, the bytes P sent are the bytes D took,
+and D's remote prefix hits show the rows were used.
 """
 from __future__ import annotations
 
@@ -25,10 +27,16 @@ from server.model.loader import inspect_checkpoint, load_checkpoint
 from tests.engine.helpers import free_port, prompts, run_tokens
 from tests.engine.test_parallel import BASE, DEMO
 
-pytestmark = [pytest.mark.slow, pytest.mark.demo,
-              pytest.mark.skipif(not (DEMO / "model.safetensors").exists(),
-                                 reason="demo model not present")]
 BS = 8
+
+
+def on_demo(test):
+    """Engines and daemons on the demo model (the stripe checks below need neither)."""
+    for mark in (pytest.mark.slow, pytest.mark.demo,
+                 pytest.mark.skipif(not (DEMO / "model.safetensors").exists(),
+                                    reason="demo model not present")):
+        test = mark(test)
+    return test
 
 
 def p_parallel() -> ParallelConfig:
@@ -68,6 +76,7 @@ def _split(data: bytes, bytes_per_block: int) -> tuple[bytes, ...]:
 
 
 @pytest.mark.parametrize("k", [0, 1])
+@on_demo
 def test_p_cp2_sp2_and_d_dp2_serve_one_processs_tokens(k):
     cfg = dataclasses.replace(BASE, block_size=BS, num_speculative_tokens=k)
     one, _ = load_checkpoint(str(DEMO))
@@ -160,6 +169,7 @@ def _rank_rows(rank: int, port: int, out: str, broken: bool) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_rows_move_by_global_block_over_the_stripes_and_a_wrong_mapping_bites(tmp_path, broken):
     from server.engine.child import child_context
@@ -182,9 +192,8 @@ def test_rows_move_by_global_block_over_the_stripes_and_a_wrong_mapping_bites(tm
 
 
 # -- daemons: the same layouts through the coordinator -------------------------------------
-K1 = '{"plugin_type":"mtp","num_speculative_tokens":1,"adaptive_speculation":false}'
-P_KEYS = {"worldSize": 4, "tp": 2, "sp": 2, "cp": 2, "moe_ep": 4, "plugin_params": K1}
-D_KEYS = {"worldSize": 2, "dp": 2, "tp": 1, "moe_ep": 2, "plugin_params": K1}
+P_KEYS = {"worldSize": 4, "tp": 2, "sp": 2, "cp": 2, "moe_ep": 4}
+D_KEYS = {"worldSize": 2, "dp": 2, "tp": 1, "moe_ep": 2}
 
 
 def _daemon_answers(base: str) -> list[str]:
@@ -202,19 +211,22 @@ def _daemon_answers(base: str) -> list[str]:
     return out + [r.choices[0].message.content]
 
 
-def test_daemons_p_cp2_sp2_and_d_dp2_answer_like_one_process(tmp_path):
+@pytest.mark.parametrize("k", [0, 1])
+@on_demo
+def test_daemons_p_cp2_sp2_and_d_dp2_answer_like_one_process(tmp_path, k):
     from server.testing.daemon import Daemon, make_config
     from tests.daemon.answers import metric
-    from tests.pd.test_pd import ENV, Coordinator, _pd_config
+    from tests.pd.test_pd import ENV, Coordinator, _pd_config, _plugins
     for sub in ("ref", "p", "d"):
         (tmp_path / sub).mkdir()
-    ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": K1},
+    ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
                                schedule={"cacheBlockSize": 16}), env=ENV).start()
     try:
         want = _daemon_answers(ref_d.base)
     finally:
         assert ref_d.terminate() == 0
-    p_cfg, d_cfg = (_pd_config(tmp_path / "p", "prefill"), _pd_config(tmp_path / "d", "decode"))
+    p_cfg, d_cfg = (_pd_config(tmp_path / "p", "prefill", k=k),
+                    _pd_config(tmp_path / "d", "decode", k=k))
     for cfg, keys in ((p_cfg, P_KEYS), (d_cfg, D_KEYS)):
         doc = json.loads(cfg.read_text())
         doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(keys)
