@@ -4,7 +4,7 @@ The only place that reads the process environment: it is handed to load_config.
 Exit codes: 0 ok, 1 could not serve, 2 bad arguments or bad config.
 
 A config whose parallel layout follows MindIE's rules but needs a kind of parallelism this
-build does not serve (dp and sp both above 1, or sp or dp above 1 with the KV tiers,
+build does not serve (dp and sp both above 1, or sp or dp above 1 with the KV tiers
 or swap preemption: config/parallel.py ``unserved_parallel``,
 ``unserved_with_striped_kv``) is valid, and still not served: the daemon refuses it
 before anything is loaded, exit 1, and ``--check`` says so and exits 1 too, so that
