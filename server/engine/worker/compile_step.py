@@ -109,6 +109,11 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"{torch.__version__}|{device.type}|{next(model.parameters()).dtype}".encode())
     h.update(repr(sorted((n, str(d)) for n, d in tensor_dtypes(model).items())).encode())
     h.update(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
+    # Inductor's CPU kernels are made for the process's thread count, and a traced int8
+    # layer for its backend: a graph made for 1 thread (or the float backend) and served
+    # with 2 (or int_mm) ran the 0.5b W8A8 model's layers 2-5x slower.
+    h.update(f"threads {torch.get_num_threads()}".encode())
+    h.update(repr(sorted(int8_layers(model).items())).encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
     return root / h.hexdigest()[:24]
@@ -313,7 +318,7 @@ def compile_in_children(model, block_size: int, device: torch.device, folder: Pa
     graphs are independent, and a first start is otherwise idle), each with one torch
     thread.  Raises RuntimeError naming a child that failed."""
     spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
-            "block_size": block_size,
+            "threads": torch.get_num_threads(), "block_size": block_size,
             "device": str(device), "folder": str(folder), "max_query_len": max_query_len}
     n = max(1, min(len(files), os.cpu_count() or 1, 4))
     with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
@@ -377,6 +382,9 @@ def _child(spec_file: Path) -> int:
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
     torch.set_num_threads(1)
+    # Kernels for the serving process's threads, though this child traces on one.
+    import torch._inductor.config as inductor_config
+    inductor_config.cpp.threads = spec["threads"]
     device = torch.device(spec["device"])
     model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"])
     folder = Path(spec["folder"])
