@@ -247,9 +247,10 @@ class MoE(nn.Module):
             xs = x.index_select(0, token_of)
             outs = []
             start = 0
+            run = self._expert_runner()
             for j, n in enumerate(counts[first:first + num_local]):
                 if n:
-                    outs.append(self.experts[j](xs[start:start + n]))
+                    outs.append(run(j, xs[start:start + n]))
                     start += n
             ys = torch.cat(outs) * weights.reshape(-1)[mine, None]   # float32 weighting
             out.index_add_(0, token_of, ys.float())
@@ -259,6 +260,20 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.combine(out).reshape(shape)
+
+    def _expert_runner(self):
+        """(local expert j, its rows) -> its output.  Int8 experts with stacks
+        (``expert_stacks``, built at start for the gathered MoE) run gate and up as one
+        int8 product (quant.int8_expert: one activation quantization and one GEMM where
+        two QuantLinears take two of each; the same numbers)."""
+        stacks = self._gather
+        if stacks is not None and len(stacks) == 4 and \
+                stacks[0].data_ptr() == self.experts[0].gate_proj.weight.data_ptr():
+            gate_up, gate_up_scale, down, down_scale = stacks
+            backend = self.experts[0].gate_proj.backend
+            return lambda j, rows: quant.int8_expert(rows, gate_up[j], gate_up_scale[j], down[j],
+                                                     down_scale[j], backend)
+        return lambda j, rows: self.experts[j](rows)
 
     @property
     def _macs_per_token_dense(self) -> int:

@@ -134,6 +134,22 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, pad], dim=-1)[..., :-1]
 
 
+def int8_expert(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
+                down: torch.Tensor, down_scale: torch.Tensor, backend: str) -> torch.Tensor:
+    """One int8 SwiGLU expert (dynamic scheme) on its rows x [n, H]: gate and up as one
+    product over their stacked rows (gate_up [2I, H]), so the rows are quantized once and
+    one GEMM runs where two QuantLinears run two of each; the integer sums and every
+    scaling step are QuantLinear's, so the output is the same bit for bit."""
+    xf = x.float()
+    s = row_scales(xf)
+    g, u = (int8_matmul(quantize_rows(xf, s).to(torch.int8), gate_up, backend).float()
+            * (s * gate_up_scale)).to(x.dtype).chunk(2, dim=-1)
+    act = (F.silu(g) * u).float()
+    s2 = row_scales(act)
+    acc = int8_matmul(quantize_rows(act, s2).to(torch.int8), down, backend)
+    return (acc.float() * (s2 * down_scale)).to(x.dtype)
+
+
 def gatherable(linear: nn.Module) -> bool:
     """An int8 layer the gathered experts can read by index: dynamic scheme, no bias,
     whole on this rank."""

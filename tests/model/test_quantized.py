@@ -130,7 +130,7 @@ def test_int_mm_backend_computes_the_same_integers(quantized, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["w8a8", "w4a8", "ct"])
-def test_gathered_int8_experts_equal_the_routed_ones(quantized, name):
+def test_gathered_int8_experts_equal_the_routed_ones(quantized, name, monkeypatch):
     """The gathered MoE reads each token's top-k int8 experts by index (one graph, no host
     read of the counts) and computes the routed per-expert QuantLinears' numbers: the
     integer sums are the same, only the order of the final float32 sum over k differs.
@@ -141,15 +141,23 @@ def test_gathered_int8_experts_equal_the_routed_ones(quantized, name):
     moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
     assert moe.can_gather and isinstance(moe.experts[0].down_proj, QuantLinear)
     g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(t, model.config.hidden_size, generator=g) for t in (1, 3, 12)]
     with torch.inference_mode():
+        per_module = [moe(x) for x in xs]           # one QuantLinear per projection
         stacks = moe.expert_stacks()
+        # Routed with the stacks: gate and up as one int8 product, the same bits.
+        from server.model import quant
+        fused, real = [], quant.int8_expert
+        monkeypatch.setattr(quant, "int8_expert", lambda *a: fused.append(1) or real(*a))
+        assert all(torch.equal(moe(x), want) for x, want in zip(xs, per_module))
+        assert fused
         assert [t.dtype for t in stacks] == [torch.int8, torch.float32] * 2
         e = moe.experts[1]
         assert e.up_proj.weight_scale.data_ptr() == stacks[1][1, e.gate_proj.out_features:].data_ptr()
         assert e.down_proj.weight.data_ptr() == stacks[2][1].data_ptr()
         compiled = torch.compile(gathered_moe, fullgraph=True, dynamic=False)
-        for t in (1, 3):
-            x = torch.randn(t, model.config.hidden_size, generator=g)
+        for x in xs[:2]:
+            t = x.shape[0]
             routed = moe(x)
             torch.testing.assert_close(gathered_moe(moe, x, *stacks), routed, rtol=1e-5, atol=1e-6)
             if t == 1:
