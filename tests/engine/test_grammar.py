@@ -167,7 +167,7 @@ def test_seeded_constrained_sampling_identical_with_mtp_and_alone():
         assert batched == ref, k
         assert eng.stats().num_accepted_tokens > 0
     _, tok = demo()
-    for r in reqs[:10]:
+    for r in reqs[:5]:
         alone = tokens_of(engine(1).generate([r])[r.request_id])
         assert alone == batched[r.request_id]
         if r.request_id[0] != "u":
