@@ -75,3 +75,20 @@ def run_staggered(engine: LLMEngine, reqs: list[EngineRequest], every: int = 3) 
             outs[o.request_id].extend(o.token_ids)
         step += 1
     return outs
+
+
+def run_rank_processes(target, args_of_rank, world: int, timeout: float = 60.0) -> list[int | None]:
+    """``world`` processes (the fork server's start) running ``target(*args_of_rank(r))``:
+    their exit codes once all ended or ``timeout`` passed (stragglers are killed)."""
+    from server.engine.child import child_context
+    ctx = child_context()
+    procs = [ctx.Process(target=target, args=args_of_rank(r)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes

@@ -24,7 +24,7 @@ from server.model.attention import build_plan
 from server.model.context_parallel import ContextParallelPlanner, zigzag_chunks
 from server.model.loader import inspect_checkpoint, load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
-from tests.engine.helpers import free_port, prompts, requests, run_tokens
+from tests.engine.helpers import free_port, prompts, requests, run_rank_processes, run_tokens
 from tests.engine.test_parallel import BASE, DEMO
 
 
@@ -137,25 +137,14 @@ def _steps() -> list:
 
 @pytest.mark.slow
 def test_hidden_states_match_one_process_and_need_the_kv_exchange(tiny_path, tmp_path):
-    from server.engine.child import child_context
     model, _ = load_checkpoint(tiny_path)
     cache = [torch.zeros(16, 4, model.kv_cache_dim) for _ in range(model.num_kv_layers)]
     with torch.inference_mode():
         want = [model.forward(ids, meta, cache) for ids, meta in _steps()]
-    ctx = child_context()
     got = {}
     for broken in (False, True):
         port, out = free_port(), str(tmp_path / f"h{int(broken)}.pt")
-        procs = [ctx.Process(target=_rank_forward, args=(r, port, tiny_path, out, broken))
-                 for r in range(4)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        codes = run_rank_processes(_rank_forward, lambda r: (r, port, tiny_path, out, broken), 4)
         assert codes == [0] * 4
         got[broken] = torch.load(out)
     for w, g in zip(want, got[False]):

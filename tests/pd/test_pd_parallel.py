@@ -172,17 +172,9 @@ def _rank_rows(rank: int, port: int, out: str, broken: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_rows_move_by_global_block_over_the_stripes_and_a_wrong_mapping_bites(tmp_path, broken):
-    from server.engine.child import child_context
-    ctx, port, out = child_context(), free_port(), str(tmp_path / "rows")
-    procs = [ctx.Process(target=_rank_rows, args=(r, port, out, broken)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    from tests.engine.helpers import run_rank_processes
+    port, out = free_port(), str(tmp_path / "rows")
+    codes = run_rank_processes(_rank_rows, lambda r: (r, port, out, broken), 4)
     assert codes == [0] * 4
     results = [torch.load(f"{out}.{r}") for r in range(4)]
     if not broken:
