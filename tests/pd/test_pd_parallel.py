@@ -75,17 +75,24 @@ def _split(data: bytes, bytes_per_block: int) -> tuple[bytes, ...]:
     return tuple(data[i:i + bytes_per_block] for i in range(0, len(data), bytes_per_block))
 
 
-@pytest.mark.parametrize("k", [0, 1])
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> str:
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("pd-par") / "tiny", seed=5))
+
+
+@pytest.mark.parametrize("checkpoint, k", [("demo", 0), ("demo", 1), ("tiny", 1)])
 @on_demo
-def test_p_cp2_sp2_and_d_dp2_serve_one_processs_tokens(k):
+def test_p_cp2_sp2_and_d_dp2_serve_one_processs_tokens(checkpoint, k, request):
+    path = str(DEMO) if checkpoint == "demo" else request.getfixturevalue("tiny_ckpt")
     cfg = dataclasses.replace(BASE, block_size=BS, num_speculative_tokens=k)
-    one, _ = load_checkpoint(str(DEMO))
+    one, _ = load_checkpoint(path)
     one = one.eval()
     vocab = one.config.vocab_size
     ref_engine = LLMEngine(one, cfg, eos_token_ids=set())
     want = run_tokens(ref_engine, _requests(vocab))
     want_rows = _export(LLMEngine(one, cfg, eos_token_ids=set()), vocab)
-    p = LLMEngine(inspect_checkpoint(str(DEMO)), dataclasses.replace(cfg, parallel=p_parallel()),
+    p = LLMEngine(inspect_checkpoint(path), dataclasses.replace(cfg, parallel=p_parallel()),
                   eos_token_ids=set())
     try:
         rows = _export(p, vocab)
@@ -98,7 +105,7 @@ def test_p_cp2_sp2_and_d_dp2_serve_one_processs_tokens(k):
         got = torch.frombuffer(bytearray(data), dtype=torch.float32)
         ref = torch.frombuffer(bytearray(want_rows[rid]), dtype=torch.float32)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    d = LLMEngine(inspect_checkpoint(str(DEMO)), dataclasses.replace(cfg, parallel=d_parallel()),
+    d = LLMEngine(inspect_checkpoint(path), dataclasses.replace(cfg, parallel=d_parallel()),
                   eos_token_ids=set())
     try:
         reqs = [dataclasses.replace(r, remote_kv=_split(rows[r.request_id], bpb))
