@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     sequences = list(zip(prompts, conts))
     reference = [next_token_logits(ref_model, p + c) for p, c in sequences]
     del ref_model
-    report = {"model": str(args.model), "prompts": len(prompts), "tokens": args.tokens,
+    report = {"model": harness.shown_path(args.model), "prompts": len(prompts), "tokens": args.tokens,
               "margin": args.margin, "copies": {}}
     print(f"# agreement with {args.model.name}: {len(prompts)} prompts x {args.tokens} greedy tokens, "
           f"near-tie margin {args.margin}")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         model.eval()
         c = agreement(reference, model, sequences, args.margin)
         c["quantization"] = info.quantization
-        report["copies"][str(path)] = c
+        report["copies"][harness.shown_path(path)] = c
         print(f"{path.name:48} {str(info.quantization)[:40]:40} {c['agreement']:7.3f} {c['decided']:8d} "
               f"{c['near_tie']:>9d} ({c['near_tie_agree']})")
         del model

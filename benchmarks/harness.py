@@ -513,6 +513,16 @@ def command_line() -> str:
     return " ".join([program()] + sys.argv[1:])
 
 
+def shown_path(path: Path | str) -> str:
+    """A path as a saved report names it: relative to the checkout when inside it (a report
+    must not carry one machine's folders), else as given."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def report_header(**fields) -> dict:
     """The fields every JSON report starts with: machine, date (UTC), command."""
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -71,7 +71,7 @@ def run(args) -> int:
     reps = args.reps or (1 if args.quick else 3)
     prompts = harness.load_prompts()["prompts"]
     long = long_prompt(weights, args.long_tokens)
-    report = harness.report_header(compare="parallel", weights=str(weights), levels=levels, reps=reps,
+    report = harness.report_header(compare="parallel", weights=harness.shown_path(weights), levels=levels, reps=reps,
                                    long_tokens=args.long_tokens, layouts={})
     for name, (world, keys, in_bursts) in LAYOUTS.items():
         print(f"starting daemon {name} (worldSize {world}, {keys}) ...", file=sys.stderr)

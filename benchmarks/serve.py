@@ -385,7 +385,7 @@ def limit_report(weights: Path, streaming: list[dict], table: dict, levels: list
     as a share of it."""
     import json
     gbps = statistics.fmean(m["bf16"] for m in streaming)
-    out = {"model": str(weights), "size": size, "streaming": streaming, "bf16_gbps": gbps,
+    out = {"model": harness.shown_path(weights), "size": size, "streaming": streaming, "bf16_gbps": gbps,
            "parameters": None, "levels": {}}
     marker = weights / "bench_model.json"
     if marker.is_file():

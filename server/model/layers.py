@@ -266,9 +266,8 @@ class MoE(nn.Module):
         (``expert_stacks``, built at start for the gathered MoE) run gate and up as one
         int8 product (quant.int8_expert: one activation quantization and one GEMM where
         two QuantLinears take two of each; the same numbers)."""
-        stacks = self._gather
-        if stacks is not None and len(stacks) == 4 and \
-                stacks[0].data_ptr() == self.experts[0].gate_proj.weight.data_ptr():
+        stacks = self._current_stacks()
+        if stacks is not None and len(stacks) == 4:
             gate_up, gate_up_scale, down, down_scale = stacks
             backend = self.experts[0].gate_proj.backend
             return lambda j, rows: quant.int8_expert(rows, gate_up[j], gate_up_scale[j], down[j],
@@ -313,9 +312,8 @@ class MoE(nn.Module):
         (gate_up, its weight_scale [E, 2I], down, its weight_scale [E, H]).  Built once,
         and each expert's own tensors become views into them, so nothing is held twice;
         built again if an expert's weight was replaced since."""
-        first = self.experts[0].gate_proj.weight
-        if self._gather is not None and first.data_ptr() == self._gather[0].data_ptr():
-            return self._gather
+        if (current := self._current_stacks()) is not None:
+            return current
         names = ("weight",) if type(self.experts[0].gate_proj) is nn.Linear else ("weight", "weight_scale")
         # Plain tensors even when first asked inside inference mode: the dense stack keys
         # its cache on the weights' version counters, which inference tensors lack.
@@ -332,6 +330,12 @@ class MoE(nn.Module):
         self._stack_params = self._stack_key = self._stack = None   # the dense stack re-reads
         self._gather = tuple(gate_up[n] for n in names) + tuple(down[n] for n in names)
         return self._gather
+
+    def _current_stacks(self) -> tuple[torch.Tensor, ...] | None:
+        """The stacks ``expert_stacks`` built, while the experts' weights are still views
+        of them (None before, or once an expert's weight was replaced)."""
+        g = self._gather
+        return g if g is not None and self.experts[0].gate_proj.weight.data_ptr() == g[0].data_ptr() else None
 
     def local_scale(self, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Routing weights [T, k] at expert ids [T, k] -> dense [T, local experts] float32
