@@ -45,7 +45,6 @@ log = logging.getLogger("server.daemon")
 READY_LINE = "Daemon start success!"
 EXIT_OK, EXIT_FAIL = 0, 1
 EXIT_DRAIN_CUT = 3          # stopped before every in-flight request finished
-FATAL_STOP_DELAY_S = 5.0       # /health shows 503 this long after the worker group failed
 
 
 class DaemonError(RuntimeError):
@@ -151,9 +150,9 @@ class Daemon:
         """The engine's worker group is gone: in-flight requests have failed with ``error``
         and /health answers 503; stop after a grace period that lets probes see it."""
         self.fatal = error
-        log.error("worker group failed (%s); stopping in %gs with exit code %d",
-                  error, FATAL_STOP_DELAY_S, EXIT_FAIL)
-        asyncio.get_running_loop().call_later(FATAL_STOP_DELAY_S, self.request_stop)
+        delay = self.cfg.fatal_exit_delay_s
+        log.error("worker group failed (%s); stopping in %gs with exit code %d", error, delay, EXIT_FAIL)
+        asyncio.get_running_loop().call_later(delay, self.request_stop)
 
     def request_stop(self) -> None:
         if not self.stop.is_set():

@@ -35,6 +35,7 @@ class AppConfig:
     compile_wait: bool = False              # $MTP_SERVE_COMPILE_WAIT: start-up waits for the graphs
     engine_process: bool = True             # $MTP_SERVE_ENGINE_PROCESS: the daemon's engine in its own process
     draft_after_emit: bool = True           # $MTP_SERVE_DRAFT_AFTER_EMIT: a step's MTP passes after its tokens go out
+    fatal_exit_delay_s: float = 5.0         # $MTP_SERVE_FATAL_EXIT_DELAY: /health 503 this long, then exit 1
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
     api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY
     parallel: ParallelLayout = ParallelLayout()  # worldSize/tp/dp/cp/sp/moe_tp/moe_ep, nodes ($NNODES...)

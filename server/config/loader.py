@@ -79,6 +79,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     compile_wait = _compile_wait(env, issues)
     engine_process = _engine_process(env, issues)
     draft_after_emit = _switch(env, "MTP_SERVE_DRAFT_AFTER_EMIT", True, "1 (on) or 0 (off)", issues)
+    fatal_exit_delay = _fatal_exit_delay(env, issues)
     env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
@@ -128,6 +129,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
                      compile_mode=compile_mode, compile_wait=compile_wait, kv_pool=kv_pool,
                      engine_process=engine_process, draft_after_emit=draft_after_emit,
+                     fatal_exit_delay_s=fatal_exit_delay,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
                      parallel=parallel_layout(doc, env))
 
@@ -214,6 +216,23 @@ def _engine_process(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
     own (server/engine/engine_process.py); 0 = on a thread of the serving process."""
     return _switch(env, "MTP_SERVE_ENGINE_PROCESS", True,
                    "1 (a process of its own) or 0 (a thread of the serving process)", issues)
+
+
+def _fatal_exit_delay(env: Mapping[str, str], issues: list[ConfigIssue]) -> float:
+    """$MTP_SERVE_FATAL_EXIT_DELAY: seconds /health answers 503 after the worker group
+    failed, before the daemon exits 1 (default 5: long enough for a probe to see it)."""
+    raw = env.get("MTP_SERVE_FATAL_EXIT_DELAY", "").strip()
+    if not raw:
+        return 5.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        issues.append(ConfigIssue("$MTP_SERVE_FATAL_EXIT_DELAY", raw, "seconds, 0 to 3600",
+                                  "not a number of seconds in range"))
+        return 5.0
+    return value
 
 
 def _env_api_keys(env: Mapping[str, str], issues: list[ConfigIssue]) -> tuple[str, ...]:

@@ -53,10 +53,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from server.model import collectives
 from server.model.attention import AttentionPlan, build_plan
 from server.model.batch import BatchMetadata
 from server.model.latent_cache import as_cache
-from server.model.sequence_parallel import SequenceParallelMLA, all_gather_cat
+from server.model.sequence_parallel import SequenceParallelMLA
 
 
 def zigzag_chunks(num_tokens: int, size: int, index: int = 0) -> list[list[tuple[int, int]]]:
@@ -162,15 +163,14 @@ class ContextParallelMLA(SequenceParallelMLA):
         if local is not None:
             o = self._attend_cached(q_nope, q_pe, cache, local, x.dtype)
             out.index_copy_(0, plan.token_index, self.o_proj(o))
-        dist.all_reduce(out)
-        return out
+        return collectives.all_reduce(out)
 
     def exchange(self, rows: torch.Tensor, plan: ContextParallelPlan) -> torch.Tensor:
         """This rank's latent rows [T_local, D] -> every token's [T, D], in step order:
         one all-gather over the cp group, each share padded to ``plan.width`` rows."""
         send = rows.new_zeros(plan.width, rows.shape[1])
         send[: rows.shape[0]] = rows
-        gathered = all_gather_cat(send, self.cp_size, dim=0, group=self.cp_group)
+        gathered = collectives.all_gather_cat(send, self.cp_size, dim=0, group=self.cp_group)
         full = rows.new_zeros(plan.num_tokens + 1, rows.shape[1])      # last row: padding
         full.index_copy_(0, plan.order, gathered)
         return full[: plan.num_tokens]
@@ -189,13 +189,23 @@ def make_context_parallel(model, rank: int, size: int) -> None:
     model.plan_attention = ContextParallelPlanner(rank, size)
 
 
-def join_groups(model, world_size: int, tp: int) -> None:
+def join_groups(model, world_size: int, tp: int, store: Any = None, timeout_s: float = 30.0) -> None:
     """Create the sp (contiguous: tp ranks each) and cp (strided) process groups and bind
     this rank's to every attention layer.  Every rank calls this once, in the same order
-    (``dist.new_group`` is collective over the world), after the default group exists."""
+    (``dist.new_group`` is collective over the world), after the default group exists.
+    With the group's ``store``, and the world on shared memory, each group this rank is
+    in gets a shared-memory channel too (model/collectives.py)."""
     rank = dist.get_rank()
-    sp_groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, world_size, tp)]
-    cp_groups = [dist.new_group(list(range(j, world_size, tp))) for j in range(tp)]
+    members = {f"sp{g}": list(range(g, g + tp)) for g in range(0, world_size, tp)}
+    members.update({f"cp{j}": list(range(j, world_size, tp)) for j in range(tp)})
+    groups = {name: dist.new_group(ranks) for name, ranks in members.items()}
+    if store is not None and collectives.world_channel() is not None:
+        for name, ranks in members.items():
+            if rank in ranks:
+                collectives.bind(groups[name], collectives.open_channel(
+                    store, name, ranks, rank, timeout_s, timeout_s))
+    sp_groups = [groups[f"sp{g}"] for g in range(0, world_size, tp)]
+    cp_groups = [groups[f"cp{j}"] for j in range(tp)]
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.sp_group = sp_groups[rank // tp]

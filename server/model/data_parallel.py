@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-import torch.distributed as dist
 
+from server.model import collectives
 from server.model.attention import MLA, AttentionPlan, build_plan
 from server.model.batch import BatchMetadata
 
@@ -111,8 +111,7 @@ class DataParallelMLA(MLA):
             mine = super().forward(x.index_select(0, plan.token_index), plan.local,
                                    plan.slot_mapping, cache)
             out.index_copy_(0, plan.token_index, mine)
-        dist.all_reduce(out)
-        return out
+        return collectives.all_reduce(out)
 
 
 def make_data_parallel(model, group: int, size: int) -> None:

@@ -40,10 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from server.model import collectives
 from server.model.context_parallel import make_context_parallel
 from server.model.data_parallel import make_data_parallel
 from server.model.meta import meta_device
@@ -130,17 +130,14 @@ class AllReduce(nn.Module):
     """Sum partial results over the group, in place (the MoE's combine step)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
-        return x
+        return collectives.all_reduce(x)
 
 
 class RowParallelLinear(nn.Linear):
     """A linear layer holding a slice of the input features; output summed over ranks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y)
-        return y
+        return collectives.all_reduce(F.linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -155,9 +152,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        out = out * mine[..., None].to(out.dtype)
-        dist.all_reduce(out)
-        return out
+        return collectives.all_reduce(out * mine[..., None].to(out.dtype))
 
 
 class VocabParallelHead(nn.Module):
@@ -169,10 +164,7 @@ class VocabParallelHead(nn.Module):
         self.world_size = world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = F.linear(x, self.weight).contiguous()
-        parts = [torch.empty_like(part) for _ in range(self.world_size)]
-        dist.all_gather(parts, part)
-        return torch.cat(parts, dim=-1)
+        return collectives.all_gather_cat(F.linear(x, self.weight), self.world_size, dim=-1)
 
 
 # -- sharding --------------------------------------------------------------------------

@@ -24,9 +24,10 @@ chunk lives only for the call.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from server.model import collectives
 
 EXACT_FLOAT_K = 1024          # 1024 * 127 * 128 < 2**24: float32 sums of int8 products are exact
 SCHEMES = ("w8a8_dynamic", "w8a8_static")
@@ -223,7 +224,7 @@ class QuantLinear(nn.Module):
         if self.scheme == "w8a8_dynamic":
             amax = x2.abs().amax(dim=-1, keepdim=True)                      # [M, 1]
             if self.row_parallel:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+                collectives.all_reduce(amax, "max")
             s = amax.clamp(min=1e-10) / 127.0
             x_q = quantize_rows(x2, s).to(torch.int8)
             y = self._integer_sums(x_q).float() * (s * self.weight_scale)
@@ -241,5 +242,5 @@ class QuantLinear(nn.Module):
         acc = int8_matmul(x_q, self.weight, self.backend)
         if self.row_parallel:
             acc = acc.to(torch.int32)
-            dist.all_reduce(acc)
+            collectives.all_reduce(acc)
         return acc

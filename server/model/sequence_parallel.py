@@ -32,9 +32,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from server.model.attention import MLA, AttentionPlan, _pad, _unpad
+from server.model.collectives import all_gather_cat, all_to_all
 from server.model.latent_cache import Int8LatentCache, LatentCache
 
 
@@ -162,15 +162,6 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * outs).sum(dim=0) / total[..., None]
 
 
-def all_gather_cat(x: torch.Tensor, size: int, dim: int, group: Any = None) -> torch.Tensor:
-    """Every rank's ``x`` (same shape on all), concatenated along ``dim`` in rank order
-    (``group``: the ``size`` ranks to gather over; None: the world)."""
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
-
-
 class SequenceParallelMLA(MLA):
     """MLA over a striped cache (module docstring).  ``sp_rank`` / ``sp_size`` are set by
     ``make_sequence_parallel``; ``num_heads`` is this rank's heads, as under TP.
@@ -203,8 +194,7 @@ class SequenceParallelMLA(MLA):
         # gets every rank's partials for its own heads only.
         packed = torch.cat([o.float(), lse.float()[..., None]], dim=-1)
         send = packed.view(o.shape[0], size, own_heads, kvr + 1).transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)                                       # [S, T, nH/S, kvr+1]
-        dist.all_to_all_single(recv, send, group=self.sp_group)
+        recv = all_to_all(send, group=self.sp_group)                        # [S, T, nH/S, kvr+1]
         merged = merge_partials(recv[..., :kvr], recv[..., kvr])          # [T, nH/S, kvr]
         return self._value_out(merged.to(dtype))
 

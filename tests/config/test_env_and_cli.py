@@ -27,7 +27,8 @@ ENV_CASES = [
     ("monitor-on", {"MIES_SERVICE_MONITOR_MODE": "1"}, {"metrics_enabled": True}),
     ("empty-ip-ignored", {"MIES_CONTAINER_IP": ""}, {"server.ip_address": "127.0.0.1"}),
     ("compile-defaults", {}, {"compile_mode": "auto", "compile_wait": False, "engine_process": True,
-                              "draft_after_emit": True}),
+                              "draft_after_emit": True, "fatal_exit_delay_s": 5.0}),
+    ("fatal-exit-delay", {"MTP_SERVE_FATAL_EXIT_DELAY": "1.5"}, {"fatal_exit_delay_s": 1.5}),
     ("draft-inside-the-step", {"MTP_SERVE_DRAFT_AFTER_EMIT": "0"}, {"draft_after_emit": False}),
     ("engine-on-a-thread", {"MTP_SERVE_ENGINE_PROCESS": "off"}, {"engine_process": False}),
     ("engine-process", {"MTP_SERVE_ENGINE_PROCESS": "1"}, {"engine_process": True}),
@@ -77,7 +78,7 @@ def test_bad_monitor_mode(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["MTP_SERVE_COMPILE", "MTP_SERVE_COMPILE_WAIT", "MTP_SERVE_ENGINE_PROCESS",
-                                  "MTP_SERVE_DRAFT_AFTER_EMIT"])
+                                  "MTP_SERVE_DRAFT_AFTER_EMIT", "MTP_SERVE_FATAL_EXIT_DELAY"])
 def test_bad_compile_switch_is_blamed(name, tmp_path):
     write_weights(tmp_path / "tiny-model")
     with pytest.raises(ConfigError) as info:

@@ -24,7 +24,8 @@ openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.demo,
               pytest.mark.skipif(not demo_model_ready(), reason="demo model not present")]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
-ENV = {"MTP_SERVE_COMPILE": "0"}
+# /health's 503 is read at once after the failure: 2 s of it is enough (default 5).
+ENV = {"MTP_SERVE_COMPILE": "0", "MTP_SERVE_FATAL_EXIT_DELAY": "2"}
 
 
 def _counters(d: Daemon) -> tuple[int, int, int, int]:

@@ -28,7 +28,8 @@ DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
 
 
 def _env() -> dict:
-    return {"MTP_SERVE_COMPILE": "0"}
+    # /health's 503 is read at once after the failure: 2 s of it is enough (default 5).
+    return {"MTP_SERVE_COMPILE": "0", "MTP_SERVE_FATAL_EXIT_DELAY": "2"}
 
 
 def _answers(d: Daemon) -> list:

@@ -48,7 +48,7 @@ def demo():
     return model.eval(), tok, prompts
 
 
-def engine(k: int, batch: int = 16) -> LLMEngine:
+def engine(k: int, batch: int = 64) -> LLMEngine:
     model, tok, _ = demo()
     cfg = EngineConfig(block_size=16, num_blocks=2048, num_speculative_tokens=k,
                        max_queue_delay_us=0, max_batch_size=batch, max_seq_len=1024)

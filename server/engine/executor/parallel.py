@@ -63,7 +63,7 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
                                    plan=plan)
         if plan.cp > 1:                          # its sp and cp process groups
             from server.model.context_parallel import join_groups
-            join_groups(model, plan.world_size, plan.tp)
+            join_groups(model, plan.world_size, plan.tp, group.store, par.timeout_s)
         group.ready()
         # Compiled graphs would have to carry the collectives; the static step runs plain.
         worker = Worker(model, dataclasses.replace(cfg, device=device, compile="off"),

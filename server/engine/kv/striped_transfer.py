@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from server.engine.kv.block_rows import BlockRows
+from server.model import collectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class StripedRows(BlockRows):
         if p.primary and mine.numel():
             local = (ids[mine] // p.count).to(self.device)
             rows[mine.to(self.device)] = self.gather_tensor(local)
-        dist.all_reduce(rows, op=dist.ReduceOp.SUM)
+        collectives.all_reduce(rows)
         return rows.cpu().numpy().tobytes()
 
     def scatter(self, loads: Sequence[tuple[bytes, int]]) -> None:
