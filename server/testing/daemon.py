@@ -33,6 +33,22 @@ MODEL_NAME = "tiny-mtp"
 _GIVEN: set[int] = set()
 
 
+def start_all(*daemons: "Daemon", timeout_s: float = 180) -> tuple["Daemon", ...]:
+    """Start several daemons side by side (each start is mostly one core's imports and
+    model load), then wait for each; all of them are killed if one fails to start."""
+    try:
+        for d in daemons:
+            d.launch()
+        for d in daemons:
+            d.wait_ready(timeout_s)
+    except BaseException:
+        for d in daemons:
+            if d.proc is not None:
+                d.kill()
+        raise
+    return daemons
+
+
 def free_port() -> int:
     """A loopback port nobody listens on, never one this process was given before: the
     kernel may hand a just-released port out again, and one config takes two or three."""
@@ -137,6 +153,10 @@ class Daemon:
         self._ready = threading.Event()
 
     def start(self, timeout_s: float = 180) -> "Daemon":
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> "Daemon":
+        """Start the process and return at once (``wait_ready`` waits for the ready line)."""
         cmd = [sys.executable, "-m", self.module, "--config-file", str(self.config)]
         if self.log_level:
             cmd += ["--log-level", self.log_level]
@@ -145,6 +165,9 @@ class Daemon:
                                      stderr=subprocess.STDOUT, text=True, errors="replace",
                                      start_new_session=self.new_session)
         threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def wait_ready(self, timeout_s: float = 180) -> "Daemon":
         deadline = self.launched + timeout_s
         while not self._ready.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -14,7 +14,7 @@ import random
 import httpx
 import pytest
 
-from server.testing.daemon import MODEL_NAME, Daemon, make_config
+from server.testing.daemon import MODEL_NAME, Daemon, make_config, start_all
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow          # starts a real daemon
@@ -28,7 +28,8 @@ def daemons(tiny_weights, tmp_path_factory):
     for on in (False, True):
         cfg = make_config(tmp_path_factory.mktemp(f"cfg-async-{on}"), tiny_weights, model=MTP2)
         env = {"MINDIE_ASYNC_SCHEDULING_ENABLE": "1" if on else "0"}
-        out[on] = Daemon(cfg, env=env, log_level="info").start()
+        out[on] = Daemon(cfg, env=env, log_level="info")
+    start_all(*out.values())
     yield out
     for d in out.values():
         assert d.terminate() == 0, d.output()[-3000:]

@@ -18,7 +18,7 @@ from server.testing.daemon import MODEL_NAME, Daemon, make_config
 
 pytestmark = pytest.mark.slow          # starts a real daemon
 
-HEADER_S = BODY_S = 2
+HEADER_S = BODY_S = 1
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4, "temperature": 0}
 

@@ -28,7 +28,8 @@ from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer
 from server.pd.trust import block_digests, new_key, sign_params
 from server.pd.wire import KVRows
-from server.testing.daemon import MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config
+from server.testing.daemon import (MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config,
+                                   start_all)
 from tests.daemon.answers import LONG, QUESTIONS, answers, metric
 
 openai = pytest.importorskip("openai")
@@ -121,10 +122,10 @@ def pd_set(tmp_path_factory):
     # The test holds the deployment's key (as an operator's file) so it can sign params
     # the way the coordinator does; D's prefix cache is on, where poisoned rows would stay.
     key_file = _key_file(tmp_path_factory.mktemp("key"))
-    p = Daemon(_pd_config(tmp_path_factory.mktemp("p"), key_file=key_file,
-                          pdMaxExports=MAX_EXPORTS), env=ENV).start()
-    d = Daemon(_pd_config(tmp_path_factory.mktemp("d"), key_file=key_file, prefix_cache=True),
-               env=ENV).start()
+    p, d = start_all(Daemon(_pd_config(tmp_path_factory.mktemp("p"), key_file=key_file,
+                                       pdMaxExports=MAX_EXPORTS), env=ENV),
+                     Daemon(_pd_config(tmp_path_factory.mktemp("d"), key_file=key_file,
+                                       prefix_cache=True), env=ENV))
     c = None
     try:
         c = Coordinator(tmp_path_factory.mktemp("c"), p, d, key_file)
@@ -335,15 +336,16 @@ def test_pd_answers_like_colocated_mtp_off_and_k2(tmp_path, k):
     """Fixed roles from the config (pdRole / pdPeers) this time."""
     for sub in ("ref", "p", "d"):
         (tmp_path / sub).mkdir()
-    ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
-                               schedule={"cacheBlockSize": 16}), env=ENV).start()
+    ref_d, p, d = start_all(
+        Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
+                           schedule={"cacheBlockSize": 16}), env=ENV),
+        Daemon(_pd_config(tmp_path / "p", "prefill", k=k), env=ENV),
+        Daemon(_pd_config(tmp_path / "d", "decode", k=k), env=ENV))
     try:
         ref = answers(ref_d.base)
         ref_acc = _metric(ref_d, "spec_decode_num_accepted_tokens_total")
     finally:
         assert ref_d.terminate() == 0
-    p = Daemon(_pd_config(tmp_path / "p", "prefill", k=k), env=ENV).start()
-    d = Daemon(_pd_config(tmp_path / "d", "decode", k=k), env=ENV).start()
     c = None
     try:
         c = Coordinator(tmp_path, p, d)

@@ -215,17 +215,11 @@ def _daemon_answers(base: str) -> list[str]:
 @pytest.mark.parametrize("k", [1])
 @on_demo
 def test_daemons_p_cp2_sp2_and_d_dp2_answer_like_one_process(tmp_path, k):
-    from server.testing.daemon import Daemon, make_config
+    from server.testing.daemon import Daemon, make_config, start_all
     from tests.daemon.answers import metric
     from tests.pd.test_pd import ENV, Coordinator, _pd_config, _plugins
     for sub in ("ref", "p", "d"):
         (tmp_path / sub).mkdir()
-    ref_d = Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
-                               schedule={"cacheBlockSize": 16}), env=ENV).start()
-    try:
-        want = _daemon_answers(ref_d.base)
-    finally:
-        assert ref_d.terminate() == 0
     p_cfg, d_cfg = (_pd_config(tmp_path / "p", "prefill", k=k),
                     _pd_config(tmp_path / "d", "decode", k=k))
     for cfg, keys in ((p_cfg, P_KEYS), (d_cfg, D_KEYS)):
@@ -233,8 +227,14 @@ def test_daemons_p_cp2_sp2_and_d_dp2_answer_like_one_process(tmp_path, k):
         doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(keys)
         doc["BackendConfig"]["npuDeviceIds"] = [list(range(keys["worldSize"]))]
         cfg.write_text(json.dumps(doc))
-    p = Daemon(p_cfg, env=ENV, new_session=True).start()
-    d = Daemon(d_cfg, env=ENV, new_session=True).start()
+    ref_d, p, d = start_all(
+        Daemon(make_config(tmp_path / "ref", DEMO, model={"plugin_params": _plugins(k)},
+                           schedule={"cacheBlockSize": 16}), env=ENV),
+        Daemon(p_cfg, env=ENV, new_session=True), Daemon(d_cfg, env=ENV, new_session=True))
+    try:
+        want = _daemon_answers(ref_d.base)
+    finally:
+        assert ref_d.terminate() == 0
     c = None
     try:
         assert (p.status()["runtime"]["parallel"]["cp"], d.status()["runtime"]["parallel"]["dp"]) == (2, 2)
