@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 ENV = "MTP_SERVE_SHM_COLLECTIVES"
 SLOT_BYTES = 4 << 20            # per rank and phase: a [256, 7168] float32 hidden state
+YIELD_S = 0.002                 # then sleep: an idle rank (or one of more ranks than cores) frees its core
 _LINE = 8                       # int64s per counter: one 64-byte cache line each
 _OPS = {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
 _DIST_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
@@ -129,7 +130,7 @@ class ShmChannel:
                 self._check(late, now - start)
             # Yield first (ranks may outnumber cores: let the late one run), sleep once
             # the wait is long (an idle follower waiting for the next step).
-            if now - start < 0.02:
+            if now - start < YIELD_S:
                 os.sched_yield()
             else:
                 pause = min(0.001, max(pause * 2, 0.00005))
