@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 ENV = "MTP_SERVE_SHM_COLLECTIVES"
-SLOT_BYTES = 4 << 20            # per rank and phase: a [256, 7168] float32 hidden state
+SLOT_BYTES = 4 << 20            # per rank and phase; bigger tensors go through in pieces
 YIELD_S = 0.002                 # then sleep: an idle rank (or one of more ranks than cores) frees its core
 _LINE = 8                       # int64s per counter: one 64-byte cache line each
 _OPS = {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
@@ -96,12 +96,18 @@ class ShmChannel:
 
     @staticmethod
     def create(path: str, size: int, token: bytes, slot_bytes: int = SLOT_BYTES) -> None:
-        """The file, zeroed (every counter 0) but for ``token``, before any rank maps it."""
+        """The file, zeroed (every counter 0) but for ``token``, before any rank maps it.
+        Its pages are reserved now: a /dev/shm too small (Docker's default is 64 MB) fails
+        here, and the group keeps gloo, instead of a rank dying of SIGBUS mid-step."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, _head_bytes(size) + 2 * size * slot_bytes)
+            os.posix_fallocate(fd, 0, _head_bytes(size) + 2 * size * slot_bytes)
             os.pwrite(fd, token, size * _LINE * 8)
-        finally:
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        else:
             os.close(fd)
 
     def token(self) -> bytes:

@@ -67,11 +67,21 @@ def ask(q: str) -> list[dict]:
     return [{"role": "user", "content": q}]
 
 
+def side_by_side(fn, items) -> list:
+    """``fn`` over ``items`` as concurrent requests (the daemon batches them; each answer
+    is checked on its own), results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+    items = list(items)
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
 def test_json_schema_validates_10_of_10(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
-    for i, q in enumerate(QUESTIONS):
-        r = client.chat.completions.create(model=NAME, messages=ask(q), response_format=fmt,
-                                           max_tokens=96, temperature=0.7, seed=i)
+    answers = side_by_side(lambda iq: client.chat.completions.create(
+        model=NAME, messages=ask(iq[1]), response_format=fmt, max_tokens=96, temperature=0.7,
+        seed=iq[0]), enumerate(QUESTIONS))
+    for r in answers:
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), WEATHER)
@@ -97,14 +107,14 @@ def _json_object(text: str | None) -> bool:
 
 
 def test_json_object_parses_10_of_10(client):
+    def both(q: str):
+        fmt = {"response_format": {"type": "json_object"}}
+        return [client.chat.completions.create(model=NAME, messages=ask(q), max_tokens=160,
+                                               temperature=0.0, **kw) for kw in (fmt, {})]
     free = 0
-    for q in JSON_ASKS:
-        r = client.chat.completions.create(model=NAME, messages=ask(q), max_tokens=160,
-                                           response_format={"type": "json_object"}, temperature=0.0)
+    for r, plain in side_by_side(both, JSON_ASKS):
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         assert _json_object(r.choices[0].message.content), r.choices[0].message.content
-        plain = client.chat.completions.create(model=NAME, messages=ask(q), max_tokens=160,
-                                               temperature=0.0)
         free += _json_object(plain.choices[0].message.content)
     assert free == 0             # the grammar, not the prompt, makes it JSON
 
@@ -120,10 +130,10 @@ def _check_calls(message, offered: dict) -> list[str]:
 def test_required_tool_choice_two_tools_20_of_20(client):
     offered = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     names = set()
-    for i in range(20):
-        r = client.chat.completions.create(model=NAME, messages=ask(QUESTIONS[i % 10]), tools=TOOLS,
-                                           tool_choice="required", max_tokens=128,
-                                           temperature=0.0 if i < 10 else 0.8, seed=i)
+    answers = side_by_side(lambda i: client.chat.completions.create(
+        model=NAME, messages=ask(QUESTIONS[i % 10]), tools=TOOLS, tool_choice="required",
+        max_tokens=128, temperature=0.0 if i < 10 else 0.8, seed=i), range(20))
+    for r in answers:
         assert r.choices[0].finish_reason == "tool_calls"
         names.update(_check_calls(r.choices[0].message, offered))
     assert names <= set(offered)
@@ -131,9 +141,10 @@ def test_required_tool_choice_two_tools_20_of_20(client):
 
 def test_named_camelcase_function_10_of_10(client):
     choice = {"type": "function", "function": {"name": "GetWeatherReport"}}
-    for i, q in enumerate(QUESTIONS):
-        r = client.chat.completions.create(model=NAME, messages=ask(q), tools=[CAMEL] + TOOLS,
-                                           tool_choice=choice, max_tokens=96, temperature=0.0)
+    answers = side_by_side(lambda q: client.chat.completions.create(
+        model=NAME, messages=ask(q), tools=[CAMEL] + TOOLS, tool_choice=choice, max_tokens=96,
+        temperature=0.0), QUESTIONS)
+    for r in answers:
         msg = r.choices[0].message
         assert _check_calls(msg, {"GetWeatherReport": CAMEL["function"]["parameters"]}) == ["GetWeatherReport"]
         assert not msg.content                      # no raw markup leaks into content
@@ -191,8 +202,8 @@ def test_langchain_with_structured_output_10_of_10(daemon, method):
                                       temperature=0, max_tokens=160, max_retries=0, timeout=120)
     schema = Note if method == "json_mode" else WeatherReport
     structured = llm.with_structured_output(schema, method=method, include_raw=True)
-    for q in JSON_ASKS if method == "json_mode" else QUESTIONS:   # json_mode: an open object
-        out = structured.invoke(q)
+    asks = JSON_ASKS if method == "json_mode" else QUESTIONS          # json_mode: an open object
+    for out in structured.batch(asks, config={"max_concurrency": len(asks)}):
         assert out["parsing_error"] is None and isinstance(out["parsed"], schema), out
         if method == "json_mode":
             assert isinstance(json.loads(out["raw"].content), dict)
