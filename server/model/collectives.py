@@ -160,11 +160,10 @@ class ShmChannel:
         return seq, self._data[seq & 1]
 
     # -- collectives ----------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> None:
-        """``x`` <- the reduction of every rank's ``x`` (in place; same shape on all)."""
-        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    def _exchange(self, flat: torch.Tensor):
+        """Each slot-sized piece of ``flat`` written, published and waited for: yields
+        (its offset, the piece, every rank's copy of it [size, n]), read before the next."""
         per = self.slot_bytes // flat.element_size()
-        reduce = _OPS[op]
         for lo in range(0, flat.numel(), per):
             part = flat[lo:lo + per]
             seq, slots = self._next()
@@ -172,27 +171,25 @@ class ShmChannel:
             slots[self.me, :n].view(part.dtype).copy_(part)
             self._publish(seq)
             self._wait(seq)
-            rows = slots[:, :n].view(part.dtype)
+            yield lo, part, slots[:, :n].view(part.dtype)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> None:
+        """``x`` <- the reduction of every rank's ``x`` (in place; same shape on all)."""
+        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        for _lo, part, rows in self._exchange(flat):
             if op == "sum" and self.size == 2:
                 torch.add(rows[0], rows[1], out=part)
             else:
-                part.copy_(reduce(rows))
-        if flat.data_ptr() != x.data_ptr() or not x.is_contiguous():
+                part.copy_(_OPS[op](rows))
+        if not x.is_contiguous():
             x.copy_(flat.view_as(x))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (same shape on all) stacked in rank order: [size, *x.shape]."""
         flat = x.contiguous().view(-1)
         out = torch.empty((self.size, flat.numel()), dtype=x.dtype, device=x.device)
-        per = self.slot_bytes // flat.element_size()
-        for lo in range(0, flat.numel(), per):
-            part = flat[lo:lo + per]
-            seq, slots = self._next()
-            n = part.numel() * part.element_size()
-            slots[self.me, :n].view(part.dtype).copy_(part)
-            self._publish(seq)
-            self._wait(seq)
-            out[:, lo:lo + part.numel()].copy_(slots[:, :n].view(part.dtype))
+        for lo, part, rows in self._exchange(flat):
+            out[:, lo:lo + part.numel()].copy_(rows)
         return out.view(self.size, *x.shape)
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
