@@ -45,3 +45,47 @@ def quantized(tmp_path_factory):
         out[name] = tmp_path_factory.mktemp(name)
         assert quantize.main([str(demo), str(out[name]), "--calib-samples", "32", *extra]) == 0
     return out
+
+
+# -- the compiled-step tests' graphs, made while the rest of the suite runs -----------------
+_WARM: list = []
+
+
+def pytest_collection_finish(session):
+    """The compiled-step tests need 17 graphs of the demo model (MTP k=2), 35-45 s of
+    compile on two cores when the cache is cold.  The suite leaves about one core idle on
+    average, so one compile child starts now, at one thread, and the tests wait for it
+    (``warm_compile``) when they get there; a graph it has not made yet they make
+    themselves (files are written atomically, so two makers never clash)."""
+    if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0":
+        return
+    if not any(item.nodeid.startswith("tests/engine/test_compiled_step.py") for item in session.items):
+        return
+    import tempfile
+    from pathlib import Path
+
+    from server.engine.worker import compile_step
+    from server.model.loader import load_checkpoint
+    from server.testing.daemon import DEMO_MODEL, demo_model_ready
+    if not demo_model_ready():
+        return
+    model, _ = load_checkpoint(DEMO_MODEL)
+    device = torch.device("cpu")
+    folder = compile_step.cache_dir(model, device)
+    files = [f for r in compile_step.graph_rounds(model, 3) for f in r if not (folder / f).is_file()]
+    if files:
+        tmp = Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
+        _WARM.append(compile_step.spawn_compile_child(model, 16, device, folder, 3, files, tmp / "warm")[0])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in _WARM:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def warm_compile():
+    """Waits for the compile child ``pytest_collection_finish`` started, if any."""
+    for proc in _WARM:
+        proc.wait(timeout=900)

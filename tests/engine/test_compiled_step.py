@@ -18,7 +18,9 @@ from server.model.loader import load_checkpoint
 from server.testing.daemon import DEMO_MODEL
 from tests.engine.helpers import make_engine, prompts, requests, run_staggered
 
-pytestmark = [pytest.mark.slow, pytest.mark.demo]
+# warm_compile (tests/conftest.py): the graphs below started compiling in the background
+# when the session began.
+pytestmark = [pytest.mark.slow, pytest.mark.demo, pytest.mark.usefixtures("warm_compile")]
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=3)

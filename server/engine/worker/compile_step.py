@@ -9,12 +9,9 @@ step feeds, 1 .. 1 + k tokens per sequence, for a lone sequence and for batches,
 lone sequence's prompt window of any length (``graph_plan``): 6 graphs with MTP off, 10
 at k=1, 14 at k=2.
 
-Why static windows: symbolic sizes cost time inside the kernels.  A MoE layer on a lone
-sequence's 2-token window took 153 us with every size static but the context, the KV
-pool and the block size, 190 us fully symbolic (1 token: 121 vs 144 us; micro-benchmark
-in one process); for 16 sequences, with the number of sequences symbolic too (the layer
-takes the window's tensors as [sequences, window, ...], StaticDecoder.function), 710 vs
-784 us (1 token: 490 vs 594 us).
+Why static windows: symbolic sizes cost time inside the kernels (a MoE layer on a lone
+2-token window: 153 us static but for the context and the pool, 190 us fully symbolic;
+16 sequences, their number symbolic too: 710 vs 784 us).
 
 Why ahead-of-time artifacts: with only Inductor's code cache warm, a second start still
 re-traces each graph (about 4 s each here).  ``aot_compile`` captures a graph once and
@@ -24,18 +21,15 @@ about a second.  Files live under ``$MTP_SERVE_COMPILE_CACHE`` (default
 model shape and the source of the model code, and are written atomically; one that fails
 to load is compiled again and replaced.
 
-Why a graph set for a lone sequence at all: a graph made for two or more sequences would
-specialise a batch of one, so a lone sequence used to run twice (padded), which cost a
-third of a plain decode step at concurrency 1.
+Why graphs for a lone sequence: a graph made for two or more sequences would specialise
+a batch of one (a lone sequence ran twice, padded: a third of a step at concurrency 1).
 
-Why in the background: the graphs take one to two minutes to compile on one core, and
-loading them still costs seconds.  A daemon (``BackgroundGraphs``) therefore opens its
-ports at once and serves the static step uncompiled; child processes (one per core, up
-to four, each with its share of the graphs) compile what the cache lacks (each builds the
-model from its config on uninitialised memory: the graphs take weights as inputs, so
-their values never matter), a thread loads the files, and the worker switches to the
-graphs between two steps.  Outputs are the same either way (the
-compiled graphs are exact), only faster.  ``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up
+Why in the background: the graphs take one to two minutes to compile on one core.  A
+daemon (``BackgroundGraphs``) opens its ports at once and serves the static step
+uncompiled; child processes (one per core, up to four) compile what the cache lacks (each
+builds the model from its config on uninitialised memory: the graphs take weights as
+inputs), a thread loads the files, and the worker switches to the graphs between two
+steps.  Outputs are the same either way (the compiled graphs are exact).  ``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up
 wait for them instead (``compile_static_decoder``), as engines built in-process do.
 
 Switch: ``$MTP_SERVE_COMPILE`` = ``auto`` (default: compile when the static path applies
@@ -187,7 +181,11 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device,
     options = {"cpp_wrapper": True} if device.type == "cpu" else {}
     compiled = torch.compile(fn, dynamic=not static, fullgraph=True, options=options).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
-    compiled.save_compiled_function(str(path))
+    # Written aside, then renamed: another process making the same graph (two compiles of
+    # one model, a warm-up beside a start) never reads half a file.
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    compiled.save_compiled_function(str(part))
+    os.replace(part, path)
     return compiled, False
 
 
@@ -241,9 +239,8 @@ def compile_static_decoder(model, block_size: int, device: torch.device, max_que
 
 
 def graph_rounds(model, max_query_len: int) -> list[list[str]]:
-    """The files of ``graph_plan`` in the order a background compile makes them: every
-    decode/verify window first (what each step under load runs), then the lone prompt
-    window (prefills, which the varlen path serves meanwhile)."""
+    """The files of ``graph_plan`` in the order a background compile makes them: decode/
+    verify windows first, then the lone prompt window (the varlen path serves prefills)."""
     plan = graph_plan(model, max_query_len)
     prompt = [g for g in plan if g[3] and g[2] == "many"]
     return [[_file(kind, window, lone) for kind, _i, window, lone in part]
@@ -317,21 +314,11 @@ def compile_in_children(model, block_size: int, device: torch.device, folder: Pa
     """Compile ``files`` into ``folder`` in child processes, one per core up to four (the
     graphs are independent, and a first start is otherwise idle), each with one torch
     thread.  Raises RuntimeError naming a child that failed."""
-    spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
-            "threads": torch.get_num_threads(), "block_size": block_size,
-            "device": str(device), "folder": str(folder), "max_query_len": max_query_len}
     n = max(1, min(len(files), os.cpu_count() or 1, 4))
     with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
-        children = []
-        for i in range(n):
-            spec_file = Path(tmp) / f"spec{i}.pkl"
-            spec_file.write_bytes(pickle.dumps({**spec, "files": files[i::n]}))
-            log_file = Path(tmp) / f"compile{i}.log"
-            with open(log_file, "w") as out:
-                proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
-                                        stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
-                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
-            children.append((proc, log_file))
+        children = [spawn_compile_child(model, block_size, device, folder, max_query_len,
+                                        files[i::n], Path(tmp) / f"compile{i}")
+                    for i in range(n)]
         failures = []
         for proc, log_file in children:
             rc = proc.wait()
@@ -340,6 +327,21 @@ def compile_in_children(model, block_size: int, device: torch.device, folder: Pa
                 failures.append(f"exited {rc}: {' | '.join(tail)}")
         if failures:
             raise RuntimeError(f"the compile process {failures[0]}")
+
+
+def spawn_compile_child(model, block_size: int, device: torch.device, folder: Path,
+                        max_query_len: int, files: list[str], stem: Path) -> tuple[subprocess.Popen, Path]:
+    """One compile child for ``files``, not waited for: (the process, its log file)."""
+    spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
+            "threads": torch.get_num_threads(), "block_size": block_size, "device": str(device),
+            "folder": str(folder), "max_query_len": max_query_len, "files": files}
+    spec_file, log_file = stem.with_suffix(".pkl"), stem.with_suffix(".log")
+    spec_file.write_bytes(pickle.dumps(spec))
+    with open(log_file, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc, log_file
 
 
 def int8_layers(model) -> dict[str, dict]:
