@@ -48,44 +48,62 @@ def quantized(tmp_path_factory):
 
 
 # -- the compiled-step tests' graphs, made while the rest of the suite runs -----------------
-_WARM: list = []
+_WARM: dict = {"procs": [], "thread": None, "stop": False}
+# (test file, the demo model's shard under this plan or None, max query length): the graphs
+# those tests compile.  tp=2 ranks share one graph set (compile_step._plan_key).
+_WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
+              ("tests/engine/test_parallel.py", (2, 0, 2, 1), 2))
 
 
 def pytest_collection_finish(session):
-    """The compiled-step tests need 17 graphs of the demo model (MTP k=2), 35-45 s of
-    compile on two cores when the cache is cold.  The suite leaves about one core idle on
-    average, so one compile child starts now, at one thread, and the tests wait for it
-    (``warm_compile``) when they get there; a graph it has not made yet they make
-    themselves (files are written atomically, so two makers never clash)."""
+    """The compiled-step tests need 17 graphs of the demo model (MTP k=2) and the compiled
+    tp=2 test 10 of its shard (k=1): about a minute of compile on two cores when the cache
+    is cold.  The suite leaves about one core idle on average, so one compile child at a
+    time, at one thread, makes them from now on, and the tests wait (``warm_compile``) if
+    they get there first; a graph not made yet they make themselves (files are written
+    atomically, so two makers never clash).  $MTP_SERVE_TEST_WARM_COMPILE=0: no warm-up."""
     if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0":
         return
-    if not any(item.nodeid.startswith("tests/engine/test_compiled_step.py") for item in session.items):
+    wanted = [w for w in _WARM_SETS if any(i.nodeid.startswith(w[0]) for i in session.items)]
+    from server.testing.daemon import demo_model_ready
+    if not wanted or not demo_model_ready():
         return
     import tempfile
+    import threading
     from pathlib import Path
 
-    from server.engine.worker import compile_step
-    from server.model.loader import load_checkpoint
-    from server.testing.daemon import DEMO_MODEL, demo_model_ready
-    if not demo_model_ready():
-        return
-    model, _ = load_checkpoint(DEMO_MODEL)
-    device = torch.device("cpu")
-    folder = compile_step.cache_dir(model, device)
-    files = [f for r in compile_step.graph_rounds(model, 3) for f in r if not (folder / f).is_file()]
-    if files:
-        tmp = Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
-        _WARM.append(compile_step.spawn_compile_child(model, 16, device, folder, 3, files, tmp / "warm")[0])
+    def run() -> None:
+        from server.engine.worker import compile_child, compile_step
+        from server.model.loader import load_checkpoint
+        from server.model.parallel import ParallelPlan
+        from server.testing.daemon import DEMO_MODEL
+        device, tmp = torch.device("cpu"), Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
+        for n, (_test, plan, q) in enumerate(wanted):
+            world, rank, moe_tp, moe_ep = plan or (1, 0, 1, 1)
+            model, _ = load_checkpoint(DEMO_MODEL, plan=ParallelPlan(world, rank, moe_tp, moe_ep)
+                                       if plan else None)
+            folder = compile_step.cache_dir(model, device)
+            files = [f for r in compile_step.graph_rounds(model, q) for f in r
+                     if not (folder / f).is_file()]
+            if files and not _WARM["stop"]:
+                proc, _log = compile_child.spawn_compile_child(model, 16, device, folder, q, files,
+                                                               tmp / f"warm{n}")
+                _WARM["procs"].append(proc)
+                proc.wait()
+
+    _WARM["thread"] = threading.Thread(target=run, name="warm-compile", daemon=True)
+    _WARM["thread"].start()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for proc in _WARM:
+    _WARM["stop"] = True
+    for proc in _WARM["procs"]:
         if proc.poll() is None:
             proc.kill()
 
 
 @pytest.fixture(scope="session")
 def warm_compile():
-    """Waits for the compile child ``pytest_collection_finish`` started, if any."""
-    for proc in _WARM:
-        proc.wait(timeout=900)
+    """Waits for the compile children ``pytest_collection_finish`` started, if any."""
+    if _WARM["thread"] is not None:
+        _WARM["thread"].join(timeout=900)

@@ -67,6 +67,7 @@ worker, then the worker side):
       metadata.py        BatchMetadata from per-sequence host lists
       step_graphs.py     which graphs the static step runs; compiling them in the background
       compile_step.py    compiling the static decode step (torch.compile, on-disk cache)
+      compile_child.py   the child processes that make the graphs (the model rebuilt empty)
       rank_group.py      a rank group: rendezvous, step broadcast, agreement, faults
 """
 from __future__ import annotations

@@ -315,8 +315,27 @@ def _channel(group: Any) -> ShmChannel | None:
     return _WORLD if group is None else _GROUPS.get(id(group))
 
 
+@torch.library.custom_op("mtp_serve::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, op: str) -> torch.Tensor:
+    """The world all-reduce as an operator a compiled graph calls (rank groups on the
+    compiled step): opaque to the compiler, run as Python at each call.  Functional (a new
+    tensor), as graphs want; the collectives of a layer depend on each other, so a graph
+    cannot reorder them against the uncompiled step of another rank."""
+    y = x.clone(memory_format=torch.contiguous_format)
+    all_reduce(y, op)
+    return y
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, op: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def all_reduce(x: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
-    """In place over the group (None: the world); returns ``x``."""
+    """Over the group (None: the world): in place, returning ``x``; inside a graph being
+    compiled, the operator above (callers use the returned tensor)."""
+    if group is None and torch.compiler.is_compiling():
+        return _all_reduce_op(x, op)
     channel = _channel(group)
     if channel is not None:
         channel.all_reduce(x, op)

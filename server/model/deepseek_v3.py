@@ -74,6 +74,8 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """Paged-cache DeepSeek-V3; see docs/interfaces.md (server.model) for the contract."""
 
+    parallel_plan = None      # this rank's ParallelPlan when the model is a shard (loader.py)
+
     def __init__(self, config: DeepseekConfig, num_mtp_layers: int | None = None) -> None:
         super().__init__()
         if num_mtp_layers is None:

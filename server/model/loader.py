@@ -122,6 +122,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         except (ShardError, QuantShardError) as e:
             raise CheckpointError(f"{path}: cannot be split over {plan.world_size} ranks "
                                   f"(moe_tp {plan.moe_tp}, moe_ep {plan.moe_ep}): {e}") from e
+    model.parallel_plan = plan if plan is not None and plan.world_size > 1 else None
     if spec is not None:
         if int8_backend == "auto":
             int8_backend = fastest_int8_backend(device)
@@ -210,7 +211,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                     errors.append(f"tensor {name} in {file}: shape {tuple(t.shape)}, expected {want}")
                     continue
                 target = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
-                loaded[name] = t.to(device=device, dtype=target)
+                # A column slice read through get_slice is a view of the whole rows: copied,
+                # so the rank holds only its slice (and the compiled graphs' strides).
+                loaded[name] = t.to(device=device, dtype=target).contiguous()
             logger.info("loaded shard %d/%d %s (%d tensors, %d/%d total)", i, len(files), file,
                         len(by_file[file]), len(loaded), len(expected))
         if spec is not None:

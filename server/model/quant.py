@@ -224,7 +224,7 @@ class QuantLinear(nn.Module):
         if self.scheme == "w8a8_dynamic":
             amax = x2.abs().amax(dim=-1, keepdim=True)                      # [M, 1]
             if self.row_parallel:
-                collectives.all_reduce(amax, "max")
+                amax = collectives.all_reduce(amax, "max")
             s = amax.clamp(min=1e-10) / 127.0
             x_q = quantize_rows(x2, s).to(torch.int8)
             y = self._integer_sums(x_q).float() * (s * self.weight_scale)
@@ -242,5 +242,5 @@ class QuantLinear(nn.Module):
         acc = int8_matmul(x_q, self.weight, self.backend)
         if self.row_parallel:
             acc = acc.to(torch.int32)
-            collectives.all_reduce(acc)
+            acc = collectives.all_reduce(acc)
         return acc

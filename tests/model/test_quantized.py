@@ -175,7 +175,7 @@ def test_a_compile_child_traces_the_int8_layers_the_serving_model_has(quantized)
     """A background compile child builds an empty model from the config: without the int8
     layers it traced float ones (and failed setting int8 dtypes on them), so every int8
     checkpoint's first start compiled in the serving process instead."""
-    from server.engine.worker.compile_step import empty_model, int8_layers, tensor_dtypes
+    from server.engine.worker.compile_child import empty_model, int8_layers, tensor_dtypes
     model = load_checkpoint(quantized["w8a8"])[0]
     layers = int8_layers(model)
     assert len(layers) > 10 and {m["scheme"] for m in layers.values()} == {"w8a8_static", "w8a8_dynamic"}

@@ -65,9 +65,10 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
             from server.model.context_parallel import join_groups
             join_groups(model, plan.world_size, plan.tp, group.store, par.timeout_s)
         group.ready()
-        # Compiled graphs would have to carry the collectives; the static step runs plain.
-        worker = Worker(model, dataclasses.replace(cfg, device=device, compile="off"),
-                        num_spec_tokens, group=group)
+        # The static step compiles as on one process (tp/ep: its collectives are operators
+        # in the graphs, model/collectives.py); layouts with striped caches run eager.
+        worker = Worker(model, dataclasses.replace(cfg, device=device), num_spec_tokens,
+                        group=group)
     except BaseException as exc:                 # noqa: BLE001 - reported, then exit
         message = f"rank {rank}: {exc}" if not str(exc).startswith("rank") else str(exc)
         log.error("failed to start: %s", message)

@@ -42,9 +42,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -52,15 +49,13 @@ from pathlib import Path
 
 import torch
 
+from server.engine.worker.compile_child import int8_layers, spawn_compile_child, tensor_dtypes
 from server.model import static_decode
 from server.model.batch import DecodeMetadata
-from server.model.meta import meta_device
-from server.model.quant import QuantLinear
 
 log = logging.getLogger("server.engine")
 
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
-_ROOT = Path(__file__).resolve().parents[3]        # where ``server`` imports from
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py")
 
 
@@ -88,12 +83,6 @@ def _configure() -> None:
         inductor_config.cpp.vec_isa_ok = True
 
 
-def tensor_dtypes(model) -> dict[str, torch.dtype]:
-    """The dtype of every parameter and buffer: a graph is made for these exactly (the
-    loader keeps the router in float32 in a bf16 model, for one)."""
-    return {name: t.dtype for name, t in (*model.named_parameters(), *model.named_buffers())}
-
-
 def cache_dir(model, device: torch.device) -> Path:
     """Artifacts are valid for one torch build, device type, dtype of every tensor, model
     shape and model code."""
@@ -108,9 +97,19 @@ def cache_dir(model, device: torch.device) -> Path:
     # with 2 (or int_mm) ran the 0.5b W8A8 model's layers 2-5x slower.
     h.update(f"threads {torch.get_num_threads()}".encode())
     h.update(repr(sorted(int8_layers(model).items())).encode())
+    h.update(_plan_key(model.parallel_plan).encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
     return root / h.hexdigest()[:24]
+
+
+def _plan_key(plan) -> str:
+    """A rank's shard: its layout, and its rank only under expert parallel (each rank's
+    expert offset is a constant of its graphs; tensor-parallel ranks share theirs)."""
+    if plan is None:
+        return "one process"
+    return repr((plan.world_size, plan.moe_tp, plan.moe_ep, plan.sp, plan.dp, plan.cp,
+                 plan.rank if plan.moe_ep > 1 else "any"))
 
 
 def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]]:
@@ -329,72 +328,3 @@ def compile_in_children(model, block_size: int, device: torch.device, folder: Pa
             raise RuntimeError(f"the compile process {failures[0]}")
 
 
-def spawn_compile_child(model, block_size: int, device: torch.device, folder: Path,
-                        max_query_len: int, files: list[str], stem: Path) -> tuple[subprocess.Popen, Path]:
-    """One compile child for ``files``, not waited for: (the process, its log file)."""
-    spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
-            "threads": torch.get_num_threads(), "block_size": block_size, "device": str(device),
-            "folder": str(folder), "max_query_len": max_query_len, "files": files}
-    spec_file, log_file = stem.with_suffix(".pkl"), stem.with_suffix(".log")
-    spec_file.write_bytes(pickle.dumps(spec))
-    with open(log_file, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return proc, log_file
-
-
-def int8_layers(model) -> dict[str, dict]:
-    """Each QuantLinear's name and make: what a compile child swaps into its empty model
-    (a graph traced with a float layer where the server has an int8 one would be another
-    function)."""
-    return {name: dict(in_features=m.in_features, out_features=m.out_features, scheme=m.scheme,
-                       backend=m.backend, bias=m.bias is not None, row_parallel=m.row_parallel)
-            for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-
-
-def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device,
-                int8: dict[str, dict] | None = None):
-    """The model a compile child traces: never read, so shapes and dtypes are what count,
-    each tensor's as the serving model has it (a graph traced with a bf16 router would
-    read the serving model's float32 one wrong, and nothing checks it at call time), and
-    its int8 layers (``int8_layers``) where the serving model has them."""
-    from server.model.deepseek_v3 import DeepseekV3ForCausalLM
-
-    with meta_device():
-        model = DeepseekV3ForCausalLM(config)
-        for name, make in (int8 or {}).items():
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, QuantLinear(**make))
-    model = model.to_empty(device=device)
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if name in dtypes and t.dtype != dtypes[name]:
-            t.data = torch.empty_like(t, dtype=dtypes[name])
-    return model
-
-
-def _child(spec_file: Path) -> int:
-    """Compile the missing graphs of a model described by ``spec_file`` into its folder."""
-    spec = pickle.loads(spec_file.read_bytes())
-    parent = os.getppid()
-
-    def watch() -> None:                          # the serving process went: stop too
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
-    torch.set_num_threads(1)
-    # Kernels for the serving process's threads, though this child traces on one.
-    import torch._inductor.config as inductor_config
-    inductor_config.cpp.threads = spec["threads"]
-    device = torch.device(spec["device"])
-    model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"])
-    folder = Path(spec["folder"])
-    t0 = time.perf_counter()
-    _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"])
-    print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child(Path(sys.argv[1])))
