@@ -2,9 +2,9 @@
 process vs tensor parallel vs attention data parallel, and a long prompt's TTFT with
 context parallel.
 
-Rows, every daemon MTP k=1 (the seed's rule with sp/cp), uncompiled (the rank groups
-serve the eager step, so one process does too: the comparison is of layouts, not of
-compiled against uncompiled steps):
+Rows, every daemon MTP k=1 (the seed's rule with sp/cp), uncompiled (the striped layouts
+serve the eager step, so every row does: the comparison is of layouts, not of compiled
+against uncompiled steps; ``--compare tp`` compares compiled tp=2 with one process):
 
   one   worldSize 1
   tp2   worldSize 2, tp 2 (moe_tp 2)

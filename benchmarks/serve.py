@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("cold", 1, False, None, False, fresh), ("warm", 1, False, None, False, fresh)),
             "quant": (("float", 1, False, None, False), ("int8", 1, False, args.quantized, False)),
             "kv": (("kvfp", 1, False, None, False), ("kvint8", 1, False, None, True)),
-            # MTP k=1 on one process vs two tensor-parallel ranks (static step, uncompiled
-            # on both: the ranks do not compile their step)
-            "tp": (("tp1", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}, 1),
-                   ("tp2", 1, False, None, False, {"MTP_SERVE_COMPILE": "0"}, 2)),
+            # MTP k=1 on one process vs two tensor-parallel ranks, the static step compiled
+            # on both (start-up waits for the graphs: the cache's, or made then)
+            "tp": (("tp1", 1, False, None, False, {"MTP_SERVE_COMPILE": "1", "MTP_SERVE_COMPILE_WAIT": "1"}, 1),
+                   ("tp2", 1, False, None, False, {"MTP_SERVE_COMPILE": "1", "MTP_SERVE_COMPILE_WAIT": "1"}, 2)),
             # MTP off and k=1 with the engine on a thread of the serving process vs in its
             # own process (the daemon's default)
             "process": (("t-off", 0, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "0"}),

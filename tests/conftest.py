@@ -48,7 +48,7 @@ def quantized(tmp_path_factory):
 
 
 # -- the compiled-step tests' graphs, made while the rest of the suite runs -----------------
-_WARM: dict = {"procs": [], "thread": None, "stop": False}
+_WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None}
 # (test file, the demo model's shard under this plan or None, max query length): the graphs
 # those tests compile.  tp=2 ranks share one graph set (compile_step._plan_key).
 _WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
@@ -62,37 +62,44 @@ def pytest_collection_finish(session):
     time, at one thread, makes them from now on, and the tests wait (``warm_compile``) if
     they get there first; a graph not made yet they make themselves (files are written
     atomically, so two makers never clash).  $MTP_SERVE_TEST_WARM_COMPILE=0: no warm-up."""
-    if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0":
+    if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0" or session.config.option.collectonly:
         return
     wanted = [w for w in _WARM_SETS if any(i.nodeid.startswith(w[0]) for i in session.items)]
     from server.testing.daemon import demo_model_ready
     if not wanted or not demo_model_ready():
         return
-    import tempfile
     import threading
-    from pathlib import Path
+    for test, *_ in wanted:
+        _WARM["done"][test] = threading.Event()
 
     def run() -> None:
-        from server.engine.worker import compile_child, compile_step
-        from server.model.loader import load_checkpoint
-        from server.model.parallel import ParallelPlan
-        from server.testing.daemon import DEMO_MODEL
-        device, tmp = torch.device("cpu"), Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
-        for n, (_test, plan, q) in enumerate(wanted):
-            world, rank, moe_tp, moe_ep = plan or (1, 0, 1, 1)
-            model, _ = load_checkpoint(DEMO_MODEL, plan=ParallelPlan(world, rank, moe_tp, moe_ep)
-                                       if plan else None)
-            folder = compile_step.cache_dir(model, device)
-            files = [f for r in compile_step.graph_rounds(model, q) for f in r
-                     if not (folder / f).is_file()]
-            if files and not _WARM["stop"]:
-                proc, _log = compile_child.spawn_compile_child(model, 16, device, folder, q, files,
-                                                               tmp / f"warm{n}")
-                _WARM["procs"].append(proc)
-                proc.wait()
-
+        for n, (test, plan, q) in enumerate(wanted):
+            try:
+                _warm(n, plan, q)
+            finally:
+                _WARM["done"][test].set()
     _WARM["thread"] = threading.Thread(target=run, name="warm-compile", daemon=True)
     _WARM["thread"].start()
+
+
+def _warm(n: int, plan: tuple | None, q: int) -> None:
+    """One graph set made by one compile child (waited for)."""
+    import tempfile
+    from pathlib import Path
+
+    from server.engine.worker import compile_child, compile_step
+    from server.model.loader import load_checkpoint
+    from server.model.parallel import ParallelPlan
+    from server.testing.daemon import DEMO_MODEL
+    device = torch.device("cpu")
+    model, _ = load_checkpoint(DEMO_MODEL, plan=ParallelPlan(*plan) if plan else None)
+    folder = compile_step.cache_dir(model, device)
+    files = [f for r in compile_step.graph_rounds(model, q) for f in r if not (folder / f).is_file()]
+    if files and not _WARM["stop"]:
+        tmp = Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
+        proc, _log = compile_child.spawn_compile_child(model, 16, device, folder, q, files, tmp / f"warm{n}")
+        _WARM["procs"].append(proc)
+        proc.wait()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -100,10 +107,13 @@ def pytest_sessionfinish(session, exitstatus):
     for proc in _WARM["procs"]:
         if proc.poll() is None:
             proc.kill()
+    if _WARM["thread"] is not None:          # not torn down mid-load at exit
+        _WARM["thread"].join(timeout=30)
 
 
-@pytest.fixture(scope="session")
-def warm_compile():
-    """Waits for the compile children ``pytest_collection_finish`` started, if any."""
-    if _WARM["thread"] is not None:
-        _WARM["thread"].join(timeout=900)
+@pytest.fixture
+def warm_compile(request):
+    """Waits until the graphs of the asking test's file are made (``pytest_collection_finish``)."""
+    done = _WARM["done"].get(request.node.nodeid.split("::")[0])
+    if done is not None:
+        done.wait(timeout=900)

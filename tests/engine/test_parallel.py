@@ -97,7 +97,6 @@ def test_demo_model_identical(layout, k):
 
 
 @pytest.mark.demo
-@pytest.mark.demo
 def test_tp2_ranks_serve_the_compiled_step_identical(warm_compile):
     """Rank groups on the compiled step: the collectives are operators inside the graphs
     (model/collectives.py), the tp ranks share one graph set; MTP k=1, tokens equal one
@@ -114,6 +113,7 @@ def test_tp2_ranks_serve_the_compiled_step_identical(warm_compile):
     assert out == _single(str(DEMO), 1)
 
 
+@pytest.mark.demo
 def test_async_scheduling_over_ranks_identical():
     """Two steps in flight: rank 0 queues the second message while the group runs the first."""
     assert _parallel(str(DEMO), 2, "tp2", async_scheduling=True) == _single(str(DEMO), 2)
