@@ -114,6 +114,21 @@ def test_tp2_ranks_serve_the_compiled_step_identical(warm_compile):
 
 
 @pytest.mark.demo
+def test_int8_ranks_keep_the_uncompiled_static_step(quantized):
+    """Int8 shards do not compile (their sliced tensors' layouts are not a compile child's):
+    compile on, the static step serves uncompiled, tokens as one process."""
+    cfg = dataclasses.replace(BASE, num_speculative_tokens=1, compile="on",
+                              parallel=parallel_config("ep2"))
+    engine = LLMEngine(inspect_checkpoint(quantized["ct"]), cfg, eos_token_ids=set())
+    try:
+        assert engine.runtime.decode_path == "static"
+        out = run_tokens(engine, _requests(engine.runtime.vocab_size))
+    finally:
+        engine.shutdown()
+    assert out == _single(quantized["ct"], 1)
+
+
+@pytest.mark.demo
 def test_async_scheduling_over_ranks_identical():
     """Two steps in flight: rank 0 queues the second message while the group runs the first."""
     assert _parallel(str(DEMO), 2, "tp2", async_scheduling=True) == _single(str(DEMO), 2)

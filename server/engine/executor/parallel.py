@@ -67,8 +67,12 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
         group.ready()
         # The static step compiles as on one process (tp/ep: its collectives are operators
         # in the graphs, model/collectives.py); layouts with striped caches run eager.
-        worker = Worker(model, dataclasses.replace(cfg, device=device), num_spec_tokens,
-                        group=group)
+        # Int8 shards serve it uncompiled: their sliced int8 tensors' layouts differ from
+        # the ones a compile child builds (a graph's stride check refuses them).
+        from server.engine.worker.compile_child import int8_layers
+        compile_mode = "off" if int8_layers(model) else cfg.compile
+        worker = Worker(model, dataclasses.replace(cfg, device=device, compile=compile_mode),
+                        num_spec_tokens, group=group)
     except BaseException as exc:                 # noqa: BLE001 - reported, then exit
         message = f"rank {rank}: {exc}" if not str(exc).startswith("rank") else str(exc)
         log.error("failed to start: %s", message)
