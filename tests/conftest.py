@@ -48,7 +48,7 @@ def quantized(tmp_path_factory):
 
 
 # -- the compiled-step tests' graphs, made while the rest of the suite runs -----------------
-_WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None}
+_WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None, "dirs": []}
 # (test file, the demo model's shard under this plan or None, max query length): the graphs
 # those tests compile.  tp=2 ranks share one graph set (compile_step._plan_key).
 _WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
@@ -97,6 +97,7 @@ def _warm(n: int, plan: tuple | None, q: int) -> None:
     files = [f for r in compile_step.graph_rounds(model, q) for f in r if not (folder / f).is_file()]
     if files and not _WARM["stop"]:
         tmp = Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
+        _WARM["dirs"].append(tmp)
         proc, _log = compile_child.spawn_compile_child(model, 16, device, folder, q, files, tmp / f"warm{n}")
         _WARM["procs"].append(proc)
         proc.wait()
@@ -109,6 +110,9 @@ def pytest_sessionfinish(session, exitstatus):
             proc.kill()
     if _WARM["thread"] is not None:          # not torn down mid-load at exit
         _WARM["thread"].join(timeout=30)
+    import shutil
+    for tmp in _WARM["dirs"]:                # the children's specs and logs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture
