@@ -51,6 +51,10 @@ class SamplingParams:
     # A grammar the output must follow (llguidance's serialised grammar; sample/grammar.py in the
     # API layer builds it, server/engine/sample/grammar_masks.py applies it as a token mask).
     grammar: str | None = None
+    # OpenAI Predicted Outputs: the token ids of text the user expects in the answer.  Where
+    # the output so far matches a place in it, the tokens after that place are verified as
+    # drafts (spec/prediction.py); the output is the same as without it.
+    prediction: tuple[int, ...] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -87,10 +91,12 @@ class RequestCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0               # prompt tokens served from the prefix cache
     completion_tokens: int = 0
-    num_drafts: int = 0                  # verification steps that carried drafts
-    num_draft_tokens: int = 0            # draft tokens proposed
-    num_accepted_tokens: int = 0         # draft tokens accepted
+    num_drafts: int = 0                  # verification steps that carried MTP drafts
+    num_draft_tokens: int = 0            # MTP draft tokens proposed
+    num_accepted_tokens: int = 0         # MTP draft tokens accepted
     num_preemptions: int = 0
+    num_prediction_tokens: int = 0       # tokens of the request's prediction verified as drafts
+    num_accepted_prediction_tokens: int = 0   # of which accepted (the rest were rejected)
 
 
 @dataclass(slots=True)
