@@ -151,7 +151,8 @@ class LLMEngine:
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
             return f"prompt token ids must lie in [0, {vocab})"
         p = seq.sampling
-        for what, ids in (("logit_bias", list(p.logit_bias or ())), ("stop_token_ids", p.stop_token_ids)):
+        for what, ids in (("logit_bias", list(p.logit_bias or ())), ("stop_token_ids", p.stop_token_ids),
+                          ("prediction", p.prediction or ())):
             bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
             if bad:
                 return f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"

@@ -128,6 +128,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)   # accepted drafts + final token
     num_drafts: list[int] = field(default_factory=list)                # drafts verified this step
     num_drafts_next: list[int] = field(default_factory=list)           # drafts held for the next step
+    num_predicted: list[int] = field(default_factory=list)             # of num_drafts: from the prediction
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)               # request id -> error
     skipped: list[str] = field(default_factory=list)                   # ended by an earlier step

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def lookahead_slots(num_spec_tokens: int, async_scheduling: bool) -> int:
+def lookahead_slots(num_spec_tokens: int, async_scheduling: bool, max_drafts: int | None = None) -> int:
     """KV slots a sequence may need past ``prompt + max_output`` tokens: the worst case.
 
     With k drafts (k = ``num_spec_tokens``) a step feeds the last token plus k drafts, and
@@ -19,10 +19,15 @@ def lookahead_slots(num_spec_tokens: int, async_scheduling: bool) -> int:
     a step is scheduled while the previous one is in flight: it must also cover the up to
     1 + k tokens that step may still add; the scheduler never schedules a continuation for
     a sequence that the in-flight step must finish, which takes one of those back.
+
+    A request with a prediction may verify up to ``max_drafts`` predicted tokens a step
+    instead of k drafts (spec/prediction.py): ``max_drafts`` then takes k's place where
+    a step feeds drafts; the chained passes stay MTP's.
     """
     k = num_spec_tokens
+    d = max(k, max_drafts or 0)
     chained = max(0, k - 1)
-    return k + chained + (k if async_scheduling else 0)
+    return d + chained + (d if async_scheduling else 0)
 
 
 @dataclass(frozen=True, slots=True)

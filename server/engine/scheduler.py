@@ -52,6 +52,7 @@ class SequenceUpdate:                # what update() did to one sequence
     num_drafts: int              # drafts verified
     num_accepted: int
     finished: bool
+    predicted: bool = False      # the drafts came from the request's prediction
 
 
 class Scheduler:
@@ -61,7 +62,10 @@ class Scheduler:
         self.blocks = blocks
         self.num_spec_tokens = num_spec_tokens
         self.chained = max(0, num_spec_tokens - 1)    # positions the chained MTP passes write
+        self.async_scheduling = async_scheduling
         self.worst_case_extra = lookahead_slots(num_spec_tokens, async_scheduling)
+        # A request with a prediction may verify this many predicted drafts a step.
+        self.prediction_drafts = cfg.prediction_draft_tokens
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -83,13 +87,21 @@ class Scheduler:
         """Blocks promised to reserved sequences and not yet taken by them."""
         return sum(self._reserved)
 
+    def _max_drafts(self, seq: Sequence) -> int:
+        """The most drafts ``seq`` may feed in a step: k, or its predicted drafts."""
+        if seq.sampling.prediction and self.prediction_drafts:
+            return max(self.num_spec_tokens, self.prediction_drafts)
+        return self.num_spec_tokens
+
     def worst_case_blocks(self, seq: Sequence) -> int:
-        n = seq.num_prompt_tokens + seq.max_output_tokens + self.worst_case_extra
-        return self.blocks.blocks_for(n)
+        extra = self.worst_case_extra
+        if seq.sampling.prediction and self.prediction_drafts:
+            extra = lookahead_slots(self.num_spec_tokens, self.async_scheduling, self.prediction_drafts)
+        return self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_output_tokens + extra)
 
     def _slots_needed(self, seq: Sequence) -> int:     # positions its next step may touch
-        if seq.num_inflight_steps:      # placeholders: 1 + d tokens in flight, then <= k drafts
-            return seq.num_tokens + 1 + seq.num_draft_tokens + self.num_spec_tokens + self.chained
+        if seq.num_inflight_steps:      # placeholders: 1 + d tokens in flight, then fresh drafts
+            return seq.num_tokens + 1 + seq.num_draft_tokens + self._max_drafts(seq) + self.chained
         return seq.num_tokens + seq.num_draft_tokens + self.chained
 
     def add(self, seq: Sequence) -> None:
@@ -341,8 +353,9 @@ class Scheduler:
             seq = self.requests.get(rid)
             if seq is not None:
                 seq.num_inflight_steps = max(0, seq.num_inflight_steps - 1)
-        for rid, tokens, n_drafts, n_next in zip(out.request_ids, out.sampled_token_ids,
-                                                 out.num_drafts, out.num_drafts_next):
+        predicted = out.num_predicted or [0] * len(out.request_ids)
+        for rid, tokens, n_drafts, n_next, n_pred in zip(out.request_ids, out.sampled_token_ids,
+                                                         out.num_drafts, out.num_drafts_next, predicted):
             seq = self.requests.get(rid)
             if seq is None:
                 continue
@@ -354,9 +367,13 @@ class Scheduler:
             elif seq.swap_slots:               # ... or swapped out after this step wrote its KV
                 seq.swap_num_computed = seq.num_tokens + accepted
             c = seq.counters
-            c.num_drafts += bool(n_drafts)
-            c.num_draft_tokens += n_drafts
-            c.num_accepted_tokens += accepted if n_drafts else 0
+            if n_pred:                         # the drafts came from the request's prediction
+                c.num_prediction_tokens += n_pred
+                c.num_accepted_prediction_tokens += accepted
+            else:
+                c.num_drafts += bool(n_drafts)
+                c.num_draft_tokens += n_drafts
+                c.num_accepted_tokens += accepted if n_drafts else 0
             emitted, reason, stop_reason = self._append(seq, tokens)
             c.completion_tokens = seq.num_output_tokens
             if running:
@@ -365,7 +382,8 @@ class Scheduler:
                 self.finish(seq, reason, stop_reason)
             else:
                 seq.num_draft_tokens = n_next
-            results.append(SequenceUpdate(seq, emitted, n_drafts, accepted, reason is not None))
+            results.append(SequenceUpdate(seq, emitted, n_drafts, accepted, reason is not None,
+                                          bool(n_pred)))
         return results
 
     @staticmethod

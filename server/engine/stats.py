@@ -39,6 +39,8 @@ class EngineStats:
     num_draft_tokens: int = 0            # draft tokens proposed and verified
     num_accepted_tokens: int = 0         # draft tokens accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted at draft i
+    num_prediction_tokens: int = 0       # requests' predicted tokens verified as drafts
+    num_accepted_prediction_tokens: int = 0   # of which accepted
     steps_per_k: list[int] = field(default_factory=list)  # [k+1]: steps that drafted j tokens
     step_time_total_s: float = 0.0       # wall time inside step() (schedule..emit)
     last_step_time_s: float = 0.0
@@ -105,7 +107,10 @@ class StatsRecorder:
         st.num_prompt_tokens += num_prefill_tokens
         for r in results:
             st.num_generation_tokens += len(r.new_token_ids)
-            if r.num_drafts:
+            if r.predicted:
+                st.num_prediction_tokens += r.num_drafts
+                st.num_accepted_prediction_tokens += r.num_accepted
+            elif r.num_drafts:
                 st.num_drafts += 1
                 st.num_draft_tokens += r.num_drafts
                 st.num_accepted_tokens += r.num_accepted

@@ -38,7 +38,7 @@ def _first_step(model, prompt: list[int], split: bool, static: bool, monkeypatch
     eng.add_request(EngineRequest("r", prompt, GREEDY))
     eng.step()
     kv = eng.worker.kv_rows("r", range(len(prompt)), -1)
-    ids, row, _q = eng.worker.proposer._held["r"]
+    ids, row, _q = eng.worker.proposer.inner._held["r"]
     monkeypatch.setattr(DeepseekV3ForCausalLM, "mtp_write_kv", write)
     monkeypatch.setattr(DeepseekV3ForCausalLM, "mtp_forward", forward)
     return kv, ids[row].tolist(), calls

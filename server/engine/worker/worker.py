@@ -34,6 +34,7 @@ from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInf
 from server.engine.runtime import lookahead_slots
 from server.engine.sample import grammar
 from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
+from server.engine.spec.prediction import PredictedDrafts
 from server.engine.spec.proposer import MTPProposer, NoProposer
 from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.request_state import RequestState
@@ -83,13 +84,14 @@ class Worker:
         if self.static_decode:
             model.static_decoder.prepare()
         self.graphs = StepGraphs(model, cfg, self.device, self.static_decode, 1 + k)
+        mtp: MTPProposer | NoProposer = NoProposer()
         if k:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
-            self.proposer: MTPProposer | NoProposer = MTPProposer(
-                model, self.kv_caches, cfg.block_size, policy, self.device, self.static_decode)
-        else:
-            self.proposer = NoProposer()
+            mtp = MTPProposer(model, self.kv_caches, cfg.block_size, policy, self.device,
+                              self.static_decode)
+        # Requests' predictions (OpenAI Predicted Outputs) draft in front of MTP.
+        self.proposer = PredictedDrafts(mtp, cfg.prediction_draft_tokens)
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
                                   self.static_decode)
         # Compiled grammars (sample/grammar.py); the API layer compiles into it before submitting
@@ -259,7 +261,8 @@ class Worker:
         verified the same k it now drafted (the first step after a switch mixes two k's)."""
         res = done[0][1] if len(done) == 1 and len(done[0][0]) == len(states) else None
         decode_only = not so.new_requests and all(st.num_new_tokens == 1 for st in states)
-        clean = res is not None and decode_only and all(d == res.k for d in res.num_drafts)
+        clean = res is not None and decode_only and all(d == res.k for d in res.num_drafts) \
+            and not any(out.num_predicted)
         if res is not None and res.drafting is not None:     # sampled once drafted
             self._pending = _PendingDrafts(states, res, clean, out.execute_time_s)
         elif clean:
@@ -283,9 +286,10 @@ class Worker:
                 st.export_kv = False
 
     def _commit(self, states: list[RequestState], res: VerifiedStep, out: ModelRunnerOutput) -> None:
-        if res.drafting is None:                  # else the drafts come in finish_step
-            self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
-        for st, toks, d, lp in zip(states, res.sampled, res.num_drafts, res.logprobs):
+        """Advance the states by the step's tokens; stage predicted drafts for the next step
+        (they are held once the proposer commits this step: now, or in finish_step)."""
+        predicted = [self.proposer.num_predicted(st.request_id) for st in states]
+        for st, toks, d, lp, p in zip(states, res.sampled, res.num_drafts, res.logprobs, predicted):
             st.advance(toks)
             if st.matcher is not None:
                 try:
@@ -296,8 +300,11 @@ class Worker:
             out.request_ids.append(st.request_id)
             out.sampled_token_ids.append(toks)
             out.num_drafts.append(d)
-            out.num_drafts_next.append(res.k)
+            out.num_predicted.append(p)
+            out.num_drafts_next.append(self.proposer.stage(st, toks) or res.k)
             out.logprobs.append(lp)
+        if res.drafting is None:                  # else the drafts come in finish_step
+            self.proposer.commit(states, res.drafts, res.k, res.num_drafts, res.sampled)
         out.num_tokens += res.num_tokens
         out.spec_k = res.k
         out.prompt_logprobs.update(res.prompt_logprobs)

@@ -1,0 +1,189 @@
+"""Predicted Outputs: a request's expected text as one more source of drafts.
+
+OpenAI's ``prediction`` field carries text the user expects in the answer (code or a
+document sent back for a small edit).  Its tokens are verified exactly as MTP drafts are
+(spec/verifier.py, runner.py): a predicted draft is a deterministic proposal (q one-hot),
+so greedy outputs are unchanged, sampled ones keep their distribution and seeded ones
+their tokens (coupled verification draws each row's target sample from the seed alone).
+
+Where the output so far stands in the prediction (``PredictionTrack``): a pointer that
+advances while emitted tokens equal the predicted ones; after a mismatch (the user's edit,
+or text the prediction lacks) the pointer is lost until the output's last ``SYNC_TOKENS``
+tokens occur in the prediction again, the occurrence nearest after where it was lost.
+While found, the next step verifies up to ``max_tokens`` predicted tokens instead of the
+MTP drafts; elsewhere MTP drafts as usual (and the MTP layer's KV stays exact either way:
+its first pass always covers the verified positions, proposer.py).
+
+``PredictedDrafts`` wraps the worker's proposer (MTPProposer, or NoProposer with MTP off)
+behind the same interface.  Predicted drafts of a step are staged when its tokens are
+committed (``stage``) and held once the wrapped proposer commits that step (``commit``:
+after the tokens, or later when the draft passes run after emit), so every consumer of a
+step's drafts sees one consistent set.  Predicted windows are kept out of the speculation
+policy's acceptance figures (their rows are passed as carrying no MTP draft).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from server.engine.worker.request_state import RequestState
+
+# Tokens at the end of the output that must occur in the prediction to find the place
+# again after a mismatch: one token matches too often (a wrong window costs a step).
+SYNC_TOKENS = 2
+# Occurrences of those tokens looked at when finding the place (the nearest after the loss).
+MAX_CANDIDATES = 64
+
+
+class PredictionTrack:
+    """Where one request's output stands in its prediction (module docstring)."""
+
+    __slots__ = ("tokens", "pos", "lost_at", "_index")
+
+    def __init__(self, tokens: tuple[int, ...] | list[int]) -> None:
+        self.tokens = list(tokens)
+        self.pos: int | None = 0           # index of the next expected token; None: lost
+        self.lost_at = 0                   # where it was lost (the search prefers after it)
+        self._index: dict[tuple[int, ...], list[int]] | None = None
+
+    def advance(self, emitted: list[int], tail: list[int]) -> None:
+        """Follow the tokens just emitted; ``tail``: the output's last (up to) SYNC_TOKENS
+        tokens, them included."""
+        toks = self.tokens
+        for t in emitted:
+            if self.pos is not None and self.pos < len(toks) and toks[self.pos] == t:
+                self.pos += 1
+            elif self.pos is not None:
+                self.lost_at, self.pos = self.pos, None
+        if self.pos is None:
+            self.pos = self._find(tail)
+
+    def drafts(self, n: int) -> list[int]:
+        """The next up to ``n`` predicted tokens ([] when lost or at the end)."""
+        if self.pos is None or n <= 0:
+            return []
+        return self.tokens[self.pos:self.pos + n]
+
+    def _find(self, tail: list[int]) -> int | None:
+        """The position after an occurrence of the output's tail, or None."""
+        if len(tail) < SYNC_TOKENS:
+            return None
+        if self._index is None:
+            index: dict[tuple[int, ...], list[int]] = {}
+            toks = self.tokens
+            for i in range(len(toks) - SYNC_TOKENS + 1):
+                index.setdefault(tuple(toks[i:i + SYNC_TOKENS]), []).append(i + SYNC_TOKENS)
+            self._index = index
+        hits = self._index.get(tuple(tail[-SYNC_TOKENS:]))
+        if not hits:
+            return None
+        after = [h for h in hits[:MAX_CANDIDATES] if h >= self.lost_at]
+        return min(after) if after else hits[0]
+
+
+class PredictedDrafts:
+    """The worker's proposer with predicted drafts in front of it (module docstring)."""
+
+    def __init__(self, inner: Any, max_tokens: int) -> None:
+        self.inner = inner
+        self.max_tokens = max_tokens
+        self._tracks: dict[str, PredictionTrack] = {}
+        self._held: dict[str, list[int]] = {}      # verified by the next step
+        self._staged: dict[str, list[int]] = {}    # held at the next ``commit``
+
+    # ---- the proposer interface, delegated ---------------------------------------------
+    @property
+    def policy(self):
+        return self.inner.policy
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.inner.max_draft_tokens
+
+    @property
+    def num_held_requests(self) -> int:
+        return self.inner.num_held_requests
+
+    def choose_k(self, states: list[RequestState]) -> int:
+        return self.inner.choose_k(states)
+
+    def propose(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.propose(*args, **kwargs)
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        self.inner.observe_step(num_seqs, k, seconds)
+
+    def num_held(self, request_id: str) -> int:
+        held = self._held.get(request_id)
+        return len(held) if held is not None else self.inner.num_held(request_id)
+
+    def num_predicted(self, request_id: str) -> int:
+        """Drafts the next step verifies for ``request_id`` that came from its prediction."""
+        return len(self._held.get(request_id, ()))
+
+    def held_drafts(self, states: list[RequestState], num_drafts: list[int], K: int,
+                    device: torch.device) -> torch.Tensor:
+        if not self._held:
+            return self.inner.held_drafts(states, num_drafts, K, device)
+        predicted = [self._held.get(st.request_id) for st in states]
+        drafts = self.inner.held_drafts(states, self._mtp_only(predicted, num_drafts), K, device)
+        if drafts.shape[1] < K:                   # NoProposer: no columns
+            drafts = F.pad(drafts, (0, K - drafts.shape[1]))
+        rows = [(i, p) for i, p in enumerate(predicted) if p]
+        if rows:
+            drafts = drafts.clone()               # it may be the drafting step's own tensor
+            for i, p in rows:
+                drafts[i, :len(p)] = torch.tensor(p, dtype=drafts.dtype)
+        return drafts
+
+    def draft_probs(self, states: list[RequestState], num_drafts: list[int], K: int,
+                    draft_ids: torch.Tensor) -> torch.Tensor | None:
+        """Predicted rows are one-hot proposals: the wrapped proposer sees them as holding
+        nothing, and its one-hot rows for held-nothing sequences are exactly that."""
+        predicted = [self._held.get(st.request_id) for st in states]
+        return self.inner.draft_probs(states, self._mtp_only(predicted, num_drafts), K, draft_ids)
+
+    def commit(self, states: list[RequestState], drafts: Any, k: int, num_drafts: list[int],
+               sampled: list[list[int]]) -> None:
+        predicted = [self._held.get(st.request_id) for st in states]
+        self.inner.commit(states, drafts, k, self._mtp_only(predicted, num_drafts), sampled)
+        for st in states:
+            rid = st.request_id
+            self._held.pop(rid, None)
+            staged = self._staged.pop(rid, None)
+            if staged:
+                self._held[rid] = staged
+
+    def drop(self, request_id: str) -> None:
+        self.inner.drop(request_id)
+        self._tracks.pop(request_id, None)
+        self._held.pop(request_id, None)
+        self._staged.pop(request_id, None)
+
+    # ---- predictions ---------------------------------------------------------------------
+    def stage(self, st: RequestState, emitted: list[int]) -> int:
+        """Follow ``st``'s just-committed tokens in its prediction and stage the drafts its
+        next step verifies; returns their number (0: MTP drafts as usual).  At most the
+        tokens the request may still emit minus one, so a window never reaches past
+        ``max_output_tokens`` (the KV the scheduler reserved covers it)."""
+        prediction = st.sampling.prediction
+        if not prediction or not self.max_tokens:
+            return 0
+        track = self._tracks.get(st.request_id)
+        if track is None:
+            track = self._tracks[st.request_id] = PredictionTrack(prediction)
+        tail = st.token_ids[len(st.token_ids) - min(st.num_output_tokens, SYNC_TOKENS):]
+        track.advance(emitted, tail)
+        if st.stopped:
+            return 0
+        room = st.max_output_tokens - st.num_output_tokens - 1
+        drafts = track.drafts(min(self.max_tokens, room))
+        if drafts:
+            self._staged[st.request_id] = drafts
+        return len(drafts)
+
+    @staticmethod
+    def _mtp_only(predicted: list[list[int] | None], num_drafts: list[int]) -> list[int]:
+        return [0 if p else d for p, d in zip(predicted, num_drafts)]
