@@ -22,6 +22,8 @@ Usage (from the repository root; scripts/bench.sh runs it in .venv with the benc
                                                                        # host KV tier (benchmarks.kvpool)
   python -m benchmarks.serve --compare structured [--concurrency 16]     # MTP k=1: with vs without a
                                                                        # json_schema (benchmarks.structured)
+  python -m benchmarks.serve --compare prediction [--realistic 0.5b]     # MTP k=1 alone vs with a
+                                                                       # prediction (benchmarks.prediction)
   python -m benchmarks.serve --url http://127.0.0.1:1025 --metrics-url http://127.0.0.1:1027/metrics  # a running daemon
   python -m benchmarks.serve --model DIR                                 # any checkpoint folder instead of the config's
   python -m benchmarks.serve --realistic 0.5b [--modes off,k1] [--concurrency 1,8,16,64]
@@ -191,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp", "pd",
-                                          "structured", "process", "parallel"),
+                                          "structured", "process", "parallel", "prediction"),
                     default="mtp",
                     help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
                          "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
     ap.add_argument("--quantized", type=Path, help="an int8 checkpoint (with --compare quant)")
+    ap.add_argument("--prediction-tokens", default="16",
+                    help="--compare prediction: comma-separated MTP_SERVE_PREDICTION_TOKENS values")
     ap.add_argument("--long-tokens", type=int, default=None,
                     help="--compare parallel: the long prompt's tokens (default 4000, or the "
                          "model's context less 64 + --max-tokens)")
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = models.ensure(args.realistic, args.models_dir or models.DEFAULT_DIR,
                                    log=lambda m: print(m, file=sys.stderr))
     realistic = args.model is not None
-    if args.compare in ("kvpool", "pd", "structured", "parallel"):     # comparisons with their own rows
+    if args.compare in ("kvpool", "pd", "structured", "parallel", "prediction"):   # their own rows
         import importlib
         return importlib.import_module(f"benchmarks.{args.compare}").run(args)
 
