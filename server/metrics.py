@@ -5,11 +5,14 @@ Names, types and buckets follow MindIE's ``prometheus_metrics.cpp`` (no prefix, 
 (or tests) in one process never collide.  TPOT is observed per token: a step that emits
 ``n`` tokens in ``dt`` seconds observes ``dt / n`` ``n`` times, as MindIE does under MTP.
 
-Speculative counters (vLLM's names without the ``vllm:`` prefix):
-  spec_decode_num_drafts_total               verification steps that carried drafts
-  spec_decode_num_draft_tokens_total         draft tokens proposed
-  spec_decode_num_accepted_tokens_total      draft tokens accepted
+Speculative counters (vLLM's names without the ``vllm:`` prefix), MTP drafts only:
+  spec_decode_num_drafts_total               verification steps that carried MTP drafts
+  spec_decode_num_draft_tokens_total         MTP draft tokens proposed
+  spec_decode_num_accepted_tokens_total      MTP draft tokens accepted
   spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at draft position p
+Predicted Outputs (a request's ``prediction`` verified as drafts beside MTP's):
+  spec_decode_num_prediction_draft_tokens_total     prediction tokens verified as drafts
+  spec_decode_num_prediction_accepted_tokens_total  of which accepted
 Acceptance is a prefix (draft p can only be kept if 0..p-1 were), so a step that accepted
 ``a`` drafts counts positions 0..a-1.
 Adaptive speculation (engine/spec/proposer.py AdaptiveK), refreshed at scrape:
@@ -55,6 +58,8 @@ SPEC_METRIC_NAMES = (
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
     "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length",
     "spec_decode_current_k", "spec_decode_steps_total",
+    "spec_decode_num_prediction_draft_tokens_total",
+    "spec_decode_num_prediction_accepted_tokens_total",
 )
 KV_TIER_METRIC_NAMES = ("prefix_cache_hit_tokens_total", "kv_tier_bytes_total",
                         "kv_preemptions_total")
@@ -110,6 +115,12 @@ class ServingMetrics:
                           "Draft tokens accepted, by draft position.", ["position"])
         self.accepted_per_pos = [per_pos.labels(model_name, str(p))
                                  for p in range(max(1, num_speculative_tokens))]
+        self.prediction_draft_tokens = counter(
+            "spec_decode_num_prediction_draft_tokens",
+            "Prediction tokens (Predicted Outputs) verified as drafts.").labels(model_name)
+        self.prediction_accepted = counter(
+            "spec_decode_num_prediction_accepted_tokens",
+            "Prediction tokens verified as drafts and accepted.").labels(model_name)
         self.acceptance_rate = gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens.")
         self.mean_accepted_len = gauge("spec_decode_mean_accepted_length",
                                        "Tokens emitted per verification step: 1 + accepted / drafts.")
@@ -177,7 +188,7 @@ class ServingMetrics:
             self._recent.popleft()
 
     def on_spec(self, drafts: int, draft_tokens: int, accepted: int) -> None:
-        """Deltas of one request's counters over one engine step."""
+        """Deltas of one request's MTP counters over one engine step."""
         if drafts <= 0 and draft_tokens <= 0:
             return
         self.num_drafts.inc(max(0, drafts))
@@ -191,6 +202,14 @@ class ServingMetrics:
             self.acceptance_rate.set(s[2] / s[1])
         if s[0]:
             self.mean_accepted_len.set(1.0 + s[2] / s[0])
+
+    def on_prediction(self, draft_tokens: int, accepted: int) -> None:
+        """Deltas of one request's prediction counters over one engine step (the MTP
+        series above never count prediction drafts)."""
+        if draft_tokens > 0:
+            self.prediction_draft_tokens.inc(draft_tokens)
+        if accepted > 0:
+            self.prediction_accepted.inc(accepted)
 
     def on_finished(self, ok: bool, prompt_tokens: int, generation_tokens: int,
                     e2e_s: float, preemptions: int = 0) -> None:

@@ -80,6 +80,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     engine_process = _engine_process(env, issues)
     draft_after_emit = _switch(env, "MTP_SERVE_DRAFT_AFTER_EMIT", True, "1 (on) or 0 (off)", issues)
     fatal_exit_delay = _fatal_exit_delay(env, issues)
+    prediction_draft_tokens = _prediction_draft_tokens(env, issues)
     env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
@@ -130,6 +131,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      compile_mode=compile_mode, compile_wait=compile_wait, kv_pool=kv_pool,
                      engine_process=engine_process, draft_after_emit=draft_after_emit,
                      fatal_exit_delay_s=fatal_exit_delay,
+                     prediction_draft_tokens=prediction_draft_tokens,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
                      parallel=parallel_layout(doc, env))
 
@@ -232,6 +234,26 @@ def _fatal_exit_delay(env: Mapping[str, str], issues: list[ConfigIssue]) -> floa
         issues.append(ConfigIssue("$MTP_SERVE_FATAL_EXIT_DELAY", raw, "seconds, 0 to 3600",
                                   "not a number of seconds in range"))
         return 5.0
+    return value
+
+
+PREDICTION_TOKENS_DEFAULT = 16
+PREDICTION_TOKENS_MAX = 64
+
+
+def _prediction_draft_tokens(env: Mapping[str, str], issues: list[ConfigIssue]) -> int:
+    """$MTP_SERVE_PREDICTION_TOKENS: most tokens of a request's ``prediction`` (OpenAI
+    Predicted Outputs) verified as drafts per step, 0 to 64 (default 16); 0 = predictions
+    are accepted in requests but never used as drafts."""
+    raw = env.get("MTP_SERVE_PREDICTION_TOKENS", "").strip()
+    if not raw:
+        return PREDICTION_TOKENS_DEFAULT
+    value = int(raw) if raw.isascii() and raw.isdigit() else -1
+    if not 0 <= value <= PREDICTION_TOKENS_MAX:
+        issues.append(ConfigIssue("$MTP_SERVE_PREDICTION_TOKENS", raw,
+                                  f"an integer, 0 to {PREDICTION_TOKENS_MAX}",
+                                  "not a token count in range"))
+        return PREDICTION_TOKENS_DEFAULT
     return value
 
 

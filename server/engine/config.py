@@ -138,6 +138,7 @@ def engine_config_from_app(app: Any, **overrides: Any) -> EngineConfig:
         disk_cache_gb=app.kv_pool.disk_size_gb,
         compile=app.compile_mode, compile_wait=app.compile_wait,
         draft_after_emit=app.draft_after_emit,
+        prediction_draft_tokens=app.prediction_draft_tokens,
         parallel=_parallel_config(app),
         tokenizer_dir=str(app.model_weight_path),
     )

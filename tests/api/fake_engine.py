@@ -2,7 +2,10 @@
 
 It answers every request with a fixed text, tokenized with the real tokenizer and
 emitted ``tokens_per_step`` tokens per output (MTP-like steps), with counters that move
-as a verifier's would.  The end-to-end tests use the real engine.
+as a verifier's would.  A request's ``prediction`` is "verified" against the script: the
+prediction tokens at a step's positions count as prediction drafts, those matching the
+script up to the first miss as accepted (the real engine decides differently; this only
+gives the serving path figures to carry).  The end-to-end tests use the real engine.
 """
 from __future__ import annotations
 
@@ -66,6 +69,14 @@ class FakeEngine:
                     counters.num_drafts += 1
                     counters.num_draft_tokens += self.tokens_per_step - 1
                     counters.num_accepted_tokens += len(step) - 1
+                pred = req.sampling.prediction or ()
+                if pos > 0 and pos < len(pred):
+                    verified = pred[pos:pos + len(step)]
+                    counters.num_prediction_tokens += len(verified)
+                    for want, got in zip(verified, step):
+                        if want != got:
+                            break
+                        counters.num_accepted_prediction_tokens += 1
                 pos += len(step)
                 counters.completion_tokens = pos
                 done = pos >= len(ids)

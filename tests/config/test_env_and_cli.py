@@ -27,7 +27,13 @@ ENV_CASES = [
     ("monitor-on", {"MIES_SERVICE_MONITOR_MODE": "1"}, {"metrics_enabled": True}),
     ("empty-ip-ignored", {"MIES_CONTAINER_IP": ""}, {"server.ip_address": "127.0.0.1"}),
     ("compile-defaults", {}, {"compile_mode": "auto", "compile_wait": False, "engine_process": True,
-                              "draft_after_emit": True, "fatal_exit_delay_s": 5.0}),
+                              "draft_after_emit": True, "fatal_exit_delay_s": 5.0,
+                              "prediction_draft_tokens": 16}),
+    ("prediction-tokens", {"MTP_SERVE_PREDICTION_TOKENS": "8"}, {"prediction_draft_tokens": 8}),
+    ("prediction-tokens-off", {"MTP_SERVE_PREDICTION_TOKENS": "0"}, {"prediction_draft_tokens": 0}),
+    ("prediction-tokens-max", {"MTP_SERVE_PREDICTION_TOKENS": " 64 "},
+     {"prediction_draft_tokens": 64}),
+    ("prediction-tokens-empty", {"MTP_SERVE_PREDICTION_TOKENS": ""}, {"prediction_draft_tokens": 16}),
     ("fatal-exit-delay", {"MTP_SERVE_FATAL_EXIT_DELAY": "1.5"}, {"fatal_exit_delay_s": 1.5}),
     ("draft-inside-the-step", {"MTP_SERVE_DRAFT_AFTER_EMIT": "0"}, {"draft_after_emit": False}),
     ("engine-on-a-thread", {"MTP_SERVE_ENGINE_PROCESS": "off"}, {"engine_process": False}),
@@ -84,6 +90,27 @@ def test_bad_compile_switch_is_blamed(name, tmp_path):
     with pytest.raises(ConfigError) as info:
         parse_config(minimal(), base_dir=tmp_path, env={name: "sometimes"})
     assert info.value.issues[0].path == f"${name}"
+
+
+@pytest.mark.parametrize("value", ["65", "-1", "abc", "1.5", "8 tokens", "²", "1e3"])
+def test_bad_prediction_tokens_is_blamed(value, tmp_path):
+    write_weights(tmp_path / "tiny-model")
+    with pytest.raises(ConfigError) as info:
+        parse_config(minimal(), base_dir=tmp_path, env={"MTP_SERVE_PREDICTION_TOKENS": value})
+    (issue,) = info.value.issues
+    assert issue.path == "$MTP_SERVE_PREDICTION_TOKENS" and issue.value == value
+    assert "0 to 64" in issue.allowed
+
+
+def test_prediction_tokens_reach_the_engine_config(tmp_path):
+    from server.engine.config import EngineConfig, engine_config_from_app
+    write_weights(tmp_path / "tiny-model")
+    cfg = parse_config(minimal(), base_dir=tmp_path, env={"MTP_SERVE_PREDICTION_TOKENS": "5"})
+    assert engine_config_from_app(cfg).prediction_draft_tokens == 5
+    assert cfg.to_dict()["Derived"]["predictionDraftTokens"] == 5
+    default = parse_config(minimal(), base_dir=tmp_path, env={})
+    assert engine_config_from_app(default).prediction_draft_tokens == \
+        EngineConfig().prediction_draft_tokens == 16
 
 
 def test_config_path_from_env(tmp_path):

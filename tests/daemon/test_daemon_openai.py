@@ -87,6 +87,29 @@ def test_chat_streaming_with_usage(client):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_prediction_accepted_with_usage_keys(client):
+    """A Predicted Outputs request through the real engine: 200, and the usage keys the SDK
+    reads (what the engine accepts is tested with the engine)."""
+    pred = {"type": "content", "content": "I am fine, thank you. How are you?"}
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=8,
+                                       temperature=0, prediction=pred)
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0 and details.rejected_prediction_tokens >= 0
+    assert details.reasoning_tokens >= 0
+    spec = r.usage.model_extra["speculative"]
+    assert spec["prediction_accepted_tokens"] == details.accepted_prediction_tokens
+    assert spec["prediction_draft_tokens"] == (details.accepted_prediction_tokens
+                                               + details.rejected_prediction_tokens)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"prediction": pred}))
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, echo=True,
+                                  extra_body={"prediction": pred})
+    assert info.value.body["param"] == "prediction"
+
+
 def test_async_client_concurrent(daemon):
     async def go():
         client = openai.AsyncOpenAI(base_url=daemon.base + "/v1", api_key="x", max_retries=0)

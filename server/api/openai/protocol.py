@@ -72,6 +72,31 @@ class ContentPart(_Base):
     text: str | None = None
 
 
+class PredictionTextPart(BaseModel):
+    """One part of a prediction's content list: OpenAI's text part, nothing else."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI Predicted Outputs: ``{"type": "content", "content": <string or text parts>}``.
+    Exactly that shape (other keys, types or parts are refused, ``param: "prediction"``)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["content"]
+    content: str | list[PredictionTextPart]
+
+    def text(self) -> str:
+        """The predicted text: the string, or the text parts concatenated in order."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+_PREDICTION_SHAPE = ('{"type": "content", "content": "<text>"} or {"type": "content", '
+                     '"content": [{"type": "text", "text": "<text>"}, ...]}')
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -112,6 +137,7 @@ class SamplingFields(_Base):
     response_format: dict[str, Any] | None = None
     user: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)   # vLLM extra
+    prediction: Prediction | None = None     # OpenAI Predicted Outputs (drafts to verify)
 
     @field_validator("logit_bias")
     @classmethod
@@ -123,6 +149,29 @@ class SamplingFields(_Base):
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v
+
+    @field_validator("prediction", mode="wrap")
+    @classmethod
+    def _prediction(cls, v: Any, handler: Any) -> Prediction | None:
+        """Any flaw inside the object is reported on ``prediction`` itself (the OpenAI
+        error's ``param``), naming where it is and the shapes accepted."""
+        try:
+            return handler(v)
+        except ValidationError as exc:
+            # The deepest error says most: for a list with a bad part it is the part's
+            # ("content.0.type"), not the string branch's "should be a valid string".
+            err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+            where = ".".join(str(p) for p in err.get("loc", ())
+                             if str(p) not in _UNION_TAGS and "[" not in str(p)
+                             and not str(p)[:1].isupper())
+            msg = "not a JSON object" if err.get("type") == "model_type" else \
+                err.get("msg", "invalid value")
+            what = f"{where}: {msg}" if where else msg
+            raise ValueError(f"prediction must be {_PREDICTION_SHAPE} ({what})") from None
+
+    def prediction_text(self) -> str | None:
+        """The prediction's text; None without one (an empty text is no prediction)."""
+        return (self.prediction.text() or None) if self.prediction is not None else None
 
     @field_validator("stop")
     @classmethod

@@ -1,17 +1,45 @@
 """Builders for response pieces shared by chat and completions: usage, logprobs, finish."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
-from server.engine.protocol import EngineOutput, FinishReason, TokenLogprob
+from server.engine.protocol import EngineOutput, FinishReason, RequestCounters, TokenLogprob
+
+
+def speculative_usage(counters: Iterable[RequestCounters | None]) -> dict:
+    """The ``usage.speculative`` extension: draft tokens verified and accepted, MTP's and
+    the prediction's apart, summed over the choices (each a final ``RequestCounters``;
+    None for a choice that never reached the engine)."""
+    out = {"mtp_draft_tokens": 0, "mtp_accepted_tokens": 0,
+           "prediction_draft_tokens": 0, "prediction_accepted_tokens": 0}
+    for c in counters:
+        if c is None:
+            continue
+        out["mtp_draft_tokens"] += c.num_draft_tokens
+        out["mtp_accepted_tokens"] += c.num_accepted_tokens
+        out["prediction_draft_tokens"] += c.num_prediction_tokens
+        out["prediction_accepted_tokens"] += c.num_accepted_prediction_tokens
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-          reasoning_tokens: int | None = None) -> dict:
+          reasoning_tokens: int | None = None,
+          counters: Iterable[RequestCounters | None] = ()) -> dict:
+    """OpenAI's usage object.  ``completion_tokens_details`` always carries OpenAI's
+    Predicted Outputs figures (zeros without a prediction): ``accepted_prediction_tokens``
+    = prediction tokens verified as drafts and accepted, ``rejected_prediction_tokens`` =
+    verified and rejected (tokens never verified are in neither).  ``speculative`` is our
+    extension (``speculative_usage``)."""
+    spec = speculative_usage(counters)
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-    body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens or 0}
+    body["completion_tokens_details"] = {
+        "reasoning_tokens": reasoning_tokens or 0,
+        "accepted_prediction_tokens": spec["prediction_accepted_tokens"],
+        "rejected_prediction_tokens": max(0, spec["prediction_draft_tokens"]
+                                          - spec["prediction_accepted_tokens"])}
+    body["speculative"] = spec
     return body
 
 

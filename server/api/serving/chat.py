@@ -15,7 +15,7 @@ from server.api.openai.protocol import ChatCompletionRequest
 from server.api.openai.responses import (chat_logprobs, finish_reason, merge_logprobs, stop_reason,
                                          usage)
 from server.api.serving.common import (build_sampling, check_text_size, fit_prompt, max_new_tokens,
-                                       new_id, plan_request)
+                                       new_id, plan_request, prediction_ids)
 from server.api.serving.engine_call import engine_failure
 from server.api.serving.fanout import Interleave, choice_sampling, prompt_cached_tokens
 from server.api.serving.run import run_choices
@@ -68,7 +68,8 @@ class ChatPlan:
             req, max_tokens=max_new_tokens(requested, len(self.prompt_ids), s),
             defaults=state.generation_defaults, vocab_size=s.vocab_size,
             logprobs=req.logprobs, top_logprobs=top, prompt_logprobs=req.prompt_logprobs,
-            grammar=self.grammar.grammar if self.grammar is not None else None)
+            grammar=self.grammar.grammar if self.grammar is not None else None,
+            prediction=prediction_ids(req, state.tokenizer, s, state.max_token_chars))
         # A parsed call whose name was not offered never reaches the client as a call.
         offered = {t.function.name for t in req.tools or ()}
         self.allowed_names = frozenset({self.named} if self.named else offered)
@@ -118,14 +119,16 @@ class ChatPlan:
         return count_reasoning_tokens(token_ids, end) if end is not None else len(token_ids)
 
     def usage(self, choices: list["ChoiceState"]) -> dict:
-        """Prompt counted once, completion and reasoning tokens summed over the choices
-        (OpenAI's rule for n > 1); cached tokens as ``prompt_cached_tokens`` says."""
+        """Prompt counted once, completion and reasoning tokens (and draft figures) summed
+        over the choices (OpenAI's rule for n > 1); cached tokens as
+        ``prompt_cached_tokens`` says."""
         first = choices[0].last.counters if choices[0].last is not None else None
         prompt = first.prompt_tokens if first and first.prompt_tokens else len(self.prompt_ids)
         completion = sum(ch.completion_tokens() for ch in choices)
         cached = prompt_cached_tokens([ch.cached_tokens() for ch in choices], len(choices))
         return usage(prompt, completion, cached,
-                     sum(self.reasoning_tokens(ch.token_ids) for ch in choices))
+                     sum(self.reasoning_tokens(ch.token_ids) for ch in choices),
+                     [ch.last.counters if ch.last is not None else None for ch in choices])
 
     def chunk(self, choices: list, **extra: Any) -> dict:
         return {"id": self.request_id, "object": "chat.completion.chunk",

@@ -5,6 +5,8 @@ allowed.  MTP rules follow MindIE's endpoint (infer_param.cpp): ``n``/``best_of`
 beam search cannot be used with the mtp plugin.  ``response_format`` and forced tool
 calls are grammars (openai/grammars.py), enforced with MTP on.  Without MTP, ``n`` runs up to
 ``maxN`` (ScheduleConfig) choices, each its own engine request holding its own admission slot.
+A ``prediction`` (OpenAI Predicted Outputs) is tokenized once here (``prediction_ids``); it
+cannot be combined with several choices or with logprobs of the prompt.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def check_model(req: SamplingFields, settings: ApiSettings) -> None:
 def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
     """MTP rules, unsupported features and field combinations, before any tokenizing."""
     plugin = "mtp" if settings.mtp else None
+    if req.prediction is not None:
+        check_prediction_rules(req)
     if req.n > 1:
         if plugin:
             raise bad_request(f"n > 1 cannot be used with plugin {plugin} "
@@ -63,6 +67,44 @@ def check_request_rules(req: SamplingFields, settings: ApiSettings) -> None:
     if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
                           f"({req.max_tokens})", "min_tokens")
+
+
+def check_prediction_rules(req: SamplingFields) -> None:
+    """What a prediction cannot be combined with (``prediction: null`` is no prediction):
+    several choices (as OpenAI refuses them) and logprobs of the prompt (completions'
+    ``echo``, ``prompt_logprobs``)."""
+    if req.n > 1 or (req.best_of is not None and req.best_of > 1):
+        which = f"n={req.n}" if req.n > 1 else f"best_of={req.best_of}"
+        raise bad_request(f"prediction cannot be used with more than one choice; got {which}, "
+                          "allowed: 1", "prediction")
+    if getattr(req, "echo", False):
+        raise bad_request("prediction cannot be combined with echo (the prompt returned with "
+                          "the answer, and with logprobs the logprobs of the prompt)",
+                          "prediction")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prediction cannot be combined with prompt_logprobs (logprobs of "
+                          "the prompt)", "prediction")
+
+
+def prediction_ids(req: SamplingFields, tokenizer: Any, settings: ApiSettings,
+                   max_token_chars: int | None) -> tuple[int, ...] | None:
+    """The prediction's token ids (``SamplingParams.prediction``), tokenized once with the
+    model's tokenizer and no special tokens added; None without a prediction or for an
+    empty one.  A prediction longer than ``maxSeqLen`` tokens is refused (before tokenizing
+    when its characters alone prove it, as ``check_text_size`` does for prompts)."""
+    text = req.prediction_text()
+    if not text:
+        return None
+    limit = settings.max_seq_len
+    if max_token_chars and len(text) > limit * max_token_chars:
+        raise bad_request(f"the prediction ({len(text)} characters) has more tokens than "
+                          f"this model's maximum context length ({limit} tokens, maxSeqLen)",
+                          "prediction")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) > limit:
+        raise bad_request(f"the prediction has {len(ids)} tokens, more than this model's "
+                          f"maximum context length ({limit} tokens, maxSeqLen)", "prediction")
+    return tuple(ids) or None
 
 
 def check_text_size(text: str, settings: ApiSettings, max_token_chars: int | None,
@@ -115,7 +157,8 @@ def _default(value: Any, defaults: dict, key: str, fallback: Any) -> Any:
 
 def build_sampling(req: SamplingFields, *, max_tokens: int, defaults: dict, vocab_size: int,
                    logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None,
-                   grammar: str | None = None) -> SamplingParams:
+                   grammar: str | None = None,
+                   prediction: tuple[int, ...] | None = None) -> SamplingParams:
     bias: dict[int, float] | None = None
     if req.logit_bias:
         bias = {}
@@ -156,6 +199,7 @@ def build_sampling(req: SamplingFields, *, max_tokens: int, defaults: dict, voca
         skip_special_tokens=req.skip_special_tokens,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        prediction=prediction,
     )
 
 

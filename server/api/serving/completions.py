@@ -14,7 +14,7 @@ from server.api.openai.prompt_logprobs import echo_block, join_blocks, vllm_prom
 from server.api.openai.protocol import CompletionRequest
 from server.api.openai.responses import completion_logprobs, finish_reason, stop_reason, usage
 from server.api.serving.common import (build_sampling, check_text_size, fit_prompt, max_new_tokens,
-                                       new_id, plan_request)
+                                       new_id, plan_request, prediction_ids)
 from server.api.serving.engine_call import engine_failure
 from server.api.serving.fanout import Interleave, choice_sampling, prompt_cached_tokens
 from server.api.serving.run import run_choices
@@ -83,11 +83,13 @@ class CompletionPlan:
         # which this layer drops (the engine always emits at least one token).
         self.prompt_only = prompt_lp is not None and req.max_tokens == 0
         self.grammar = response_format_grammar(req.response_format)
+        prediction = prediction_ids(req, state.tokenizer, s, state.max_token_chars)
         self.samplings = [build_sampling(
             req, max_tokens=1 if self.prompt_only else limit,
             defaults=state.generation_defaults, vocab_size=s.vocab_size,
             logprobs=top is not None, top_logprobs=top or 0, prompt_logprobs=prompt_lp,
-            grammar=self.grammar.grammar if self.grammar is not None else None)
+            grammar=self.grammar.grammar if self.grammar is not None else None,
+            prediction=prediction)
             for limit in limits]
         self.echo = [state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
                      for ids in self.prompts]
@@ -113,10 +115,11 @@ class CompletionPlan:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.state.settings.model_name, "choices": choices, **extra}
 
-    def usage(self, counts: list[int], cached: list[int]) -> dict:
-        """Each prompt counted once, completion tokens summed over every choice."""
+    def usage(self, counts: list[int], cached: list[int], counters: list) -> dict:
+        """Each prompt counted once, completion tokens (and draft figures, from each
+        choice's last ``RequestCounters``) summed over every choice."""
         return usage(sum(len(p) for p in self.prompts), sum(counts),
-                     prompt_cached_tokens(cached, self.n))
+                     prompt_cached_tokens(cached, self.n), counters=counters)
 
 
 async def create_completion(state: ServerState, raw: Any,
@@ -132,8 +135,9 @@ async def create_completion(state: ServerState, raw: Any,
 async def _complete(plan: CompletionPlan, merged: Interleave) -> dict:
     states = await _collect(plan, merged)
     choices = [_choice_body(plan, k, st) for k, st in enumerate(states)]
-    return plan.body(choices, usage=plan.usage([st["n"] for st in states],
-                                               [st["cached"] for st in states]))
+    return plan.body(choices, usage=plan.usage(
+        [st["n"] for st in states], [st["cached"] for st in states],
+        [st["last"].counters if st["last"] is not None else None for st in states]))
 
 
 async def _collect(plan: CompletionPlan, merged: Interleave) -> list[dict]:
@@ -192,6 +196,7 @@ async def _stream(plan: CompletionPlan, merged: Interleave) -> AsyncIterator[byt
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     counts = [0] * plan.num_choices
     cached = [0] * plan.num_choices
+    counters: list = [None] * plan.num_choices
     full = [plan.echo[plan.prompt_of(k)] for k in range(plan.num_choices)]
     sent_echo = [False] * plan.num_choices
     async for k, item in merged:
@@ -205,6 +210,7 @@ async def _stream(plan: CompletionPlan, merged: Interleave) -> AsyncIterator[byt
         if failure:
             raise failure
         cached[k] = item.counters.cached_tokens
+        counters[k] = item.counters
         lp = None if plan.prompt_only else completion_logprobs(item.logprobs, plan.state.text_of)
         if item.prompt_logprobs is not None and plan.echo_logprobs:
             lp = join_blocks(echo_block(plan.prompts[plan.prompt_of(k)], item.prompt_logprobs,
@@ -224,4 +230,4 @@ async def _stream(plan: CompletionPlan, merged: Interleave) -> AsyncIterator[byt
                                                              plan.state.text_of)
         yield event(plan.body([choice]))
     if include_usage:
-        yield event(plan.body([], usage=plan.usage(counts, cached)))
+        yield event(plan.body([], usage=plan.usage(counts, cached, counters)))

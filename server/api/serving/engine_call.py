@@ -47,6 +47,7 @@ class EngineCall:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pump: asyncio.Task | None = None
         self._spec = (0, 0, 0)
+        self._prediction = (0, 0)
         self._reported = False
 
     async def _run_pump(self) -> None:
@@ -150,6 +151,10 @@ class EngineCall:
         spec = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
         self.metrics.on_spec(*(a - b for a, b in zip(spec, self._spec)))
         self._spec = spec
+        pred = (c.num_prediction_tokens, c.num_accepted_prediction_tokens)
+        if pred != self._prediction:
+            self.metrics.on_prediction(*(a - b for a, b in zip(pred, self._prediction)))
+            self._prediction = pred
 
 
 def engine_failure(out: EngineOutput | None) -> APIError | None:
