@@ -106,6 +106,23 @@ def test_vocabulary_head_is_held_column_major_on_cpu_with_its_values(tiny):
     assert torch.equal(gate_up[:moe.experts[0].gate_proj.out_features], moe.experts[0].gate_proj.weight)
 
 
+def test_bf16_heads_stay_row_major_without_native_bf16(tiny, monkeypatch):
+    """Column-major bf16 products leave oneDNN's fast path on a CPU without AVX512_BF16 /
+    AMX (30x slower, layers.column_major): there a bf16 head stays row-major; float32 and
+    a native-bf16 CPU keep the column-major head."""
+    from server.model import layers
+    for native in (False, True):
+        monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        layers.column_major_pays.cache_clear()
+        model, _ = load_checkpoint(tiny, dtype=torch.bfloat16)
+        head = model.lm_head.weight
+        assert head.is_contiguous() is (not native)
+        assert torch.equal(head.float(), load_file(str(tiny / "model.safetensors"))["lm_head.weight"]
+                           .to(torch.bfloat16).float())
+    layers.column_major_pays.cache_clear()
+    assert layers.column_major_pays(torch.float32)
+
+
 def test_sharded_checkpoint_loads_like_single_file(tiny, tmp_path, caplog):
     sharded = _copy(tiny, tmp_path / "sharded")
     tensors = load_file(str(sharded / "model.safetensors"))
