@@ -142,6 +142,59 @@ def test_thinking(client):
     assert reasoning == msg["reasoning_content"] and content == r.choices[0].message.content
 
 
+def _answer(r) -> tuple:
+    m = r.choices[0].message
+    return (m.content, (m.model_extra or {}).get("reasoning_content"),
+            [(c.function.name, c.function.arguments) for c in m.tool_calls or []])
+
+
+def _streamed(client, **kw) -> tuple:
+    content, reasoning, usage = "", "", None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+    return content, reasoning, usage
+
+
+def test_a_prediction_changes_no_answer(client):
+    """Predicted Outputs (spec/prediction.py) on the trained model, MTP k=1: the previous
+    answer sent back as the prediction, edited, or another question's answer; plain, with
+    tools and thinking; whole and streamed, greedy and seeded: every answer is the one
+    asked without a prediction, and the own answer is mostly accepted."""
+    ask = {"role": "user", "content": "What is the weather in Paris? Answer in one sentence."}
+    cases = [dict(messages=[ask], tools=[WEATHER, TIME], tool_choice="none"),
+             dict(messages=[ask], tools=[WEATHER, TIME]),
+             dict(messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+                  extra_body={"chat_template_kwargs": {"thinking": True}}),
+             dict(messages=[ask], temperature=0.8, seed=11)]
+    other = "The time in Tokyo is 10:00. It is sunny and warm."
+    for case in cases:
+        kw = {"model": NAME, "temperature": 0, "max_tokens": 100, **case}
+        ref = client.chat.completions.create(**kw)
+        content, reasoning, calls = _answer(ref)
+        own = content or (reasoning or "") or "".join(a for _, a in calls)
+        edited = own.replace("Paris", "Lyon").replace(" is ", " was ", 1)
+        for pred in (own, edited, other, ""):
+            extra = {**kw.get("extra_body", {}), "prediction": {"type": "content", "content": pred}}
+            r = client.chat.completions.create(**{**kw, "extra_body": extra})
+            assert _answer(r) == _answer(ref), (case, pred)
+            details = r.usage.completion_tokens_details
+            if pred == own and case.get("tool_choice") == "none":
+                assert details.accepted_prediction_tokens >= r.usage.completion_tokens // 2, r.usage
+                assert r.usage.model_extra["speculative"]["prediction_accepted_tokens"] \
+                    == details.accepted_prediction_tokens
+            if not pred:
+                assert details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
+        s_content, s_reasoning, usage = _streamed(client, **{**kw, "extra_body": {
+            **kw.get("extra_body", {}), "prediction": {"type": "content", "content": own}}})
+        if not calls:
+            assert (s_content, s_reasoning or None) == (content, reasoning or None), case
+        assert usage.completion_tokens == ref.usage.completion_tokens
+
+
 def test_mtp_acceptance_counters_move(daemon, client):
     def accepted() -> float:
         text = httpx.get(daemon.metrics + "/metrics").text
