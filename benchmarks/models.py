@@ -385,6 +385,33 @@ def ensure(size: str, root: Path = DEFAULT_DIR, quantize_scheme: str | None = No
     return folder
 
 
+def float32_copy(src: Path, dst: Path, log=print) -> Path:
+    """``src`` with every bf16 tensor stored as float32 (config ``torch_dtype`` float32): the
+    same model for a CPU without native bf16, where a float32 product of several rows costs
+    a few rows' time and a bf16 one as many rows' (spec/prediction.py's window_drafts)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    t0 = time.perf_counter()
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / MARKER).unlink(missing_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.float() if v.dtype == torch.bfloat16 else v
+                       for k, v in load_file(str(f)).items()}, str(dst / f.name), metadata={"format": "pt"})
+        elif f.name == "config.json":
+            (dst / f.name).write_text(json.dumps({**json.loads(f.read_text()), "torch_dtype": "float32"},
+                                                 indent=2) + "\n")
+        elif f.is_file() and f.name != MARKER:
+            shutil.copy2(f, dst / f.name)
+    info = {**json.loads((src / MARKER).read_text()), "dtype": "float32",
+            "file_bytes": sum(f.stat().st_size for f in dst.glob("*.safetensors"))}
+    (dst / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+    log(f"wrote {dst}: {info['file_bytes'] / 1e9:.2f} GB in {time.perf_counter() - t0:.1f}s")
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -401,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--alpha", type=float, default=None, help="make_high_acceptance's alpha (default: ALPHA[size])")
     ap.add_argument("--shard-mib", type=int, default=1024)
+    ap.add_argument("--float32", action="store_true", help="also write OUT-float32: the bf16 tensors as float32")
     ap.add_argument("--force", action="store_true", help="rebuild a complete folder")
     args = ap.parse_args(argv)
     out = args.out or model_dir(args.size)
@@ -408,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         build(args.size, out, seed=args.seed, alpha=args.alpha, shard_mib=args.shard_mib)
     else:
         print(f"{out}: complete ({MARKER}); --force rebuilds it")
+    if args.float32 and (args.force or not is_complete(out.parent / f"{out.name}-float32")):
+        float32_copy(out, out.parent / f"{out.name}-float32")
     if args.quantize:
         dst = out.parent / f"{out.name}-{args.quantize}"
         if args.force or not is_complete(dst):

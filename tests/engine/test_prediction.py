@@ -156,3 +156,17 @@ def test_track_prefers_the_place_after_where_it_was_lost():
     t.advance([7], [1, 7])                     # lost at position 5
     t.advance([1, 2], [1, 2])
     assert t.drafts(2) == [4, 5]               # not [3, 9]: that place is behind
+
+
+def test_window_drafts_follow_what_a_window_costs(monkeypatch):
+    """A window of predicted drafts is used where its rows cost less than their tokens
+    would one by one (float32 here), and dropped where they cost as much (a product whose
+    time grows with its rows, as bf16 does on a CPU without native bf16)."""
+    from server.engine.spec import prediction
+    n, gain = prediction.window_drafts(torch.randn(4096, 256), 16)
+    assert n == 16 and gain >= prediction.WINDOW_GAIN
+    assert prediction.window_drafts(torch.randn(4096, 256), 0) == (0, 1.0)
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(prediction.F, "linear", lambda x, w: torch.cat(
+        [real_linear(x[i:i + 1], w) for i in range(x.shape[0])]))
+    assert prediction.window_drafts(torch.randn(8192, 512), 16)[0] == 0

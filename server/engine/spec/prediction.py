@@ -30,6 +30,47 @@ import torch.nn.functional as F
 
 from server.engine.worker.request_state import RequestState
 
+# A predicted window of n + 1 rows must yield this many times the tokens per second of a
+# one-row step (all its drafts accepted) for n to be used (``window_drafts``).
+WINDOW_GAIN = 1.5
+
+
+def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tuple[int, float]:
+    """The most predicted drafts a step should verify on this device, and the measured
+    gain of that window: ``configured``, or the largest power of two below it whose window
+    of n + 1 rows, through the vocabulary head ``head`` [V, H] (a step's widest product),
+    gives at least WINDOW_GAIN times one row's tokens per second; 0 when none does.
+
+    Why measured: on a CPU without native bf16 (AVX2) a bf16 product of n rows costs n
+    times one row (the 0.5b head: 9 ms for 1 row, 83 ms for 17), so a predicted window
+    costs what its tokens would cost one by one and a wrong one costs more; in float32,
+    or with AVX512_BF16 / AMX, or on a GPU, a window of 17 rows costs a few rows."""
+    import time
+    if configured <= 0:
+        return 0, 1.0
+    if head.device.type != "cpu" or not head.is_floating_point():
+        return configured, float(configured + 1)
+
+    def seconds(rows: int) -> float:
+        x = torch.randn(rows, head.shape[1], dtype=head.dtype)
+        F.linear(x, head)                                  # warm
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            F.linear(x, head)
+            runs.append(time.perf_counter() - t0)
+        return sorted(runs)[len(runs) // 2]
+    with torch.inference_mode():
+        one = seconds(1)
+        n = configured
+        while n >= 1:
+            gain = (n + 1) * one / seconds(n + 1)
+            if gain >= WINDOW_GAIN:
+                return n, gain
+            n = 1 << (n.bit_length() - 1) if n & (n - 1) else n // 2
+    return 0, 1.0
+
+
 # Tokens at the end of the output that must occur in the prediction to find the place
 # again after a mismatch: one token matches too often (a wrong window costs a step).
 SYNC_TOKENS = 2

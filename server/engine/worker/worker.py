@@ -34,7 +34,7 @@ from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInf
 from server.engine.runtime import lookahead_slots
 from server.engine.sample import grammar
 from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
-from server.engine.spec.prediction import PredictedDrafts
+from server.engine.spec.prediction import WINDOW_GAIN, PredictedDrafts, window_drafts
 from server.engine.spec.proposer import MTPProposer, NoProposer
 from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.request_state import RequestState
@@ -91,13 +91,26 @@ class Worker:
             mtp = MTPProposer(model, self.kv_caches, cfg.block_size, policy, self.device,
                               self.static_decode)
         # Requests' predictions (OpenAI Predicted Outputs) draft in front of MTP.
-        self.proposer = PredictedDrafts(mtp, cfg.prediction_draft_tokens)
+        self.proposer = PredictedDrafts(mtp, self._prediction_drafts(model, cfg))
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
                                   self.static_decode)
         # Compiled grammars (sample/grammar.py); the API layer compiles into it before submitting
         # when this worker runs in its process, so the engine thread only copies.
         self.grammars = grammar.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)
         self.requests: dict[str, RequestState] = {}
+
+    def _prediction_drafts(self, model: Any, cfg: EngineConfig) -> int:
+        """Predicted drafts per step: as configured where a window of them pays on this
+        device, fewer or none where it does not (prediction.window_drafts), agreed over a
+        rank group (every rank must feed the same windows)."""
+        n, gain = window_drafts(model.lm_head.weight, cfg.prediction_draft_tokens)
+        if self.group is not None:
+            n = self.group.agree_min(n)
+        if n < cfg.prediction_draft_tokens:
+            log.info("predicted outputs: up to %d predicted drafts a step, not %d: a window of "
+                     "%d rows pays %.2fx one row's tokens/s here (less than %.1fx for more)",
+                     n, cfg.prediction_draft_tokens, n + 1, gain, WINDOW_GAIN)
+        return n
 
     def _allocate_kv(self, model: Any, cfg: EngineConfig, k: int) -> KVCacheSpec:
         """The KV pool: as many blocks as the budget holds, no more than the batch can use
