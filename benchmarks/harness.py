@@ -209,6 +209,16 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
 Request = Callable[[httpx.AsyncClient, int], Awaitable[RequestResult]]
 
 
+async def post_chat(client: httpx.AsyncClient, base_url: str, body: dict) -> tuple[dict, float]:
+    """One whole (not streamed) chat completion: (its JSON, seconds); RuntimeError unless 200."""
+    t0 = time.perf_counter()
+    r = await client.post(base_url + "/v1/chat/completions", json=body)
+    latency = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(r.text[:200])
+    return r.json(), latency
+
+
 async def burst_of(target: Target, concurrency: int, num_requests: int, request: Request) -> dict:
     """``num_requests`` calls of ``request(client, i)`` with at most ``concurrency`` in
     flight; aggregate figures, and the MTP counters' change from the daemon's /metrics.

@@ -21,10 +21,8 @@ usage reported accepted and rejected.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -61,12 +59,7 @@ def _request(base_url: str, model: str, prompts: list[list[dict]], predictions: 
                 "temperature": 0, "ignore_eos": True}
         if predictions[i] is not None:
             body["prediction"] = {"type": "content", "content": predictions[i]}
-        t0 = time.perf_counter()
-        r = await client.post(base_url + "/v1/chat/completions", json=body)
-        latency = time.perf_counter() - t0
-        if r.status_code != 200:
-            raise RuntimeError(r.text[:200])
-        data = r.json()
+        data, latency = await harness.post_chat(client, base_url, body)
         text = data["choices"][0]["message"]["content"] or ""
         usage.append(data["usage"])
         if answers[i] is None:

@@ -41,12 +41,7 @@ def _request(base_url: str, model: str, constrained: bool, max_tokens: int) -> h
             {"role": "user", "content": f"What is the weather in {CITIES[i % len(CITIES)]}?"}]}
         if constrained:
             body["response_format"] = FORMAT
-        t0 = time.perf_counter()
-        r = await client.post(base_url + "/v1/chat/completions", json=body)
-        latency = time.perf_counter() - t0
-        if r.status_code != 200:
-            raise RuntimeError(r.text[:200])
-        data = r.json()
+        data, latency = await harness.post_chat(client, base_url, body)
         valid = None
         if constrained:
             try:
