@@ -160,13 +160,26 @@ def test_track_prefers_the_place_after_where_it_was_lost():
 
 def test_window_drafts_follow_what_a_window_costs(monkeypatch):
     """A window of predicted drafts is used where its rows cost less than their tokens
-    would one by one (float32 here), and dropped where they cost as much (a product whose
-    time grows with its rows, as bf16 does on a CPU without native bf16)."""
+    would one by one, and dropped where they cost as much (a product whose time grows with
+    its rows, as bf16 does on a CPU without native bf16).  Products timed by sleeping."""
+    import time
     from server.engine.spec import prediction
-    n, gain = prediction.window_drafts(torch.randn(4096, 256), 16)
-    assert n == 16 and gain >= prediction.WINDOW_GAIN
-    assert prediction.window_drafts(torch.randn(4096, 256), 0) == (0, 1.0)
-    real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(prediction.F, "linear", lambda x, w: torch.cat(
-        [real_linear(x[i:i + 1], w) for i in range(x.shape[0])]))
-    assert prediction.window_drafts(torch.randn(8192, 512), 16)[0] == 0
+    head = torch.zeros(64, 8)
+    for per_row, want in ((False, 16), (True, 0)):
+        monkeypatch.setattr(prediction.F, "linear", lambda x, w, per_row=per_row: time.sleep(
+            0.004 * (x.shape[0] if per_row else 1)))
+        n, gain = prediction.window_drafts(head, 16)
+        assert n == want, (per_row, n, gain)
+    assert prediction.window_drafts(head, 0) == (0, 1.0)
+
+
+def test_windows_shrink_after_a_rejection_and_grow_back():
+    t = PredictionTrack(list(range(100)))
+    t.size_window(16, 16, 32)
+    assert t.window == 32                      # accepted whole: twice as long, at most 32
+    t.size_window(32, 5, 32)
+    assert t.window == 10                      # twice the accepted run
+    t.size_window(10, 0, 32)
+    assert t.window == 4                       # never below MIN_WINDOW
+    t.size_window(4, 4, 32)
+    assert t.window == 8

@@ -74,6 +74,8 @@ def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tupl
 # Tokens at the end of the output that must occur in the prediction to find the place
 # again after a mismatch: one token matches too often (a wrong window costs a step).
 SYNC_TOKENS = 2
+# The shortest window after a rejection (PredictionTrack.size_window).
+MIN_WINDOW = 4
 # Occurrences of those tokens looked at when finding the place (the nearest after the loss).
 MAX_CANDIDATES = 64
 
@@ -81,13 +83,24 @@ MAX_CANDIDATES = 64
 class PredictionTrack:
     """Where one request's output stands in its prediction (module docstring)."""
 
-    __slots__ = ("tokens", "pos", "lost_at", "_index")
+    __slots__ = ("tokens", "pos", "lost_at", "window", "_index")
 
     def __init__(self, tokens: tuple[int, ...] | list[int]) -> None:
         self.tokens = list(tokens)
         self.pos: int | None = 0           # index of the next expected token; None: lost
         self.lost_at = 0                   # where it was lost (the search prefers after it)
+        self.window = 0                    # drafts the next window may hold (0: the most)
         self._index: dict[tuple[int, ...], list[int]] | None = None
+
+    def size_window(self, offered: int, accepted: int, most: int) -> None:
+        """Size the next window by how the last one went: twice as long after a window
+        accepted whole, twice the accepted run (at least MIN_WINDOW) after a rejection.
+        A prediction edited every few tokens then verifies windows about as long as its
+        unedited runs instead of ``most`` (a window's cost grows with its rows)."""
+        if accepted >= offered:
+            self.window = min(most, 2 * max(self.window, offered))
+        else:
+            self.window = min(most, max(MIN_WINDOW, 2 * accepted))
 
     def advance(self, emitted: list[int], tail: list[int]) -> None:
         """Follow the tokens just emitted; ``tail``: the output's last (up to) SYNC_TOKENS
@@ -216,11 +229,14 @@ class PredictedDrafts:
         if track is None:
             track = self._tracks[st.request_id] = PredictionTrack(prediction)
         tail = st.token_ids[len(st.token_ids) - min(st.num_output_tokens, SYNC_TOKENS):]
+        offered = len(self._held.get(st.request_id, ()))    # the window just verified
+        if offered:
+            track.size_window(offered, len(emitted) - 1, self.max_tokens)
         track.advance(emitted, tail)
         if st.stopped:
             return 0
         room = st.max_output_tokens - st.num_output_tokens - 1
-        drafts = track.drafts(min(self.max_tokens, room))
+        drafts = track.drafts(min(track.window or self.max_tokens, room))
         if drafts:
             self._staged[st.request_id] = drafts
         return len(drafts)
