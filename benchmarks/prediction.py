@@ -2,7 +2,7 @@
 ``benchmarks.serve --compare prediction [--realistic 0.5b]``).
 
 One daemon with MTP k=1 per ``MTP_SERVE_PREDICTION_TOKENS`` value asked (``--prediction-tokens``,
-default the daemon's 16).  Each prompt of the prompt set is asked once without a
+default the daemon's 64).  Each prompt of the prompt set is asked once without a
 prediction (its answer: greedy, ``max_tokens`` tokens, EOS ignored), then asked again,
 one request at a time, four ways that alternate so machine drift hits each alike:
 
@@ -84,7 +84,7 @@ def run(args) -> int:
     reps = args.reps or (1 if args.quick else 3)
     n_prompts = args.requests or (4 if args.quick else 8)
     prompts = harness.load_prompts()["prompts"][:n_prompts]
-    values = [int(v) for v in (getattr(args, "prediction_tokens", None) or "16").split(",")]
+    values = [int(v) for v in (getattr(args, "prediction_tokens", None) or "64").split(",")]
     realistic = getattr(args, "model", None) is not None
     compile_dir = Path(tempfile.mkdtemp(prefix="bench-compile-"))
     env = ({"MTP_SERVE_COMPILE_WAIT": "1", "MTP_SERVE_COMPILE_CACHE": str(compile_dir / "run"),
@@ -154,7 +154,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, "concurrency 1 only")
-    ap.add_argument("--prediction-tokens", default="16",
+    ap.add_argument("--prediction-tokens", default="64",
                     help="comma-separated MTP_SERVE_PREDICTION_TOKENS values, one daemon each")
     ap.add_argument("--requests", type=int, default=None, help="prompts (default 8; 4 with --quick)")
     ap.add_argument("--model", type=Path, default=None, help="serve this checkpoint folder")

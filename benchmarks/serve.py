@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
                          "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
     ap.add_argument("--quantized", type=Path, help="an int8 checkpoint (with --compare quant)")
-    ap.add_argument("--prediction-tokens", default="16",
+    ap.add_argument("--prediction-tokens", default="64",
                     help="--compare prediction: comma-separated MTP_SERVE_PREDICTION_TOKENS values")
     ap.add_argument("--long-tokens", type=int, default=None,
                     help="--compare parallel: the long prompt's tokens (default 4000, or the "

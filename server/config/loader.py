@@ -237,7 +237,7 @@ def _fatal_exit_delay(env: Mapping[str, str], issues: list[ConfigIssue]) -> floa
     return value
 
 
-PREDICTION_TOKENS_DEFAULT = 16
+PREDICTION_TOKENS_DEFAULT = 64
 PREDICTION_TOKENS_MAX = 64
 
 

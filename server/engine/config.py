@@ -83,7 +83,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0         # k; 0 = MTP off
     adaptive_speculation: bool = True       # pick k in 0..num_speculative_tokens per step (mtp.AdaptiveK)
     enable_prefix_cache: bool = False
-    prediction_draft_tokens: int = 16       # $MTP_SERVE_PREDICTION_TOKENS: most tokens of a request's
+    prediction_draft_tokens: int = 64       # $MTP_SERVE_PREDICTION_TOKENS: most tokens of a request's
                                             # prediction verified per step (spec/prediction.py); 0 = unused
     kv_cache_dtype: str = "auto"            # "auto" (model dtype) | "int8" (int8 latent + scale)
     # host KV tier (kv/host_tier.py): cpuMemSize / kvPoolConfig

@@ -28,12 +28,12 @@ ENV_CASES = [
     ("empty-ip-ignored", {"MIES_CONTAINER_IP": ""}, {"server.ip_address": "127.0.0.1"}),
     ("compile-defaults", {}, {"compile_mode": "auto", "compile_wait": False, "engine_process": True,
                               "draft_after_emit": True, "fatal_exit_delay_s": 5.0,
-                              "prediction_draft_tokens": 16}),
+                              "prediction_draft_tokens": 64}),
     ("prediction-tokens", {"MTP_SERVE_PREDICTION_TOKENS": "8"}, {"prediction_draft_tokens": 8}),
     ("prediction-tokens-off", {"MTP_SERVE_PREDICTION_TOKENS": "0"}, {"prediction_draft_tokens": 0}),
     ("prediction-tokens-max", {"MTP_SERVE_PREDICTION_TOKENS": " 64 "},
      {"prediction_draft_tokens": 64}),
-    ("prediction-tokens-empty", {"MTP_SERVE_PREDICTION_TOKENS": ""}, {"prediction_draft_tokens": 16}),
+    ("prediction-tokens-empty", {"MTP_SERVE_PREDICTION_TOKENS": ""}, {"prediction_draft_tokens": 64}),
     ("fatal-exit-delay", {"MTP_SERVE_FATAL_EXIT_DELAY": "1.5"}, {"fatal_exit_delay_s": 1.5}),
     ("draft-inside-the-step", {"MTP_SERVE_DRAFT_AFTER_EMIT": "0"}, {"draft_after_emit": False}),
     ("engine-on-a-thread", {"MTP_SERVE_ENGINE_PROCESS": "off"}, {"engine_process": False}),
@@ -110,7 +110,7 @@ def test_prediction_tokens_reach_the_engine_config(tmp_path):
     assert cfg.to_dict()["Derived"]["predictionDraftTokens"] == 5
     default = parse_config(minimal(), base_dir=tmp_path, env={})
     assert engine_config_from_app(default).prediction_draft_tokens == \
-        EngineConfig().prediction_draft_tokens == 16
+        EngineConfig().prediction_draft_tokens == 64
 
 
 def test_config_path_from_env(tmp_path):

@@ -173,13 +173,14 @@ def test_window_drafts_follow_what_a_window_costs(monkeypatch):
     assert prediction.window_drafts(head, 0) == (0, 1.0)
 
 
-def test_windows_shrink_after_a_rejection_and_grow_back():
+def test_windows_grow_while_accepted_whole_and_restart_after_a_rejection():
     t = PredictionTrack(list(range(100)))
-    t.size_window(16, 16, 32)
-    assert t.window == 32                      # accepted whole: twice as long, at most 32
-    t.size_window(32, 5, 32)
-    assert t.window == 10                      # twice the accepted run
-    t.size_window(10, 0, 32)
-    assert t.window == 4                       # never below MIN_WINDOW
-    t.size_window(4, 4, 32)
-    assert t.window == 8
+    t.size_window(16, 16, 64)
+    assert t.window == 32                      # accepted whole: twice as long
+    t.size_window(32, 32, 64)
+    t.size_window(64, 64, 64)
+    assert t.window == 64                      # at most the configured count
+    t.size_window(64, 5, 64)
+    assert t.window == 16                      # a rejection: BASE_WINDOW again
+    t.size_window(8, 8, 12)
+    assert t.window == 12
