@@ -74,7 +74,7 @@ def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tupl
 # Tokens at the end of the output that must occur in the prediction to find the place
 # again after a mismatch: one token matches too often (a wrong window costs a step).
 SYNC_TOKENS = 2
-# A request's first window, and its window after a rejection (PredictionTrack.size_window).
+# A request's window after a rejection (PredictionTrack.size_window).
 BASE_WINDOW = 16
 # Occurrences of those tokens looked at when finding the place (the nearest after the loss).
 MAX_CANDIDATES = 64
@@ -89,14 +89,14 @@ class PredictionTrack:
         self.tokens = list(tokens)
         self.pos: int | None = 0           # index of the next expected token; None: lost
         self.lost_at = 0                   # where it was lost (the search prefers after it)
-        self.window = 0                    # drafts the next window may hold (0: BASE_WINDOW)
+        self.window = 0                    # drafts the next window may hold (0: the most)
         self._index: dict[tuple[int, ...], list[int]] | None = None
 
     def size_window(self, offered: int, accepted: int, most: int) -> None:
-        """Size the next window by how the last one went: twice as long after a window
-        accepted whole (up to ``most``), BASE_WINDOW again after a rejection.  An unedited
-        prediction then takes few long windows, an edited one windows about as long as its
-        unedited runs.  Measured on the float32 0.5b model (benchmarks.prediction), fixed
+        """Size the next window by how the last one went: the first holds ``most`` (a
+        prediction is usually a near copy), a rejection drops it to BASE_WINDOW, and each
+        window accepted whole doubles the next (up to ``most``).  An unedited prediction
+        then takes few long windows, an edited one windows about as long as its runs.  Measured on the float32 0.5b model (benchmarks.prediction), fixed
         windows of 16 / 32 / 64 gave the own answer 2.50x / 3.05x / 3.6x MTP k=1 alone and an
         answer with every 10th word edited 1.61x / 1.46x / 1.2x; shrinking below 16 after a
         rejection lost more (1.27x at 16): a step's fixed cost outweighs a few more rows."""
@@ -239,7 +239,7 @@ class PredictedDrafts:
         if st.stopped:
             return 0
         room = st.max_output_tokens - st.num_output_tokens - 1
-        drafts = track.drafts(min(track.window or BASE_WINDOW, self.max_tokens, room))
+        drafts = track.drafts(min(track.window or self.max_tokens, room))
         if drafts:
             self._staged[st.request_id] = drafts
         return len(drafts)
