@@ -51,6 +51,7 @@ worker, then the worker side):
       proposer.py        MTPProposer: held drafts, draft passes; NoProposer
       policy.py          SpecPolicy: FixedK, AdaptiveK (no torch)
       verifier.py        verification (pure functions over tensors; greedy on host lists)
+      prediction.py      Predicted Outputs: a request's prediction as drafts in front of MTP
     sample/            sampling and structured-output masks
       sampler.py         logits processors, sampling, counter-based randomness
       grammar.py         llguidance matchers, GrammarBook (no torch)
