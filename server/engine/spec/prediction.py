@@ -10,8 +10,9 @@ Where the output so far stands in the prediction (``PredictionTrack``): a pointe
 advances while emitted tokens equal the predicted ones; after a mismatch (the user's edit,
 or text the prediction lacks) the pointer is lost until the output's last ``SYNC_TOKENS``
 tokens occur in the prediction again, the occurrence nearest after where it was lost.
-While found, the next step verifies up to ``max_tokens`` predicted tokens instead of the
-MTP drafts; elsewhere MTP drafts as usual (and the MTP layer's KV stays exact either way:
+While found, the next step verifies a window of predicted tokens instead of the MTP drafts
+(``PredictionTrack.size_window``: all ``max_tokens`` first, 16 after a rejection, 16 more
+after each window accepted whole); elsewhere MTP drafts as usual (and the MTP layer's KV stays exact either way:
 its first pass always covers the verified positions, proposer.py).
 
 ``PredictedDrafts`` wraps the worker's proposer (MTPProposer, or NoProposer with MTP off)
@@ -23,6 +24,7 @@ policy's acceptance figures (their rows are passed as carrying no MTP draft).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -45,7 +47,6 @@ def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tupl
     times one row (the 0.5b head: 9 ms for 1 row, 83 ms for 17), so a predicted window
     costs what its tokens would cost one by one and a wrong one costs more; in float32,
     or with AVX512_BF16 / AMX, or on a GPU, a window of 17 rows costs a few rows."""
-    import time
     if configured <= 0:
         return 0, 1.0
     if head.device.type != "cpu" or not head.is_floating_point():
@@ -74,10 +75,10 @@ def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tupl
 # Tokens at the end of the output that must occur in the prediction to find the place
 # again after a mismatch: one token matches too often (a wrong window costs a step).
 SYNC_TOKENS = 2
-# A request's window after a rejection (PredictionTrack.size_window).
-BASE_WINDOW = 16
 # Occurrences of those tokens looked at when finding the place (the nearest after the loss).
 MAX_CANDIDATES = 64
+# A request's window after a rejection (PredictionTrack.size_window).
+BASE_WINDOW = 16
 
 
 class PredictionTrack:

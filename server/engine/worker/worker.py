@@ -106,9 +106,13 @@ class Worker:
         n, gain = window_drafts(model.lm_head.weight, cfg.prediction_draft_tokens)
         if self.group is not None:
             n = self.group.agree_min(n)
-        if n < cfg.prediction_draft_tokens:
+        if n == 0 and cfg.prediction_draft_tokens:
+            log.info("predicted outputs: predictions are not verified on this device: no window "
+                     "of 2 to %d rows gains %.1fx one row's tokens/s (the vocabulary head's "
+                     "product, measured at start)", cfg.prediction_draft_tokens + 1, WINDOW_GAIN)
+        elif n < cfg.prediction_draft_tokens:
             log.info("predicted outputs: up to %d predicted drafts a step, not %d: a window of "
-                     "%d rows pays %.2fx one row's tokens/s here (less than %.1fx for more)",
+                     "%d rows gains %.2fx one row's tokens/s here (less than %.1fx for more)",
                      n, cfg.prediction_draft_tokens, n + 1, gain, WINDOW_GAIN)
         return n
 
