@@ -63,7 +63,6 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.chained = max(0, num_spec_tokens - 1)    # positions the chained MTP passes write
         self.async_scheduling = async_scheduling
-        self.worst_case_extra = lookahead_slots(num_spec_tokens, async_scheduling)
         # A request with a prediction may verify this many predicted drafts a step.
         self.prediction_drafts = cfg.prediction_draft_tokens
         self.clock = clock
@@ -94,9 +93,7 @@ class Scheduler:
         return self.num_spec_tokens
 
     def worst_case_blocks(self, seq: Sequence) -> int:
-        extra = self.worst_case_extra
-        if seq.sampling.prediction and self.prediction_drafts:
-            extra = lookahead_slots(self.num_spec_tokens, self.async_scheduling, self.prediction_drafts)
+        extra = lookahead_slots(self.num_spec_tokens, self.async_scheduling, self._max_drafts(seq))
         return self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_output_tokens + extra)
 
     def _slots_needed(self, seq: Sequence) -> int:     # positions its next step may touch

@@ -69,13 +69,10 @@ def column_major_pays(dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def cpu_has_native_bf16() -> bool:
-    """The CPU flags that give oneDNN native 16-bit float products (Linux /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether oneDNN has native 16-bit float products here (torch's own CPU feature check)."""
+    check = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported",
+                                                          "_is_amx_tile_supported")]
+    return any(f() for f in check if f is not None)
 
 
 def _yarn_inv_freq(cfg: DeepseekConfig, dim: int) -> tuple[torch.Tensor, float]:
