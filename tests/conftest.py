@@ -30,47 +30,100 @@ def tiny_weights(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def quantized(tmp_path_factory):
-    """The demo model through training/quantize.py, once per session: msModelSlim W8A8
-    mixed (static attention, dynamic MLPs), W4A8 experts, compressed-tensors int8 (every
-    linear W8A8_DYNAMIC) and FA3 KV scales.  Name -> checkpoint directory."""
+def quantized(tmp_path_factory, worker_id):
+    """The demo model through training/quantize.py, once per run: msModelSlim W8A8 mixed
+    (static attention, dynamic MLPs), W4A8 experts, compressed-tensors int8 (every linear
+    W8A8_DYNAMIC) and FA3 KV scales.  Name -> checkpoint directory.  Under xdist the first
+    worker to ask writes them (15-20 s) into the run's shared temp folder and the others
+    read them."""
     from pathlib import Path
+
+    from filelock import FileLock
     from training import quantize
     demo = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-tiny-mtp"
     if not any(demo.glob("*.safetensors")):
         pytest.skip("demo model weights not present")
-    out = {}
-    for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
-                        ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
-        out[name] = tmp_path_factory.mktemp(name)
-        assert quantize.main([str(demo), str(out[name]), "--calib-samples", "32", *extra]) == 0
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if worker_id != "master" else base) / "quantized"
+    out = {name: root / name for name in ("w8a8", "w4a8", "ct", "fa3")}
+    with FileLock(str(root) + ".lock"):
+        if not (root / "complete").is_file():
+            for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
+                                ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
+                out[name].mkdir(parents=True, exist_ok=True)
+                assert quantize.main([str(demo), str(out[name]), "--calib-samples", "32", *extra]) == 0
+            (root / "complete").touch()
     return out
 
 
+@pytest.fixture(scope="session")
+def worker_id(request) -> str:
+    """xdist's worker name ("gw0", ...), "master" without xdist (xdist's own fixture of
+    the name, when its plugin is off)."""
+    workerinput = getattr(request.config, "workerinput", None)
+    return workerinput["workerid"] if workerinput else "master"
+
+
 # -- the compiled-step tests' graphs, made while the rest of the suite runs -----------------
-_WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None, "dirs": []}
+_WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None, "dirs": [], "marks": None}
 # (test file, the demo model's shard under this plan or None, max query length): the graphs
 # those tests compile.  tp=2 ranks share one graph set (compile_step._plan_key).
 _WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
-              ("tests/engine/test_parallel.py", (2, 0, 2, 1), 2))
+              ("tests/engine/test_parallel_compiled.py", (2, 0, 2, 1), 2))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests of the warmed graph sets run last (whole files, so that xdist's loadfile
+    schedule sends them last too): by then the background compile made their graphs, and
+    neither a test nor an xdist worker idles waiting for it."""
+    if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0":
+        return
+    warmed = tuple(test for test, *_ in _WARM_SETS)
+    items.sort(key=lambda item: item.nodeid.startswith(warmed))
+
+
+def _marks(config):
+    """Under pytest-xdist (scripts/test.sh runs two workers): a folder every worker of this
+    run knows, where the one worker that warms up marks each graph set wanted and done, so
+    that a compiled test on another worker waits for it instead of compiling the same
+    graphs a second time.  None without xdist."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    import tempfile
+    from pathlib import Path
+    return Path(tempfile.gettempdir()) / f"mtp-warm-{workerinput['testrunuid']}"
+
+
+def _mark(test: str) -> str:
+    return test.replace("/", "_")
 
 
 def pytest_collection_finish(session):
     """The compiled-step tests need 17 graphs of the demo model (MTP k=2) and the compiled
-    tp=2 test 10 of its shard (k=1): about a minute of compile on two cores when the cache
-    is cold.  The suite leaves about one core idle on average, so one compile child at a
-    time, at one thread, makes them from now on, and the tests wait (``warm_compile``) if
-    they get there first; a graph not made yet they make themselves (files are written
-    atomically, so two makers never clash).  $MTP_SERVE_TEST_WARM_COMPILE=0: no warm-up."""
+    tp=2 test 10 of its shard (k=1): three to four minutes of compile on two cores when the
+    cache is cold.  The suite leaves cores idle (its tests wait on daemons and sockets), so
+    one compile child at a time, at one thread, makes them from now on, and the tests wait
+    (``warm_compile``) if they get there first; a graph not made yet they make themselves
+    (files are written atomically, so two makers never clash).  Under xdist only worker gw0
+    warms up (the others wait on its marks, ``_marks``).  $MTP_SERVE_TEST_WARM_COMPILE=0:
+    no warm-up."""
     if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0" or session.config.option.collectonly:
         return
+    marks = _WARM["marks"] = _marks(session.config)
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return                          # gw0 collected the same items and marks what it warms
     wanted = [w for w in _WARM_SETS if any(i.nodeid.startswith(w[0]) for i in session.items)]
     from server.testing.daemon import demo_model_ready
     if not wanted or not demo_model_ready():
         return
     import threading
+    if marks is not None:
+        marks.mkdir(parents=True, exist_ok=True)
     for test, *_ in wanted:
         _WARM["done"][test] = threading.Event()
+        if marks is not None:
+            (marks / f"{_mark(test)}.wanted").touch()
 
     def run() -> None:
         for n, (test, plan, q) in enumerate(wanted):
@@ -78,6 +131,8 @@ def pytest_collection_finish(session):
                 _warm(n, plan, q)
             finally:
                 _WARM["done"][test].set()
+                if marks is not None:
+                    (marks / f"{_mark(test)}.done").touch()
     _WARM["thread"] = threading.Thread(target=run, name="warm-compile", daemon=True)
     _WARM["thread"].start()
 
@@ -104,6 +159,11 @@ def _warm(n: int, plan: tuple | None, q: int) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    # Under xdist another worker may still wait for the warm-up: it finishes unless the run
+    # was interrupted.  Alone, nothing waits for it any more.
+    if (_WARM["marks"] is not None and _WARM["thread"] is not None
+            and exitstatus != pytest.ExitCode.INTERRUPTED):
+        _WARM["thread"].join(timeout=900)
     _WARM["stop"] = True
     for proc in _WARM["procs"]:
         if proc.poll() is None:
@@ -113,11 +173,25 @@ def pytest_sessionfinish(session, exitstatus):
     import shutil
     for tmp in _WARM["dirs"]:                # the children's specs and logs
         shutil.rmtree(tmp, ignore_errors=True)
+    if _WARM["marks"] is not None and _WARM["thread"] is not None:
+        shutil.rmtree(_WARM["marks"], ignore_errors=True)
 
 
 @pytest.fixture
 def warm_compile(request):
-    """Waits until the graphs of the asking test's file are made (``pytest_collection_finish``)."""
-    done = _WARM["done"].get(request.node.nodeid.split("::")[0])
+    """Waits until the graphs of the asking test's file are made (``pytest_collection_finish``),
+    here or, under xdist, on worker gw0."""
+    test = request.node.nodeid.split("::")[0]
+    done = _WARM["done"].get(test)
     if done is not None:
         done.wait(timeout=900)
+        return
+    marks = _WARM["marks"]
+    if marks is None:
+        return
+    import time
+    deadline = time.monotonic() + 900
+    while (marks / f"{_mark(test)}.wanted").exists() and time.monotonic() < deadline:
+        if (marks / f"{_mark(test)}.done").exists():
+            return
+        time.sleep(0.5)

@@ -97,23 +97,6 @@ def test_demo_model_identical(layout, k):
 
 
 @pytest.mark.demo
-def test_tp2_ranks_serve_the_compiled_step_identical(warm_compile):
-    """Rank groups on the compiled step: the collectives are operators inside the graphs
-    (model/collectives.py), the tp ranks share one graph set; MTP k=1, tokens equal one
-    process's (greedy and seeded).  warm_compile (tests/conftest.py) made the graphs in the
-    background; cold, each rank compiles them itself."""
-    cfg = dataclasses.replace(BASE, num_speculative_tokens=1, compile="on",
-                              parallel=parallel_config("tp2"))
-    engine = LLMEngine(inspect_checkpoint(str(DEMO)), cfg, eos_token_ids=set())
-    try:
-        assert engine.runtime.decode_path == "compiled"
-        out = run_tokens(engine, _requests(engine.runtime.vocab_size))
-    finally:
-        engine.shutdown()
-    assert out == _single(str(DEMO), 1)
-
-
-@pytest.mark.demo
 def test_int8_ranks_keep_the_uncompiled_static_step(quantized):
     """Int8 shards do not compile (their sliced tensors' layouts are not a compile child's):
     compile on, the static step serves uncompiled, tokens as one process."""
