@@ -114,18 +114,18 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     (layers.MoE.expert_stacks) -> float32 [T, H], the routing-weighted sum over k."""
     xf = x.float()
     s = row_scales(xf)                                                   # [T, 1]
-    x_q = _stored(quantize_rows(xf, s))
+    x_q = materialized(quantize_rows(xf, s))
     acc = (gate_up[idx].float() * x_q[:, None, None, :]).sum(-1)          # [T, k, 2I]
     g, u = (acc * (s[:, :, None] * gate_up_scale[idx])).to(x.dtype).chunk(2, dim=-1)
     act = (F.silu(g) * u).float()                                        # [T, k, I]
     s2 = row_scales(act)                                                 # [T, k, 1]
-    a_q = _stored(quantize_rows(act, s2))
+    a_q = materialized(quantize_rows(act, s2))
     acc2 = (down[idx].float() * a_q[:, :, None, :]).sum(-1)               # [T, k, H]
     y = (acc2 * (s2 * down_scale[idx])).to(x.dtype)
     return (y * weights[:, :, None].float()).sum(1)
 
 
-def _stored(t: torch.Tensor) -> torch.Tensor:
+def materialized(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, made a buffer of its own in a compiled graph.  Inductor inlines a
     pointwise producer into its consumer; inlined into the reduction above, the
     activation's quantization (divide, round, clamp) would run again for every output

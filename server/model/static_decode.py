@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model import quant
+from server.model import quant, rows_linear
 from server.model.batch import DecodeMetadata
 
 
@@ -52,14 +52,20 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     nh, dn, dv, kvr = attn.num_heads, attn.nope_dim, attn.v_dim, attn.kv_lora_rank
     w = attn.kv_b_proj.weight.view(nh, dn + dv, kvr)
     w_uk, w_uv = w[:, :dn], w[:, dn:]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [T, nH, kvr]
+    if rows_linear.reducing():       # a 16-bit graph on a CPU without 16-bit instructions
+        q_lat = rows_linear.latent_query(q_nope, w_uk)
+    else:
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [T, nH, kvr]
     q = torch.cat([q_lat, q_pe], dim=-1).reshape(b, q_len * nh, dim)  # row q * nH + h
     visible = keys[None, None, :] <= pos[:, :, None]                # [B, Q, S]
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
     bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
     scores = torch.baddbmm(bias, q, ctx.transpose(1, 2), alpha=attn.scale)
     o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr]).reshape(b * q_len, nh, kvr)
-    out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [T, nH, dv]
+    if rows_linear.reducing():
+        out = rows_linear.latent_value(o, w_uv)
+    else:
+        out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [T, nH, dv]
     return attn.o_proj(out.flatten(1))
 
 
@@ -92,10 +98,12 @@ def gathered_moe(moe, x: torch.Tensor, *stacks: torch.Tensor) -> torch.Tensor:
         out = quant.gathered_int8_experts(x, weights, idx, *stacks).to(x.dtype)
     else:
         w_gate_up, w_down = stacks
-        xf = x.float()
+        # Stored, not inlined into the reductions: Inductor would recompute the norm
+        # and the SiLU for every output row (quant.materialized).
+        xf = quant.materialized(x.float())
         gu = (w_gate_up[idx].float() * xf[:, None, None, :]).sum(-1)    # [T, k, 2I]
         g, u = gu.chunk(2, dim=-1)
-        act = F.silu(g) * u                                             # [T, k, I]
+        act = quant.materialized(F.silu(g) * u)                         # [T, k, I]
         y = (w_down[idx].float() * act[:, :, None, :]).sum(-1)          # [T, k, H]
         out = (y * weights[:, :, None].float()).sum(1).to(x.dtype)      # [T, H]
     if moe.shared_experts is not None:

@@ -1,0 +1,112 @@
+"""Few-row products through 16-bit weights as fused reductions (model/rows_linear.py): the
+same products as ``F.linear`` and the absorbed attention's bmms to bf16 rounding, taken only
+while a graph is traced under ``traced`` (linears only where its rows are constant), and
+only where the CPU lacks 16-bit float instructions."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.model import rows_linear
+
+
+def test_latent_products_are_the_bmms():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 16 + 8, 32, generator=g).to(torch.bfloat16)       # [nH, dn + dv, kvr]
+    w_uk, w_uv = w[:, :16], w[:, 16:]
+    for t in (1, 3):
+        q = torch.randn(t, 4, 16, generator=g).to(torch.bfloat16)
+        o = torch.randn(t, 4, 32, generator=g).to(torch.bfloat16)
+        want_q = torch.bmm(q.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
+        want_o = torch.bmm(o.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1)
+        torch.testing.assert_close(rows_linear.latent_query(q, w_uk).float(), want_q, atol=0.05, rtol=0.01)
+        torch.testing.assert_close(rows_linear.latent_value(o, w_uv).float(), want_o, atol=0.05, rtol=0.01)
+    assert not rows_linear.reducing()                    # not tracing
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_rows_linear_is_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    for bias in (None, b):
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        got = rows_linear.rows_linear(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.01)
+
+
+def _ops(module, x) -> list[str]:
+    """The operators of the graph Dynamo traces for ``module(x)``."""
+    ops = []
+
+    def capture(gm, _inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(module, backend=capture, dynamic=False, fullgraph=True)(x)
+    return ops
+
+
+def test_taken_only_while_tracing_constant_rows_of_16_bit_weights():
+    lin = torch.nn.Linear(32, 48, bias=False).to(torch.bfloat16)
+    x2 = torch.randn(2, 32).to(torch.bfloat16)
+    with rows_linear.traced(constant_rows=True):
+        eager = lin(x2)                                  # not tracing: F.linear itself
+        assert "linear" in str(_ops(lin, x2[:1]))        # one row: F.linear
+        lin32 = torch.nn.Linear(32, 48, bias=False)
+        assert "linear" in str(_ops(lin32, x2.float()))  # float32 weight
+        rows = _ops(lin, x2)
+        assert "linear" not in str(rows)
+        assert rows.count("sum") == 2                    # one reduction per row
+        out = torch.compile(lin, backend="eager", dynamic=False, fullgraph=True)(x2)
+    assert F.linear is rows_linear._F_LINEAR             # restored on exit
+    assert "linear" in str(_ops(lin, x2))
+    with rows_linear.traced(constant_rows=False):        # a batch graph: its rows are symbolic
+        assert "linear" in str(_ops(lin, x2))
+    torch.testing.assert_close(out.float(), eager.float(), atol=0.05, rtol=0.01)
+
+
+def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkeypatch):
+    from server.model import layers
+    for native in (False, True):
+        monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        rows_linear.pays.cache_clear()
+        assert rows_linear.pays(torch.bfloat16, "cpu") is (not native)
+        assert not rows_linear.pays(torch.float32, "cpu")
+        assert not rows_linear.pays(torch.bfloat16, "cuda")
+    rows_linear.pays.cache_clear()
+
+
+@pytest.mark.slow
+def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_emits(tmp_path, monkeypatch):
+    """A 2-token window of a lone sequence through a bf16 tiny model's first layer: the
+    compiled graph (compile_step, reduce on) reads its projections through ``rows_linear``
+    and W_UK / W_UV through the latent reductions, and its output equals the uncompiled
+    layer's to bf16 rounding."""
+    from server.engine.worker import compile_step
+    from server.model.loader import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    taken = []
+    for name in ("rows_linear", "latent_query", "latent_value"):
+        real = getattr(rows_linear, name)
+        monkeypatch.setattr(rows_linear, name, lambda *a, real=real, name=name, **k: taken.append(name) or real(*a, **k))
+    model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=1), dtype=torch.bfloat16)
+    device = torch.device("cpu")
+    compile_step._configure()
+    kind, index = next(iter(model.eval().static_decoder.layer_kinds().items()))
+    with torch.inference_mode():
+        args = compile_step._example(model, index, 2, True, 8, device, True, kind)
+        fn = model.static_decoder.function(kind, False)
+        want = fn(*args)
+        graph, _ = compile_step._load_or_compile(fn, args, Path(tempfile.mkdtemp(dir=tmp_path)) / "g.bin",
+                                                 device, static=True, reduce=True, constant_rows=True)
+        got = graph(*args)
+    assert taken.count("rows_linear") >= 4 and {"latent_query", "latent_value"} <= set(taken)
+    want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)
