@@ -26,7 +26,7 @@ from server.engine.protocol import EngineOutput, EngineRequest
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
 from server.engine.streams import OutputStreams
-from server.model.dtypes import torch_dtype
+from server.model.config import torch_dtype
 
 __all__ = ["AsyncEngine", "EngineError", "LLMEngine"]
 log = logging.getLogger("server.engine")

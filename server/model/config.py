@@ -12,10 +12,20 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 DTYPES = ("float32", "bfloat16", "float16")
+# The dtype names a config or a checkpoint uses, and the torch dtypes they stand for.
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16}
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype called ``name``; None for no name or an unknown one (the caller's default)."""
+    return TORCH_DTYPES.get(name or "")
 
 
 class UnsupportedConfigError(ValueError):

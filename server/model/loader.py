@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from server.model.dtypes import TORCH_DTYPES
-from server.model.config import DeepseekConfig, UnsupportedConfigError
+from server.model import bf16_cpu
+from server.model.config import TORCH_DTYPES, DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
 from server.model.layers import column_major
@@ -105,6 +105,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
 
     with meta_device():
         model = DeepseekV3ForCausalLM(cfg, num_mtp_layers=num_mtp)
+    if bf16_cpu.pays(dtype, torch.device(device).type):
+        bf16_cpu.install()                       # prompts' rows as float32 GEMMs (bf16_cpu.py)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
         spec = detect(path, cfg.extra, linears)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model import quant, rows_linear
+from server.model import bf16_cpu, quant
 from server.model.batch import DecodeMetadata
 
 
@@ -52,8 +52,8 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     nh, dn, dv, kvr = attn.num_heads, attn.nope_dim, attn.v_dim, attn.kv_lora_rank
     w = attn.kv_b_proj.weight.view(nh, dn + dv, kvr)
     w_uk, w_uv = w[:, :dn], w[:, dn:]
-    if rows_linear.reducing():       # a 16-bit graph on a CPU without 16-bit instructions
-        q_lat = rows_linear.latent_query(q_nope, w_uk)
+    if bf16_cpu.reducing():       # a 16-bit graph on a CPU without 16-bit instructions
+        q_lat = bf16_cpu.latent_query(q_nope, w_uk)
     else:
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [T, nH, kvr]
     q = torch.cat([q_lat, q_pe], dim=-1).reshape(b, q_len * nh, dim)  # row q * nH + h
@@ -62,8 +62,8 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
     scores = torch.baddbmm(bias, q, ctx.transpose(1, 2), alpha=attn.scale)
     o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr]).reshape(b * q_len, nh, kvr)
-    if rows_linear.reducing():
-        out = rows_linear.latent_value(o, w_uv)
+    if bf16_cpu.reducing():
+        out = bf16_cpu.latent_value(o, w_uv)
     else:
         out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [T, nH, dv]
     return attn.o_proj(out.flatten(1))

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from server.model.dtypes import TORCH_DTYPES
-from server.model.config import DeepseekConfig
+from server.model.config import TORCH_DTYPES, DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import quantize_fp8
 from server.model.meta import meta_device

@@ -28,7 +28,7 @@ from server.engine.child import child_context, init_child
 from server.engine.config import EngineConfig
 from server.engine.executor.process import ProcessExecutor, read_into_queue, serve_steps
 from server.engine.worker.rank_group import PING, RankFailed, RankGroup, collective_error
-from server.model.dtypes import torch_dtype
+from server.model.config import torch_dtype
 
 log = logging.getLogger("server.engine")
 

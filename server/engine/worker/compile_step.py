@@ -51,14 +51,14 @@ from pathlib import Path
 import torch
 
 from server.engine.worker.compile_child import int8_layers, spawn_compile_child, tensor_dtypes
-from server.model import rows_linear, static_decode
+from server.model import bf16_cpu, static_decode
 from server.model.batch import DecodeMetadata
 
 log = logging.getLogger("server.engine")
 
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py",
-                  "rows_linear.py")
+                  "bf16_cpu.py")
 
 
 def should_compile(mode: str, device: torch.device, static_ok: bool) -> bool:
@@ -100,7 +100,7 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"threads {torch.get_num_threads()}".encode())
     h.update(repr(sorted(int8_layers(model).items())).encode())
     h.update(_plan_key(model.parallel_plan).encode())
-    h.update(f"rows_linear {_rows_linear(model, device)}".encode())
+    h.update(f"bf16_cpu {_bf16_reductions(model, device)}".encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
     return root / h.hexdigest()[:24]
@@ -168,16 +168,21 @@ def _example(model, index: int, q: int, lone: bool, block_size: int, device: tor
     return args
 
 
-def _rows_linear(model, device: torch.device) -> bool:
-    return rows_linear.pays(next(model.parameters()).dtype, device.type)
+def _bf16_reductions(model, device: torch.device) -> bool:
+    return bf16_cpu.pays(next(model.parameters()).dtype, device.type)
+
+
+def bf16_window(lone: bool, static: bool) -> str:
+    """The ``bf16_cpu.traced`` window of a graph: a lone sequence's window, a batch's, or
+    the lone prompt window (sizes symbolic)."""
+    return ("lone" if lone else "batch") if static else "prompt"
 
 
 def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: bool = False,
-                     reduce: bool = False, constant_rows: bool = False) -> tuple[object, bool]:
+                     window: str | None = None) -> tuple[object, bool]:
     """(compiled function, loaded from disk?).  ``static``: sizes are constants except
-    those ``_example`` marked dynamic.  ``reduce``: traced under ``rows_linear.traced``
-    (model/rows_linear.py: few-row products through 16-bit weights on a CPU without
-    16-bit instructions), its linears too where the row count is a constant."""
+    those ``_example`` marked dynamic.  ``window``: traced under ``bf16_cpu.traced(window)``
+    (model/bf16_cpu.py: 16-bit products on a CPU without 16-bit instructions)."""
     if path.is_file():
         try:
             with open(path, "rb") as f:
@@ -187,7 +192,7 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: 
     # On CPU the generated wrapper in C++ calls the kernels ~20% faster than the Python
     # one (a layer call at batch 2: 259 vs 394 us), for ~9 s more compile per graph.
     options = {"cpp_wrapper": True} if device.type == "cpu" else {}
-    with rows_linear.traced(constant_rows) if reduce else contextlib.nullcontext():
+    with bf16_cpu.traced(window) if window else contextlib.nullcontext():
         compiled = torch.compile(fn, dynamic=not static, fullgraph=True, options=options).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written aside, then renamed: another process making the same graph (two compiles of
@@ -204,7 +209,7 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
     ``folder`` or compiled into it: ({(kind, window, lone): graph}, number loaded from disk)."""
     _configure()
     graphs, loaded = {}, 0
-    rows = _rows_linear(model, device)
+    bf16 = _bf16_reductions(model, device)
     with torch.inference_mode():
         for kind, index, window, lone in graph_plan(model, max_query_len):
             path = folder / _file(kind, window, lone)
@@ -214,8 +219,8 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
             q = int(window[1:]) if static else 2 if window == "many" else 1
             args = _example(model, index, q, lone, block_size, device, static, kind)
             fn, hit = _load_or_compile(model.static_decoder.function(kind, static and not lone),
-                                       args, path, device, static, reduce=rows and static,
-                                       constant_rows=lone)
+                                       args, path, device, static,
+                                       bf16_window(lone, static) if bf16 else None)
             # Guards were checked when the graph was made; the calls the decoder makes
             # differ only in sizes the graph keeps symbolic (one-block tables are padded),
             # so skip re-checking ~30 weights per call.

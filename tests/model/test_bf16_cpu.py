@@ -1,4 +1,4 @@
-"""Few-row products through 16-bit weights as fused reductions (model/rows_linear.py): the
+"""Few-row products through 16-bit weights as fused reductions (model/bf16_cpu.py): the
 same products as ``F.linear`` and the absorbed attention's bmms to bf16 rounding, taken only
 while a graph is traced under ``traced`` (linears only where its rows are constant), and
 only where the CPU lacks 16-bit float instructions."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.model import rows_linear
+from server.model import bf16_cpu
 
 
 def test_latent_products_are_the_bmms():
@@ -23,9 +23,9 @@ def test_latent_products_are_the_bmms():
         o = torch.randn(t, 4, 32, generator=g).to(torch.bfloat16)
         want_q = torch.bmm(q.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
         want_o = torch.bmm(o.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1)
-        torch.testing.assert_close(rows_linear.latent_query(q, w_uk).float(), want_q, atol=0.05, rtol=0.01)
-        torch.testing.assert_close(rows_linear.latent_value(o, w_uv).float(), want_o, atol=0.05, rtol=0.01)
-    assert not rows_linear.reducing()                    # not tracing
+        torch.testing.assert_close(bf16_cpu.latent_query(q, w_uk).float(), want_q, atol=0.05, rtol=0.01)
+        torch.testing.assert_close(bf16_cpu.latent_value(o, w_uv).float(), want_o, atol=0.05, rtol=0.01)
+    assert not bf16_cpu.reducing()                    # not tracing
 
 
 @pytest.mark.parametrize("rows", [2, 3, 8])
@@ -36,7 +36,7 @@ def test_rows_linear_is_f_linear(rows):
     b = torch.randn(96, generator=g).to(torch.bfloat16)
     for bias in (None, b):
         want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-        got = rows_linear.rows_linear(x, w, bias)
+        got = bf16_cpu.rows_linear(x, w, bias)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.01)
 
@@ -53,40 +53,66 @@ def _ops(module, x) -> list[str]:
     return ops
 
 
-def test_taken_only_while_tracing_constant_rows_of_16_bit_weights():
+def test_each_window_traces_its_form_and_only_while_tracing():
     lin = torch.nn.Linear(32, 48, bias=False).to(torch.bfloat16)
     x2 = torch.randn(2, 32).to(torch.bfloat16)
-    with rows_linear.traced(constant_rows=True):
+    before = F.linear                                    # _linear itself once install() ran
+    with bf16_cpu.traced("lone"):
         eager = lin(x2)                                  # not tracing: F.linear itself
-        assert "linear" in str(_ops(lin, x2[:1]))        # one row: F.linear
+        assert "linear" not in str(_ops(lin, x2[:1]))    # one row too: as a plain step's row
+        assert "linear" in str(_ops(lin, torch.randn(9, 32).to(torch.bfloat16)))   # over MAX_ROWS
         lin32 = torch.nn.Linear(32, 48, bias=False)
         assert "linear" in str(_ops(lin32, x2.float()))  # float32 weight
         rows = _ops(lin, x2)
         assert "linear" not in str(rows)
         assert rows.count("sum") == 2                    # one reduction per row
         out = torch.compile(lin, backend="eager", dynamic=False, fullgraph=True)(x2)
-    assert F.linear is rows_linear._F_LINEAR             # restored on exit
+    assert F.linear is before                            # restored on exit
     assert "linear" in str(_ops(lin, x2))
-    with rows_linear.traced(constant_rows=False):        # a batch graph: its rows are symbolic
-        assert "linear" in str(_ops(lin, x2))
+    with bf16_cpu.traced("batch"):                       # a batch graph: its rows are symbolic
+        assert "linear" in str(_ops(lin, x2)) and "float" not in str(_ops(lin, x2))
+    with bf16_cpu.traced("prompt"):                      # a prompt: a float32 GEMM
+        assert "linear" in str(_ops(lin, x2)) and "float" in str(_ops(lin, x2))
+    with pytest.raises(ValueError, match="window"):
+        with bf16_cpu.traced("decode"):
+            pass
     torch.testing.assert_close(out.float(), eager.float(), atol=0.05, rtol=0.01)
+
+
+def test_installed_prompts_rows_run_as_float32_gemms(monkeypatch):
+    """After ``install`` (a bf16 model loaded on such a CPU), eager products of PROMPT_ROWS
+    rows or more take the float32 GEMM; fewer rows and float32 weights are F.linear's."""
+    monkeypatch.setattr(bf16_cpu, "_installed", False)
+    monkeypatch.setattr(F, "linear", F.linear)           # restored after the test
+    bf16_cpu.install()
+    assert F.linear is bf16_cpu._linear
+    seen = []
+    monkeypatch.setattr(bf16_cpu, "float32_linear", lambda *a: seen.append(a[0].shape) or bf16_cpu._F_LINEAR(*a))
+    w = torch.randn(48, 32).to(torch.bfloat16)
+    for rows in (1, bf16_cpu.PROMPT_ROWS - 1, bf16_cpu.PROMPT_ROWS, 200):
+        F.linear(torch.randn(rows, 32).to(torch.bfloat16), w)
+    F.linear(torch.randn(200, 32), w.float())
+    assert seen == [torch.Size([bf16_cpu.PROMPT_ROWS, 32]), torch.Size([200, 32])]
+    x = torch.randn(64, 32).to(torch.bfloat16)
+    torch.testing.assert_close(bf16_cpu.float32_linear(x, w).float(), (x.float() @ w.float().t()),
+                               atol=0.05, rtol=0.01)
 
 
 def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkeypatch):
     from server.model import layers
     for native in (False, True):
         monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
-        rows_linear.pays.cache_clear()
-        assert rows_linear.pays(torch.bfloat16, "cpu") is (not native)
-        assert not rows_linear.pays(torch.float32, "cpu")
-        assert not rows_linear.pays(torch.bfloat16, "cuda")
-    rows_linear.pays.cache_clear()
+        bf16_cpu.pays.cache_clear()
+        assert bf16_cpu.pays(torch.bfloat16, "cpu") is (not native)
+        assert not bf16_cpu.pays(torch.float32, "cpu")
+        assert not bf16_cpu.pays(torch.bfloat16, "cuda")
+    bf16_cpu.pays.cache_clear()
 
 
 @pytest.mark.slow
 def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_emits(tmp_path, monkeypatch):
     """A 2-token window of a lone sequence through a bf16 tiny model's first layer: the
-    compiled graph (compile_step, reduce on) reads its projections through ``rows_linear``
+    compiled graph (compile_step, window "lone") reads its projections through ``rows_linear``
     and W_UK / W_UV through the latent reductions, and its output equals the uncompiled
     layer's to bf16 rounding."""
     from server.engine.worker import compile_step
@@ -94,8 +120,8 @@ def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_em
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     taken = []
     for name in ("rows_linear", "latent_query", "latent_value"):
-        real = getattr(rows_linear, name)
-        monkeypatch.setattr(rows_linear, name, lambda *a, real=real, name=name, **k: taken.append(name) or real(*a, **k))
+        real = getattr(bf16_cpu, name)
+        monkeypatch.setattr(bf16_cpu, name, lambda *a, real=real, name=name, **k: taken.append(name) or real(*a, **k))
     model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=1), dtype=torch.bfloat16)
     device = torch.device("cpu")
     compile_step._configure()
@@ -105,7 +131,7 @@ def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_em
         fn = model.static_decoder.function(kind, False)
         want = fn(*args)
         graph, _ = compile_step._load_or_compile(fn, args, Path(tempfile.mkdtemp(dir=tmp_path)) / "g.bin",
-                                                 device, static=True, reduce=True, constant_rows=True)
+                                                 device, static=True, window="lone")
         got = graph(*args)
     assert taken.count("rows_linear") >= 4 and {"latent_query", "latent_value"} <= set(taken)
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)

@@ -1,0 +1,148 @@
+"""16-bit float products on a CPU without 16-bit float instructions (AVX2 only: no
+AVX512_BF16, no AMX).
+
+Why: there oneDNN's bf16 product converts the weight to float32 for every row it
+multiplies, so it costs a single-row product per row (2 threads, AMD EPYC):
+
+* a decode window's rows: the 0.5b model's [32000, 1536] head took 5.1 / 9.5 / 14.3 ms for
+  1 / 2 / 3 rows, the absorbed attention's W_UK bmm 0.43 / 0.82 / 1.28 ms, so a k=1 step
+  cost 2.7x a plain step and MTP was slower than none;
+* a prompt's rows: [8192, 1536] at 200 rows 237 ms, where converting the weight to float32
+  once and running a float32 GEMM takes 62 ms ([1536, 3072]: 87 against 13 ms).
+
+So, in the graphs of the compiled step (``traced``, by the kind of window):
+
+* ``"lone"`` (a lone sequence's window, a constant 1..MAX_ROWS rows): each ``F.linear`` is
+  one float32 reduction per row over the weight converted once (``rows_linear``); Inductor
+  fuses the rows into one kernel that loads each weight vector once for all of them.  The
+  head at 2 / 3 rows: 6.9 / 9.8 ms; a [1536 -> 3072 -> 1536] MLP at 2 rows 1.1 ms against
+  2.8.  One row takes the same form (as fast as oneDNN's), so a window of k+1 rows
+  computes each row exactly as a plain step does and MTP stays lossless in bf16 too.
+* ``"lone"`` and ``"batch"``: W_UK / W_UV as reductions over a head's cached weights
+  (``latent_query``, ``latent_value``): 0.07 against 0.82 ms at 2 rows.
+* ``"prompt"`` (a lone prompt, any length): linears and those bmms in float32.
+
+Outside graphs, once a 16-bit model is loaded on such a CPU (``install``), an ``F.linear``
+of PROMPT_ROWS rows or more (prompts on the varlen path) runs in float32 the same way.
+Float32 models never take any of it, so the lossless float32 checks are untouched; bf16
+outputs are bf16 rounding apart from oneDNN's (float32 sums in another order).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from server.model.quant import materialized
+
+log = logging.getLogger("server.model")
+
+MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
+PROMPT_ROWS = 32    # outside graphs, from here a float32 GEMM beats oneDNN's bf16 rows
+_HALF = (torch.bfloat16, torch.float16)
+WINDOWS = ("lone", "batch", "prompt")
+
+
+@functools.lru_cache(maxsize=None)
+def pays(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether a model of ``dtype`` weights on ``device_type`` takes this module's forms."""
+    from server.model.layers import cpu_has_native_bf16
+    return device_type == "cpu" and dtype in _HALF and not cpu_has_native_bf16()
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-d ``x`` of a few rows, as one float32 reduction
+    per row over the converted weight (for Inductor to fuse; slow uncompiled)."""
+    w = weight.float()
+    xf = materialized(x.float())        # not recomputed for every output column
+    out = torch.stack([(w * xf[i]).sum(-1) for i in range(x.shape[0])]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through a float32 GEMM over the converted weight, for many rows."""
+    out = _F_LINEAR(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def latent_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)``: [T, nH, dn] x [nH, dn, kvr] ->
+    [T, nH, kvr].  In a window's graph a reduction over dn: a head's W_UK (the 0.5b model:
+    12 x 128 x 384, 1.2 MB) stays in cache across rows, so any row count takes it."""
+    if _mode == "prompt":
+        return torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1).to(q_nope.dtype)
+    return (materialized(q_nope.float())[..., None] * w_uk.float()).sum(2).to(q_nope.dtype)
+
+
+def latent_value(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)``: [T, nH, kvr] x
+    [nH, dv, kvr] -> [T, nH, dv]; a reduction over kvr in a window's graph."""
+    if _mode == "prompt":
+        return torch.bmm(o.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1).to(o.dtype)
+    return (materialized(o.float())[:, :, None, :] * w_uv.float()).sum(-1).to(o.dtype)
+
+
+def reducing() -> bool:
+    """Whether the graph being traced takes ``latent_query`` / ``latent_value`` (under
+    ``traced``); static_decode.attend asks."""
+    return _mode is not None and torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def traced(window: str) -> Iterator[None]:
+    """Trace a graph for ``window`` (``WINDOWS``, module docstring) in this context.
+
+    ``F.linear`` is swapped for the context (what ``nn.Linear.forward`` looks up when
+    traced; a TorchFunctionMode would route every tensor method too, and Dynamo cannot
+    trace some of them through one).  Calls outside a trace, from any thread, are not
+    affected: the forms ask ``torch.compiler.is_compiling()``.  One traced graph at a time
+    (the lock).  The caller says the window: under Dynamo a symbolic row count would pass
+    an ``isinstance(rows, int)`` test and be specialised."""
+    global _mode
+    if window not in WINDOWS:
+        raise ValueError(f"window {window!r}; allowed: {', '.join(WINDOWS)}")
+    with _lock:
+        before = F.linear
+        _mode, F.linear = window, _linear
+        try:
+            yield
+        finally:
+            _mode, F.linear = None, before
+
+
+def install() -> None:
+    """From now on, in this process, an ``F.linear`` of PROMPT_ROWS rows or more through a
+    16-bit CPU weight runs through ``float32_linear`` (called where a 16-bit model is loaded
+    on a CPU that ``pays``)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            _installed = True
+            F.linear = _linear
+            log.info("bf16 on a CPU without bf16 instructions: products of %d rows or more "
+                     "run as float32 GEMMs", PROMPT_ROWS)
+
+
+_F_LINEAR = F.linear
+_lock = threading.Lock()
+_mode: str | None = None
+_installed = False
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.dtype not in _HALF or weight.device.type != "cpu" or weight.dim() != 2:
+        return _F_LINEAR(x, weight, bias)
+    if torch.compiler.is_compiling():
+        if _mode == "lone" and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            return rows_linear(x, weight, bias)
+        if _mode == "prompt":
+            return float32_linear(x, weight, bias)
+        return _F_LINEAR(x, weight, bias)
+    if _installed and x.dim() >= 2 and x.numel() >= PROMPT_ROWS * x.shape[-1]:
+        return float32_linear(x, weight, bias)
+    return _F_LINEAR(x, weight, bias)
