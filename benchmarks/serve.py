@@ -134,7 +134,7 @@ class TransformersPeer:
 def checkpoint_dtype(weights: Path):
     """The torch dtype a checkpoint folder's config.json names (the daemon serves in it)."""
     import json
-    from server.model.dtypes import TORCH_DTYPES
+    from server.model.config import TORCH_DTYPES
     return TORCH_DTYPES[json.loads((weights / "config.json").read_text()).get("torch_dtype") or "float32"]
 
 

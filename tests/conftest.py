@@ -73,13 +73,18 @@ _WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests of the warmed graph sets run last (whole files, so that xdist's loadfile
-    schedule sends them last too): by then the background compile made their graphs, and
-    neither a test nor an xdist worker idles waiting for it."""
+    """The tests of the warmed graph sets run late, before the PD tests (whole files, so
+    that xdist's loadfile schedule sends them late too): by then the background compile
+    made their graphs, so neither a test nor a worker idles waiting for it, and the PD and
+    text files keep the other worker busy meanwhile (run last, test_compiled_step.py's
+    minute left one worker idle at the end)."""
     if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0":
         return
     warmed = tuple(test for test, *_ in _WARM_SETS)
-    items.sort(key=lambda item: item.nodeid.startswith(warmed))
+    late = [i for i in items if i.nodeid.startswith(warmed)]
+    others = [i for i in items if not i.nodeid.startswith(warmed)]
+    cut = next((n for n, i in enumerate(others) if i.nodeid.startswith("tests/pd/")), len(others))
+    items[:] = others[:cut] + late + others[cut:]
 
 
 def _marks(config):

@@ -172,7 +172,7 @@ def _bf16_reductions(model, device: torch.device) -> bool:
     return bf16_cpu.pays(next(model.parameters()).dtype, device.type)
 
 
-def bf16_window(lone: bool, static: bool) -> str:
+def _bf16_window(lone: bool, static: bool) -> str:
     """The ``bf16_cpu.traced`` window of a graph: a lone sequence's window, a batch's, or
     the lone prompt window (sizes symbolic)."""
     return ("lone" if lone else "batch") if static else "prompt"
@@ -220,7 +220,7 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
             args = _example(model, index, q, lone, block_size, device, static, kind)
             fn, hit = _load_or_compile(model.static_decoder.function(kind, static and not lone),
                                        args, path, device, static,
-                                       bf16_window(lone, static) if bf16 else None)
+                                       _bf16_window(lone, static) if bf16 else None)
             # Guards were checked when the graph was made; the calls the decoder makes
             # differ only in sizes the graph keeps symbolic (one-block tables are padded),
             # so skip re-checking ~30 weights per call.
