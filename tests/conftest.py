@@ -8,6 +8,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Daemons the tests start run uncompiled (a compile costs 15-60 s per start); the compiled
 # step has its own tests, which ask for it (tests/engine/test_compiled_step.py).
 os.environ.setdefault("MTP_SERVE_COMPILE", "0")
+# The compiled-step tests' graphs call their kernels from Python, not a C++ wrapper: ~9 s
+# less compile a graph, and a clean checkout compiles ~30 of them cold.  The C++ wrapper
+# (the default) is compiled, saved and loaded by tests/model/test_bf16_cpu.py.
+os.environ.setdefault("MTP_SERVE_COMPILE_CPP_WRAPPER", "0")
 # Inductor compiles in this process rather than through a pool of worker processes: on
 # two cores the pool's start-up (each worker imports torch) costs more than it saves.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -112,12 +112,13 @@ def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkey
 @pytest.mark.slow
 def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_emits(tmp_path, monkeypatch):
     """A 2-token window of a lone sequence through a bf16 tiny model's first layer: the
-    compiled graph (compile_step, window "lone") reads its projections through ``rows_linear``
+    compiled graph (compile_step, window "lone", C++ wrapper, saved and loaded) reads its projections through ``rows_linear``
     and W_UK / W_UV through the latent reductions, and its output equals the uncompiled
     layer's to bf16 rounding."""
     from server.engine.worker import compile_step
     from server.model.loader import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    monkeypatch.setenv(compile_step.CPP_WRAPPER_ENV, "1")    # the serving default (the suite's is 0)
     taken = []
     for name in ("rows_linear", "latent_query", "latent_value"):
         real = getattr(bf16_cpu, name)
@@ -130,9 +131,15 @@ def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_em
         args = compile_step._example(model, index, 2, True, 8, device, True, kind)
         fn = model.static_decoder.function(kind, False)
         want = fn(*args)
-        graph, _ = compile_step._load_or_compile(fn, args, Path(tempfile.mkdtemp(dir=tmp_path)) / "g.bin",
-                                                 device, static=True, window="lone")
+        path = Path(tempfile.mkdtemp(dir=tmp_path)) / "g.bin"
+        graph, hit = compile_step._load_or_compile(fn, args, path, device, static=True, window="lone")
         got = graph(*args)
+        loaded, hit_again = compile_step._load_or_compile(fn, args, path, device, static=True, window="lone")
+        loaded.disable_guard_check()
+        again = loaded(*args)
+    assert (hit, hit_again) == (False, True)
+    again = again[0] if isinstance(again, tuple) else again
     assert taken.count("rows_linear") >= 4 and {"latent_query", "latent_value"} <= set(taken)
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
     torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)
+    assert torch.equal(again, got)

@@ -57,6 +57,7 @@ from server.model.batch import DecodeMetadata
 log = logging.getLogger("server.engine")
 
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
+CPP_WRAPPER_ENV = "MTP_SERVE_COMPILE_CPP_WRAPPER"
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py",
                   "bf16_cpu.py")
 
@@ -100,7 +101,7 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"threads {torch.get_num_threads()}".encode())
     h.update(repr(sorted(int8_layers(model).items())).encode())
     h.update(_plan_key(model.parallel_plan).encode())
-    h.update(f"bf16_cpu {_bf16_reductions(model, device)}".encode())
+    h.update(f"bf16_cpu {_bf16_reductions(model, device)} cpp_wrapper {cpp_wrapper(device)}".encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
     return root / h.hexdigest()[:24]
@@ -168,6 +169,14 @@ def _example(model, index: int, q: int, lone: bool, block_size: int, device: tor
     return args
 
 
+def cpp_wrapper(device: torch.device) -> bool:
+    """Whether graphs call their kernels from a wrapper in C++: on CPU ~20% faster than the
+    Python one (a layer call at batch 2: 259 against 394 us), for ~9 s more compile per
+    graph.  $MTP_SERVE_COMPILE_CPP_WRAPPER=0 trades the speed for the compile time (the
+    test suite does: it compiles its graphs cold on every clean checkout)."""
+    return device.type == "cpu" and os.environ.get(CPP_WRAPPER_ENV, "1") != "0"
+
+
 def _bf16_reductions(model, device: torch.device) -> bool:
     return bf16_cpu.pays(next(model.parameters()).dtype, device.type)
 
@@ -189,9 +198,7 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: 
                 return torch.compiler.load_compiled_function(f), True
         except Exception as exc:                     # noqa: BLE001 - a stale or broken file
             log.warning("compiled artifact %s did not load (%s); compiling again", path, exc)
-    # On CPU the generated wrapper in C++ calls the kernels ~20% faster than the Python
-    # one (a layer call at batch 2: 259 vs 394 us), for ~9 s more compile per graph.
-    options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+    options = {"cpp_wrapper": True} if cpp_wrapper(device) else {}
     with bf16_cpu.traced(window) if window else contextlib.nullcontext():
         compiled = torch.compile(fn, dynamic=not static, fullgraph=True, options=options).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
