@@ -628,6 +628,8 @@ def test_property_no_server_error_on_any_body(limited):
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             assert r.status_code < 500, (body, r.text[:300])
             if r.status_code != 200:
+                assert r.headers.get("content-type", "").startswith("application/json"), \
+                    (r.status_code, r.headers, r.text[:300])
                 err = r.json()["error"]
                 assert err["code"] == r.status_code and err["message"], err
 
