@@ -62,9 +62,13 @@ def quantized(tmp_path_factory, worker_id):
 
 @pytest.fixture(scope="session")
 def worker_id(request) -> str:
-    """xdist's worker name ("gw0", ...), "master" without xdist (xdist's own fixture of
-    the name, when its plugin is off)."""
-    workerinput = getattr(request.config, "workerinput", None)
+    """xdist's own fixture of the name, also when its plugin is off."""
+    return _worker(request.config)
+
+
+def _worker(config) -> str:
+    """xdist's worker name ("gw0", ...); "master" without xdist."""
+    workerinput = getattr(config, "workerinput", None)
     return workerinput["workerid"] if workerinput else "master"
 
 
@@ -120,7 +124,7 @@ def pytest_collection_finish(session):
     if os.environ.get("MTP_SERVE_TEST_WARM_COMPILE", "1") == "0" or session.config.option.collectonly:
         return
     marks = _WARM["marks"] = _marks(session.config)
-    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+    if _worker(session.config) not in ("master", "gw0"):
         return                          # gw0 collected the same items and marks what it warms
     wanted = [w for w in _WARM_SETS if any(i.nodeid.startswith(w[0]) for i in session.items)]
     from server.testing.daemon import demo_model_ready

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.model import bf16_cpu
 from server.model.batch import BatchMetadata
 from server.model.config import DeepseekConfig
 from server.model.latent_cache import CacheLike, as_cache
@@ -218,14 +219,13 @@ class MLA(nn.Module):
         """Fold W_UK into the query: [T, nH, dn], [T, nH, dr] -> [T, nH, kvr + dr]."""
         nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uk = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, :dn]   # [nH, dn, kvr]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)      # [T, nH, kvr]
-        return torch.cat([q_lat, q_pe], dim=-1)
+        return torch.cat([bf16_cpu.latent_query(q_nope, w_uk), q_pe], dim=-1)
 
     def _value_out(self, o: torch.Tensor) -> torch.Tensor:
         """Unfold W_UV: latent-space outputs [T, nH, kvr] -> [T, nH * dv]."""
         nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uv = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, dn:]   # [nH, dv, kvr]
-        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
+        return bf16_cpu.latent_value(o, w_uv).flatten(1)
 
     def _attend_absorbed(self, q_nope, q_pe, ctx, plan: AttentionPlan) -> torch.Tensor:
         """Attend in latent space; all heads share one key/value row per token (MQA)."""

@@ -71,25 +71,29 @@ def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def latent_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """``bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)``: [T, nH, dn] x [nH, dn, kvr] ->
-    [T, nH, kvr].  In a window's graph a reduction over dn: a head's W_UK (the 0.5b model:
-    12 x 128 x 384, 1.2 MB) stays in cache across rows, so any row count takes it."""
+    """The absorbed attention's W_UK product (attention.py): [T, nH, dn] x [nH, dn, kvr] ->
+    [T, nH, kvr], a bmm.  In a window's graph traced here, a reduction over dn instead: a
+    head's W_UK (the 0.5b model: 12 x 128 x 384, 1.2 MB) stays in cache across rows, so
+    any row count takes it; in a prompt's, a float32 bmm."""
+    if not reducing():
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
     if _mode == "prompt":
         return torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1).to(q_nope.dtype)
     return (materialized(q_nope.float())[..., None] * w_uk.float()).sum(2).to(q_nope.dtype)
 
 
 def latent_value(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """``bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)``: [T, nH, kvr] x
-    [nH, dv, kvr] -> [T, nH, dv]; a reduction over kvr in a window's graph."""
+    """The W_UV product: [T, nH, kvr] x [nH, dv, kvr] -> [T, nH, dv], a bmm; traced here, a
+    reduction over kvr (a window) or a float32 bmm (a prompt)."""
+    if not reducing():
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
     if _mode == "prompt":
         return torch.bmm(o.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1).to(o.dtype)
     return (materialized(o.float())[:, :, None, :] * w_uv.float()).sum(-1).to(o.dtype)
 
 
 def reducing() -> bool:
-    """Whether the graph being traced takes ``latent_query`` / ``latent_value`` (under
-    ``traced``); static_decode.attend asks."""
+    """Whether a graph is being traced under ``traced`` (and so takes this module's forms)."""
     return _mode is not None and torch.compiler.is_compiling()
 
 
@@ -137,11 +141,13 @@ _installed = False
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight.dtype not in _HALF or weight.device.type != "cpu" or weight.dim() != 2:
         return _F_LINEAR(x, weight, bias)
-    if torch.compiler.is_compiling():
+    if reducing():
         if _mode == "lone" and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
             return rows_linear(x, weight, bias)
         if _mode == "prompt":
             return float32_linear(x, weight, bias)
+        return _F_LINEAR(x, weight, bias)
+    if torch.compiler.is_compiling():                # another graph: F.linear's own
         return _F_LINEAR(x, weight, bias)
     if _installed and x.dim() >= 2 and x.numel() >= PROMPT_ROWS * x.shape[-1]:
         return float32_linear(x, weight, bias)

@@ -17,10 +17,10 @@ import torch
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
-DTYPES = ("float32", "bfloat16", "float16")
 # The dtype names a config or a checkpoint uses, and the torch dtypes they stand for.
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
+DTYPES = tuple(TORCH_DTYPES)
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:

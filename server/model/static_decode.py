@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model import bf16_cpu, quant
+from server.model import quant
 from server.model.batch import DecodeMetadata
 
 
@@ -49,24 +49,14 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     # Rows past a sequence's last position may hold anything (even NaN): zero them so the
     # masked scores stay finite.  The last query row of a sequence has its largest position.
     ctx = torch.where((keys[None, :] <= pos[:, -1:])[..., None], ctx, 0.0)
-    nh, dn, dv, kvr = attn.num_heads, attn.nope_dim, attn.v_dim, attn.kv_lora_rank
-    w = attn.kv_b_proj.weight.view(nh, dn + dv, kvr)
-    w_uk, w_uv = w[:, :dn], w[:, dn:]
-    if bf16_cpu.reducing():       # a 16-bit graph on a CPU without 16-bit instructions
-        q_lat = bf16_cpu.latent_query(q_nope, w_uk)
-    else:
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [T, nH, kvr]
-    q = torch.cat([q_lat, q_pe], dim=-1).reshape(b, q_len * nh, dim)  # row q * nH + h
+    nh, kvr = attn.num_heads, attn.kv_lora_rank
+    q = attn._latent_query(q_nope, q_pe).reshape(b, q_len * nh, dim)  # row q * nH + h
     visible = keys[None, None, :] <= pos[:, :, None]                # [B, Q, S]
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
     bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
     scores = torch.baddbmm(bias, q, ctx.transpose(1, 2), alpha=attn.scale)
     o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr]).reshape(b * q_len, nh, kvr)
-    if bf16_cpu.reducing():
-        out = bf16_cpu.latent_value(o, w_uv)
-    else:
-        out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [T, nH, dv]
-    return attn.o_proj(out.flatten(1))
+    return attn.o_proj(attn._value_out(o))
 
 
 def dense_moe(moe, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
