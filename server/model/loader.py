@@ -84,7 +84,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     sharded tensor's slice through ``safe_open(...).get_slice`` (parallel.py says which).
 
     ``int8_backend`` (int8 checkpoints): "int_mm" (torch._int_mm), "float" (the same exact
-    integer products through a float GEMM) or "auto" (the faster of the two, measured once:
+    integer products through a float GEMM), "int8pack" (16-bit models: those products
+    rounded to bf16) or "auto" (the fastest for ``dtype``, measured once:
     server/model/quant.py)."""
     start = time.perf_counter()
     path = Path(path)
@@ -93,6 +94,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         dtype = TORCH_DTYPES[cfg.torch_dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported; allowed: float32, bfloat16, float16")
+    if int8_backend == "int8pack" and dtype == torch.float32:
+        raise CheckpointError("int8 backend int8pack rounds the integer sums to bf16: for 16-bit "
+                              "models only (float32 ones keep the exact sums)")
     block = _fp8_block(cfg, path)
     where = _tensor_index(path)                                  # tensor name -> file name
 
@@ -127,7 +131,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     model.parallel_plan = plan if plan is not None and plan.world_size > 1 else None
     if spec is not None:
         if int8_backend == "auto":
-            int8_backend = fastest_int8_backend(device)
+            int8_backend = fastest_int8_backend(device, dtype)
         install(model, spec, int8_backend, shard.row_parallel if shard else frozenset())
     expected = dict(model.named_parameters())                  # tied duplicates appear once
     if spec is not None:                                       # loaded by quant_loader below

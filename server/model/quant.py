@@ -10,16 +10,27 @@ Schemes (formulas from msModelSlim's weight-format documentation; W is int8 [out
                 + input_offset); y = (x_q . W^T + quant_bias) * deq_scale, where the saver
                 folded the offset's contribution (and any bias) into quant_bias.
 
-The integer products x_q . W^T are exact either way, so the two backends give the same
-numbers and the faster one is taken (``fastest_int8_backend``, measured once per process):
-``torch._int_mm`` computes them as int8 x int8 -> int32 (oneDNN with VNNI/AMX on x86, the
-path on CUDA); the "float" backend runs them through a float32 GEMM, exact while every
-partial sum stays below 2**24 (in-features up to 1024 per chunk; wider inputs are split
-into such chunks and summed in float64).  With torch 2.4 on this project's first CPUs
-``_int_mm`` measured 20-40x slower than a float GEMM; with torch 2.13 on an AVX512-VNNI /
-AMX Xeon a [1, 1536] x [1536, 8192] product took 1.7 ms against 7.9 ms for bf16 and
-32 ms for the float path.  Weights stay resident as int8 either way; the float copy of a
-chunk lives only for the call.
+The integer products x_q . W^T are exact with two backends, so between them the choice
+changes speed only: ``torch._int_mm`` computes them as int8 x int8 -> int32 (oneDNN with
+VNNI/AMX on x86, the path on CUDA); the "float" backend runs them through a float32 GEMM,
+exact while every partial sum stays below 2**24 (in-features up to 1024 per chunk; wider
+inputs are split into such chunks and summed in float64).  With torch 2.4 on this
+project's first CPUs ``_int_mm`` measured 20-40x slower than a float GEMM; with torch 2.13
+on an AVX512-VNNI / AMX Xeon a [1, 1536] x [1536, 8192] product took 1.7 ms against 7.9 ms
+for bf16 and 32 ms for the float path.  Weights stay resident as int8 either way; the
+float copy of a chunk lives only for the call.
+
+A third backend, "int8pack", is for 16-bit models on CPUs where neither is fast (AVX2
+without VNNI: ``_int_mm`` streams 3 GB/s, the float path converts the weight every call):
+``torch._weight_int8pack_mm`` (weight-only int8, bf16 activations) takes the quantized
+activations as bf16, which holds every int8 value exactly, and unit scales, so it returns
+the same integer sums rounded once to bf16; the scales are applied in float32 after, as
+with the exact backends.  Its outputs are within a bf16 rounding of theirs, which a
+16-bit model's outputs are rounded to anyway, and still a function of each row alone (its
+float32 sums of integers are exact below 2**24 in any order), so MTP stays lossless.  At
+[1, 1536] x [1536, 8192] on the 2-core AVX2 EPYC: 0.56 ms against 1.30 ms for bf16 and
+31 ms for the float path.  Float32 models never take it (their outputs keep the exact
+sums), nor do row-parallel layers (their ranks add exact int32 partial sums).
 """
 from __future__ import annotations
 
@@ -30,28 +41,34 @@ from torch import nn
 from server.model import collectives
 
 EXACT_FLOAT_K = 1024          # 1024 * 127 * 128 < 2**24: float32 sums of int8 products are exact
+# torch._weight_int8pack_mm on CPU (torch 2.13) reads the in-features 8 at a time: other
+# widths summed wrongly or crashed the process when tried, so they take the float path.
+INT8PACK_ALIGN = 8
 SCHEMES = ("w8a8_dynamic", "w8a8_static")
-_FASTEST: dict[str, str] = {}
+EXACT_BACKENDS = ("int_mm", "float")
+_FASTEST: dict[tuple[str, bool], str] = {}
 
 
-def fastest_int8_backend(device: torch.device | str) -> str:
-    """"int_mm" or "float", whichever computes a decode-sized and a batch-sized int8
-    product faster on this device (measured once per process; CUDA always takes int_mm).
-    Both give the same integers, so the choice changes speed only."""
+def fastest_int8_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """The backend that computes a decode-sized and a batch-sized int8 product fastest on
+    this device (measured once per process and kind of model; CUDA always takes int_mm):
+    "int_mm" or "float" (the same exact integers), or for a 16-bit model on a CPU also
+    "int8pack" (module docstring)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return "int_mm"
-    if kind not in _FASTEST:
-        _FASTEST[kind] = _measure_int8_backends()
-    return _FASTEST[kind]
+    half = dtype in (torch.bfloat16, torch.float16)
+    if (kind, half) not in _FASTEST:
+        _FASTEST[(kind, half)] = _measure_int8_backends(EXACT_BACKENDS + (("int8pack",) if half else ()))
+    return _FASTEST[(kind, half)]
 
 
-def _measure_int8_backends() -> str:
+def _measure_int8_backends(backends: tuple[str, ...]) -> str:
     import time
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (2048, 1024), dtype=torch.int8, generator=g)
     times = {}
-    for backend in ("int_mm", "float"):
+    for backend in backends:
         total = 0.0
         for m in (1, 16):
             x = torch.randint(-127, 128, (m, 1024), dtype=torch.int8, generator=g)
@@ -71,9 +88,13 @@ def _measure_int8_backends() -> str:
 
 def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tensor:
     """x_q int8 [M, K] . w int8 [N, K]^T -> [M, N] holding the exact integer sums (float32/64
-    or int32 by backend)."""
+    or int32 by backend), or with "int8pack" those sums rounded to bf16 (as float32)."""
     if backend == "int_mm":
         return torch._int_mm(x_q, w.t())
+    if backend == "int8pack" and x_q.shape[1] % INT8PACK_ALIGN == 0:
+        # A buffer of its own: Inductor's lowering of the op takes no computed scales.
+        ones = materialized(torch.ones(w.shape[0], dtype=torch.bfloat16, device=w.device))
+        return torch._weight_int8pack_mm(x_q.to(torch.bfloat16), w, ones).float()
     K = x_q.shape[1]
     if K <= EXACT_FLOAT_K:
         return F.linear(x_q.float(), w.float())
@@ -96,7 +117,7 @@ def quantize_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                           gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
-                          down: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+                          down: torch.Tensor, down_scale: torch.Tensor, backend: str = "float") -> torch.Tensor:
     """Each token through its top-k int8 experts (dynamic scheme), their weights read by
     index: what the routed MoE computes with one QuantLinear per expert, as one graph
     with no host read of the per-expert counts, so a compiled graph reads each chosen
@@ -111,18 +132,51 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
 
     x [T, H]; weights/idx [T, k]; gate_up int8 [E, 2I, H] (gate rows, then up rows) with
     gate_up_scale [E, 2I]; down int8 [E, H, I] with down_scale [E, H]
-    (layers.MoE.expert_stacks) -> float32 [T, H], the routing-weighted sum over k."""
+    (layers.MoE.expert_stacks) -> float32 [T, H], the routing-weighted sum over k.
+
+    ``backend`` "int8pack" (the experts' QuantLinear backend): the products through
+    ``int8pack_experts`` instead, the numbers of the routed experts on that backend.  On
+    the AVX2 EPYC the reductions above are not vectorized for int8 weights: the 0.5b
+    model's 4 experts of [1536 x 512] took 6.7 ms a token, compiled, 2 threads."""
     xf = x.float()
     s = row_scales(xf)                                                   # [T, 1]
-    x_q = materialized(quantize_rows(xf, s))
-    acc = (gate_up[idx].float() * x_q[:, None, None, :]).sum(-1)          # [T, k, 2I]
+    pack = backend == "int8pack" and x.shape[-1] % INT8PACK_ALIGN == 0 \
+        and down.shape[-1] % INT8PACK_ALIGN == 0
+    if pack:
+        x_q = quantize_rows(xf, s).to(torch.bfloat16)
+        acc = int8pack_experts(x_q[:, None, :].expand(*idx.shape, -1).contiguous(), idx, gate_up)
+    else:
+        x_q = materialized(quantize_rows(xf, s))
+        acc = (gate_up[idx].float() * x_q[:, None, None, :]).sum(-1)      # [T, k, 2I]
     g, u = (acc * (s[:, :, None] * gate_up_scale[idx])).to(x.dtype).chunk(2, dim=-1)
     act = (F.silu(g) * u).float()                                        # [T, k, I]
     s2 = row_scales(act)                                                 # [T, k, 1]
-    a_q = materialized(quantize_rows(act, s2))
-    acc2 = (down[idx].float() * a_q[:, :, None, :]).sum(-1)               # [T, k, H]
+    if pack:
+        acc2 = int8pack_experts(quantize_rows(act, s2).to(torch.bfloat16), idx, down)
+    else:
+        a_q = materialized(quantize_rows(act, s2))
+        acc2 = (down[idx].float() * a_q[:, :, None, :]).sum(-1)           # [T, k, H]
     y = (acc2 * (s2 * down_scale[idx])).to(x.dtype)
     return (y * weights[:, :, None].float()).sum(1)
+
+
+@torch.library.custom_op("mtp_serve::int8pack_experts", mutates_args=())
+def int8pack_experts(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """rows bf16 [T, k, K] (quantized activations), idx [T, k], w int8 [E, N, K] -> float32
+    [T, k, N]: row (t, j) through expert idx[t, j] on the "int8pack" backend.  An operator
+    of its own so that a compiled graph calls it as is: traced, indexing a weight by a
+    tensor would copy it first (and Inductor's int8 reductions are slow on AVX2)."""
+    out = rows.new_empty(*idx.shape, w.shape[1], dtype=torch.float32)
+    ones = torch.ones(w.shape[1], dtype=torch.bfloat16, device=w.device)
+    for t, experts in enumerate(idx.tolist()):
+        for j, e in enumerate(experts):
+            out[t, j] = torch._weight_int8pack_mm(rows[t, j:j + 1], w[e], ones)[0]
+    return out
+
+
+@int8pack_experts.register_fake
+def _(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(*idx.shape, w.shape[1], dtype=torch.float32)
 
 
 def materialized(t: torch.Tensor) -> torch.Tensor:
@@ -239,8 +293,7 @@ class QuantLinear(nn.Module):
     def _integer_sums(self, x_q: torch.Tensor) -> torch.Tensor:
         """x_q . W^T, summed over the group's input slices when row parallel (as int32:
         exact, and converting the exact sum to float32 rounds it as one process does)."""
-        acc = int8_matmul(x_q, self.weight, self.backend)
-        if self.row_parallel:
-            acc = acc.to(torch.int32)
-            acc = collectives.all_reduce(acc)
-        return acc
+        if not self.row_parallel:
+            return int8_matmul(x_q, self.weight, self.backend)
+        acc = int8_matmul(x_q, self.weight, "float" if self.backend == "int8pack" else self.backend)
+        return collectives.all_reduce(acc.to(torch.int32))

@@ -85,7 +85,8 @@ def gathered_moe(moe, x: torch.Tensor, *stacks: torch.Tensor) -> torch.Tensor:
     place; accumulation in float32."""
     weights, idx = moe.gate(x)                                      # [T, k]
     if len(stacks) == 4:
-        out = quant.gathered_int8_experts(x, weights, idx, *stacks).to(x.dtype)
+        out = quant.gathered_int8_experts(x, weights, idx, *stacks,
+                                          backend=moe.experts[0].gate_proj.backend).to(x.dtype)
     else:
         w_gate_up, w_down = stacks
         # Stored, not inlined into the reductions: Inductor would recompute the norm

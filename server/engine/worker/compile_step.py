@@ -59,7 +59,7 @@ log = logging.getLogger("server.engine")
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
 CPP_WRAPPER_ENV = "MTP_SERVE_COMPILE_CPP_WRAPPER"
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py",
-                  "bf16_cpu.py")
+                  "bf16_cpu.py", "quant.py")
 
 
 def should_compile(mode: str, device: torch.device, static_ok: bool) -> bool:

@@ -1,0 +1,130 @@
+"""The "int8pack" int8 backend (server/model/quant.py): 16-bit models on CPUs without fast
+int8 products take torch._weight_int8pack_mm with the quantized activations as bf16.
+
+Checked against the exact backends: each integer sum comes back as the exact one rounded
+once to bf16 (so a row's output does not depend on the rows beside it, and MTP stays
+lossless); in-features it cannot take fall back to the exact float path; a bf16 W8A8 model
+on it agrees with the exact path within bf16 rounding; float32 models and row-parallel
+layers never take it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine.config import EngineConfig
+from server.engine.engine import LLMEngine
+from server.engine.protocol import EngineRequest, SamplingParams
+from server.model import quant
+from server.model.loader import CheckpointError, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
+pytestmark = [pytest.mark.demo, pytest.mark.skipif(not any(DEMO.glob("*.safetensors")),
+                                                   reason="demo model weights not present")]
+
+
+def _exact(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x_q.double() @ w.double().t()
+
+
+@pytest.mark.parametrize("k", [1536, 64])
+def test_sums_are_the_exact_ones_rounded_once_to_bf16(k):
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-127, 128, (1000, k), dtype=torch.int8, generator=g)
+    x_q = torch.randint(-127, 128, (5, k), dtype=torch.int8, generator=g)
+    got = quant.int8_matmul(x_q, w, "int8pack")
+    assert got.dtype == torch.float32
+    assert torch.equal(got, _exact(x_q, w).to(torch.bfloat16).float())
+    # A row alone gives what it gives among others: MTP's k+1-row windows stay lossless.
+    assert torch.equal(quant.int8_matmul(x_q[2:3], w, "int8pack"), got[2:3])
+
+
+def test_in_features_it_cannot_take_get_the_exact_sums():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (64, 100), dtype=torch.int8, generator=g)   # 100 % 8 != 0
+    x_q = torch.randint(-127, 128, (3, 100), dtype=torch.int8, generator=g)
+    assert torch.equal(quant.int8_matmul(x_q, w, "int8pack").double(), _exact(x_q, w))
+
+
+def test_float32_models_never_take_it():
+    assert quant.fastest_int8_backend("cpu", torch.float32) in quant.EXACT_BACKENDS
+    assert quant.fastest_int8_backend("cpu", torch.bfloat16) in quant.EXACT_BACKENDS + ("int8pack",)
+
+
+def test_row_parallel_layers_keep_the_exact_sums(monkeypatch):
+    layer = quant.QuantLinear(64, 32, "w8a8_dynamic", backend="int8pack", row_parallel=True)
+    monkeypatch.setattr(quant.collectives, "all_reduce", lambda t, op="sum": t)
+    seen = []
+    real = quant.int8_matmul
+    monkeypatch.setattr(quant, "int8_matmul", lambda x, w, b: seen.append(b) or real(x, w, b))
+    layer(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert seen == ["float"]
+
+
+def test_a_bf16_w8a8_model_agrees_with_the_exact_path_and_mtp_stays_lossless(quantized, monkeypatch):
+    calls = []
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+    with pytest.raises(CheckpointError, match="int8pack"):
+        load_checkpoint(quantized["ct"], int8_backend="int8pack")          # float32
+    models = {b: load_checkpoint(quantized["ct"], dtype=torch.bfloat16, int8_backend=b)[0].eval()
+              for b in ("float", "int8pack")}
+    models["float32"] = load_checkpoint(quantized["ct"], int8_backend="float")[0].eval()
+    ids = torch.tensor([list(range(5, 60))])
+    with torch.inference_mode():
+        logits = {b: m.compute_logits(m.forward_full(ids)[0]).float() for b, m in models.items()}
+    assert calls, "the int8pack backend never ran torch._weight_int8pack_mm"
+    # The extra bf16 rounding of the integer sums moves the logits no more than computing
+    # the same int8 model in bf16 instead of float32 does.
+    bf16_noise = (logits["float"] - logits["float32"]).abs().mean()
+    assert (logits["int8pack"] - logits["float"]).abs().mean() <= 2 * bf16_noise
+    agree = (logits["int8pack"].argmax(-1) == logits["float"].argmax(-1)).float().mean()
+    assert agree >= 0.9
+
+    from server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(DEMO)
+    prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(4)]
+
+    def run(k: int) -> dict:
+        cfg = EngineConfig(block_size=16, num_blocks=256, num_speculative_tokens=k, max_queue_delay_us=0,
+                           max_batch_size=4, max_seq_len=256, adaptive_speculation=False)
+        eng = LLMEngine(models["int8pack"], cfg, tok, eos_token_ids=set())
+        outs = eng.generate([EngineRequest(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0))
+                             for i, p in enumerate(prompts)])
+        return {r: [t for o in v for t in o.token_ids] for r, v in outs.items()}
+
+    assert run(1) == run(0)
+
+
+def test_a_compiled_graph_calls_it_and_loads_from_disk(tmp_path):
+    """Traced into a graph (compile_step._load_or_compile: compiled, saved, loaded again),
+    the int8pack layer and gathered experts call the backend as they do uncompiled; the
+    experts' operator takes the same integers, so only the graph's fused rounding differs."""
+    from server.engine.worker import compile_step
+    g = torch.Generator().manual_seed(3)
+    E, I, H, k = 4, 16, 32, 2
+    gate_up = torch.randint(-127, 128, (E, 2 * I, H), dtype=torch.int8, generator=g)
+    down = torch.randint(-127, 128, (E, H, I), dtype=torch.int8, generator=g)
+    gate_up_scale, down_scale = torch.rand(E, 2 * I, generator=g) / 500, torch.rand(E, H, generator=g) / 500
+    layer = quant.QuantLinear(H, H, "w8a8_dynamic", backend="int8pack")
+    layer.weight.data = torch.randint(-127, 128, (H, H), dtype=torch.int8, generator=g)
+    layer.weight_scale.data = torch.rand(H, generator=g) / 500
+
+    def fn(layer, x, weights, idx, *stacks):      # modules as arguments, as static_decode's
+        return layer(x) + quant.gathered_int8_experts(x, weights, idx, *stacks, backend="int8pack").to(x.dtype)
+
+    x = torch.randn(2, H, generator=g).to(torch.bfloat16)
+    args = (layer, x, torch.rand(2, k, generator=g), torch.tensor([[0, 3], [2, 3]]),
+            gate_up, gate_up_scale, down, down_scale)
+    path = tmp_path / "g.bin"
+    with torch.inference_mode():
+        want = fn(*args).float()
+        graph, hit = compile_step._load_or_compile(fn, args, path, torch.device("cpu"), static=True)
+        loaded, hit_again = compile_step._load_or_compile(fn, args, path, torch.device("cpu"), static=True)
+        got, again = graph(*args).float(), loaded(*args).float()
+    assert (hit, hit_again) == (False, True)
+    assert torch.equal(got, again)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
