@@ -1,7 +1,7 @@
 """Few-row products through 16-bit weights as fused reductions (model/bf16_cpu.py): the
 same products as ``F.linear`` and the absorbed attention's bmms to bf16 rounding, taken only
-while a graph is traced under ``traced`` (linears only where its rows are constant), and
-only where the CPU lacks 16-bit float instructions."""
+while a graph is traced under ``traced``, and only where the CPU lacks 16-bit float
+instructions."""
 from __future__ import annotations
 
 import tempfile
@@ -41,6 +41,22 @@ def test_rows_linear_is_f_linear(rows):
         torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.01)
 
 
+def test_batch_linear_is_f_linear_for_any_row_count():
+    """A batch window's linear (its rows symbolic in the graph): compiled once with a
+    dynamic row count, it gives F.linear's products to bf16 rounding at every count."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    fn = torch.compile(bf16_cpu.batch_linear, dynamic=True, fullgraph=True)
+    for rows in (2, 5, 16):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        for bias in (None, b):
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            for got in (bf16_cpu.batch_linear(x, w, bias), fn(x, w, bias)):
+                assert got.dtype == torch.bfloat16 and got.shape == want.shape
+                torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.01)
+
+
 def _ops(module, x) -> list[str]:
     """The operators of the graph Dynamo traces for ``module(x)``."""
     ops = []
@@ -69,8 +85,9 @@ def test_each_window_traces_its_form_and_only_while_tracing():
         out = torch.compile(lin, backend="eager", dynamic=False, fullgraph=True)(x2)
     assert F.linear is before                            # restored on exit
     assert "linear" in str(_ops(lin, x2))
-    with bf16_cpu.traced("batch"):                       # a batch graph: its rows are symbolic
-        assert "linear" in str(_ops(lin, x2)) and "float" not in str(_ops(lin, x2))
+    with bf16_cpu.traced("batch"):                       # a batch graph: one reduction, rows inner
+        batch = _ops(lin, x2)
+        assert "linear" not in str(batch) and batch.count("sum") == 1
     with bf16_cpu.traced("prompt"):                      # a prompt: a float32 GEMM
         assert "linear" in str(_ops(lin, x2)) and "float" in str(_ops(lin, x2))
     with pytest.raises(ValueError, match="window"):
