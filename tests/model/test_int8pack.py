@@ -64,6 +64,22 @@ def test_row_parallel_layers_keep_the_exact_sums(monkeypatch):
     assert seen == ["float"]
 
 
+@pytest.mark.parametrize("inter", [16, 12])         # 12: the down product keeps the exact sums
+def test_gathered_experts_compute_what_the_routed_ones_do(inter):
+    g = torch.Generator().manual_seed(inter)
+    E, H, k = 4, 32, 2
+    gate_up = torch.randint(-127, 128, (E, 2 * inter, H), dtype=torch.int8, generator=g)
+    down = torch.randint(-127, 128, (E, H, inter), dtype=torch.int8, generator=g)
+    gu_scale, down_scale = torch.rand(E, 2 * inter, generator=g) / 500, torch.rand(E, H, generator=g) / 500
+    x = torch.randn(3, H, generator=g).to(torch.bfloat16)
+    weights, idx = torch.rand(3, k, generator=g), torch.tensor([[0, 3], [2, 3], [1, 0]])
+    got = quant.gathered_int8_experts(x, weights, idx, gate_up, gu_scale, down, down_scale, backend="int8pack")
+    for t in range(3):
+        want = sum(quant.int8_expert(x[t:t + 1], gate_up[e], gu_scale[e], down[e], down_scale[e], "int8pack")[0]
+                   .float() * weights[t, j] for j, e in enumerate(idx[t].tolist()))
+        torch.testing.assert_close(got[t], want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_bf16_w8a8_model_agrees_with_the_exact_path_and_mtp_stays_lossless(quantized, monkeypatch):
     calls = []
     real = torch._weight_int8pack_mm
