@@ -12,9 +12,18 @@ so a 4-rank group spent some 8 s of a 2-core machine importing before it loaded 
 The fork server runs no torch op (no thread pool, no device), so forking from it is safe.
 It was started with the environment of its first use; each child is handed its parent's
 environment as it is now (``environ``), as a spawned child would have seen it.
+
+Each child keeps the large blocks it frees for reuse (``keep_freed_pages``): glibc's malloc
+hands a block over its mmap threshold (128 KB to 32 MB) fresh pages from the kernel and
+returns them on free, so each large temporary of a step (a 16-bit weight converted to
+float32 for a prompt's GEMM, int8 weights on the float backend, logits) faulted its pages
+in again.  On the 2-core AVX2 EPYC converting a [8192, 1536] bf16 weight took 26 ms, 3.5 ms
+with the pages kept; a 50-row prompt product through it 43.5 against 24 ms.  The child's
+resident size stays at its peak instead, as under a caching allocator.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -25,6 +34,7 @@ from typing import Any
 FORKSERVER_PRELOAD = ["server", "torch", "server.engine.executor.parallel",
                       "server.engine.worker.worker", "server.model.loader"]
 START_ENV = "MTP_SERVE_CHILD_START"      # "spawn" forces the old way (a fresh interpreter each)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3          # mallopt(3) parameters
 
 
 def child_context() -> Any:
@@ -38,6 +48,16 @@ def child_context() -> Any:
     return ctx
 
 
+def keep_freed_pages() -> bool:
+    """glibc's malloc keeps freed blocks of up to 1 GiB for reuse (module docstring); False
+    where the C library has no mallopt (it keeps its defaults)."""
+    try:
+        libc = ctypes.CDLL(None)                       # the process's own symbols, libc's among them
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 def init_child(log_level: int, threads: int | None = None, log_prefix: str = "",
                environ: dict[str, str] | None = None) -> None:
     if environ is not None:
@@ -47,6 +67,7 @@ def init_child(log_level: int, threads: int | None = None, log_prefix: str = "",
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s {log_prefix}%(name)s: %(message)s")
+    keep_freed_pages()
     if threads is not None:
         import torch
         torch.set_num_threads(threads)
