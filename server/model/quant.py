@@ -92,9 +92,7 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
     if backend == "int_mm":
         return torch._int_mm(x_q, w.t())
     if backend == "int8pack" and x_q.shape[1] % INT8PACK_ALIGN == 0:
-        # A buffer of its own: Inductor's lowering of the op takes no computed scales.
-        ones = materialized(torch.ones(w.shape[0], dtype=torch.bfloat16, device=w.device))
-        return torch._weight_int8pack_mm(x_q.to(torch.bfloat16), w, ones).float()
+        return torch._weight_int8pack_mm(x_q.to(torch.bfloat16), w, _unit_scales(w)).float()
     K = x_q.shape[1]
     if K <= EXACT_FLOAT_K:
         return F.linear(x_q.float(), w.float())
@@ -103,6 +101,14 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
         part = F.linear(x_q[:, k0:k0 + EXACT_FLOAT_K].float(), w[:, k0:k0 + EXACT_FLOAT_K].float()).double()
         acc = part if acc is None else acc + part
     return acc
+
+
+def _unit_scales(w: torch.Tensor) -> torch.Tensor:
+    """bf16 ones, one per output row of ``w`` [..., N, K]: the int8pack kernel's scales (the
+    real ones are applied in float32 after).  In a traced graph a buffer of its own:
+    Inductor's lowering of the kernel takes no computed scales."""
+    ones = torch.ones(w.shape[-2], dtype=torch.bfloat16, device=w.device)
+    return materialized(ones) if torch.compiler.is_compiling() else ones
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +174,7 @@ def int8pack_experts(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> 
     of its own so that a compiled graph calls it as is: traced, indexing a weight by a
     tensor would copy it first (and Inductor's int8 reductions are slow on AVX2)."""
     out = rows.new_empty(*idx.shape, w.shape[1], dtype=torch.float32)
-    ones = torch.ones(w.shape[1], dtype=torch.bfloat16, device=w.device)
+    ones = _unit_scales(w)
     for t, experts in enumerate(idx.tolist()):
         for j, e in enumerate(experts):
             out[t, j] = torch._weight_int8pack_mm(rows[t, j:j + 1], w[e], ones)[0]
