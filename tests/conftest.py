@@ -137,11 +137,15 @@ def pytest_collection_finish(session):
         _WARM["done"][test] = threading.Event()
         if marks is not None:
             (marks / f"{_mark(test)}.wanted").touch()
+    # Each set's cache folder and compile settings, read now: once tests run, one of them
+    # may set the compile environment for a while (test_bf16_cpu.py's C++ wrapper), and a
+    # set keyed or compiled under it is one no test asks for.
+    jobs = [(test, *_warm_job(plan, q)) for test, plan, q in wanted]
 
     def run() -> None:
-        for n, (test, plan, q) in enumerate(wanted):
+        for n, (test, *job) in enumerate(jobs):
             try:
-                _warm(n, plan, q)
+                _warm(n, *job)
             finally:
                 _WARM["done"][test].set()
                 if marks is not None:
@@ -150,12 +154,10 @@ def pytest_collection_finish(session):
     _WARM["thread"].start()
 
 
-def _warm(n: int, plan: tuple | None, q: int) -> None:
-    """One graph set made by one compile child (waited for)."""
-    import tempfile
-    from pathlib import Path
-
-    from server.engine.worker import compile_child, compile_step
+def _warm_job(plan: tuple | None, q: int) -> tuple:
+    """(model, its cache folder, the graphs missing there, max query length, C++ wrapper?,
+    threads) of one graph set."""
+    from server.engine.worker import compile_step
     from server.model.loader import load_checkpoint
     from server.model.parallel import ParallelPlan
     from server.testing.daemon import DEMO_MODEL
@@ -163,10 +165,21 @@ def _warm(n: int, plan: tuple | None, q: int) -> None:
     model, _ = load_checkpoint(DEMO_MODEL, plan=ParallelPlan(*plan) if plan else None)
     folder = compile_step.cache_dir(model, device)
     files = [f for r in compile_step.graph_rounds(model, q) for f in r if not (folder / f).is_file()]
+    return model, folder, files, q, compile_step.cpp_wrapper(device), torch.get_num_threads()
+
+
+def _warm(n: int, model, folder, files: list[str], q: int, cpp_wrapper: bool, threads: int) -> None:
+    """One graph set made by one compile child (waited for)."""
+    import tempfile
+    from pathlib import Path
+
+    from server.engine.worker import compile_child
     if files and not _WARM["stop"]:
         tmp = Path(tempfile.mkdtemp(prefix="mtp-warm-compile-"))
         _WARM["dirs"].append(tmp)
-        proc, _log = compile_child.spawn_compile_child(model, 16, device, folder, q, files, tmp / f"warm{n}")
+        proc, _log = compile_child.spawn_compile_child(model, 16, torch.device("cpu"), folder, q, files,
+                                                       tmp / f"warm{n}", cpp_wrapper=cpp_wrapper,
+                                                       threads=threads)
         _WARM["procs"].append(proc)
         proc.wait()
 

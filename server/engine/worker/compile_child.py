@@ -30,12 +30,17 @@ def tensor_dtypes(model) -> dict[str, torch.dtype]:
 
 
 def spawn_compile_child(model, block_size: int, device: torch.device, folder: Path,
-                        max_query_len: int, files: list[str], stem: Path) -> tuple[subprocess.Popen, Path]:
-    """One compile child for ``files``, not waited for: (the process, its log file)."""
+                        max_query_len: int, files: list[str], stem: Path, *, cpp_wrapper: bool,
+                        threads: int | None = None) -> tuple[subprocess.Popen, Path]:
+    """One compile child for ``files``, not waited for: (the process, its log file).
+
+    ``cpp_wrapper`` and ``threads`` (default: this process's) are what ``folder``'s key was
+    made from (compile_step.cache_dir): the child compiles with them whatever its inherited
+    environment says, so the graphs in a folder are always the ones its key names."""
     spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
-            "threads": torch.get_num_threads(), "block_size": block_size, "device": str(device),
-            "folder": str(folder), "max_query_len": max_query_len, "files": files,
-            "plan": model.parallel_plan}
+            "threads": threads or torch.get_num_threads(), "block_size": block_size,
+            "device": str(device), "folder": str(folder), "max_query_len": max_query_len,
+            "files": files, "plan": model.parallel_plan, "cpp_wrapper": cpp_wrapper}
     spec_file, log_file = stem.with_suffix(".pkl"), stem.with_suffix(".log")
     spec_file.write_bytes(pickle.dumps(spec))
     with open(log_file, "w") as out:
@@ -96,7 +101,8 @@ def _child(spec_file: Path) -> int:
     device = torch.device(spec["device"])
     model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"], spec.get("plan"))
     folder = Path(spec["folder"])
-    from server.engine.worker.compile_step import _prepare
+    from server.engine.worker.compile_step import CPP_WRAPPER_ENV, _prepare
+    os.environ[CPP_WRAPPER_ENV] = "1" if spec["cpp_wrapper"] else "0"
     t0 = time.perf_counter()
     _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"])
     print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -340,7 +340,8 @@ def compile_in_children(model, block_size: int, device: torch.device, folder: Pa
     n = max(1, min(len(files), os.cpu_count() or 1, 4))
     with tempfile.TemporaryDirectory(prefix="mtp-compile-") as tmp:
         children = [spawn_compile_child(model, block_size, device, folder, max_query_len,
-                                        files[i::n], Path(tmp) / f"compile{i}")
+                                        files[i::n], Path(tmp) / f"compile{i}",
+                                        cpp_wrapper=cpp_wrapper(device))
                     for i in range(n)]
         failures = []
         for proc, log_file in children:
