@@ -3,6 +3,7 @@ stop strings, failures, logprobs, the async front."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -360,7 +361,9 @@ def test_from_config_reads_the_shipped_config(tmp_path):
     doc = json.loads(Path("conf/config.json").read_text())
     doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(ckpt)
     doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["npuMemSize"] = 1
-    app = parse_config(doc, base_dir=tmp_path)
+    # The suite's compile switch (off): "auto" would compile the tiny model's graphs in the
+    # background, minutes of a core that nothing reads.
+    app = parse_config(doc, base_dir=tmp_path, env={"MTP_SERVE_COMPILE": os.environ["MTP_SERVE_COMPILE"]})
     cfg = engine_config_from_app(app)
     sched = app.schedule
     assert cfg.block_size == sched.cache_block_size and cfg.max_batch_size == sched.max_batch_size
