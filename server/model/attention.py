@@ -235,8 +235,7 @@ class MLA(nn.Module):
         # Heads become extra query rows: [B, Lq * nH, D] against keys [B, S, D].  Three
         # plain kernels: on CPU this is ~2x faster than SDPA's math path at these sizes.
         q = q.view(b, mq * nh, -1)
-        scores = torch.baddbmm(plan.head_bias.to(q.dtype), q, ctx.transpose(1, 2), alpha=self.scale)
-        o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr])                 # [B, Lq*nH, kvr]
+        o = bf16_cpu.latent_attention(q, ctx, plan.head_bias, self.scale, kvr)  # [B, Lq*nH, kvr]
         return self._value_out(_unpad(o.view(b * mq, nh, kvr), plan.pad_index))
 
 

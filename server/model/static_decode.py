@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model import quant
+from server.model import bf16_cpu, quant
 from server.model.batch import DecodeMetadata
 
 
@@ -54,8 +54,7 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     visible = keys[None, None, :] <= pos[:, :, None]                # [B, Q, S]
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
     bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
-    scores = torch.baddbmm(bias, q, ctx.transpose(1, 2), alpha=attn.scale)
-    o = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr]).reshape(b * q_len, nh, kvr)
+    o = bf16_cpu.latent_attention(q, ctx, bias, attn.scale, kvr).reshape(b * q_len, nh, kvr)
     return attn.o_proj(attn._value_out(o))
 
 
