@@ -28,6 +28,34 @@ def test_latent_products_are_the_bmms():
     assert not bf16_cpu.reducing()                    # not tracing
 
 
+def test_latent_attention_is_the_bf16_bmms_in_float32_while_traced():
+    """Uncompiled, the bf16 bmms as before; traced under a window, the same attention in
+    float32 (one rounding to bf16 at the end), each query row computed alone: a verify
+    window's rows equal the same rows attended one at a time, as MTP's losslessness needs."""
+    g = torch.Generator().manual_seed(7)
+    heads, kvr, dim, ctx_len = 4, 32, 40, 50
+    ctx = torch.randn(1, ctx_len, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, 2 * heads, dim, generator=g).to(torch.bfloat16)          # 2 rows x heads
+    visible = torch.arange(ctx_len)[None, :] <= torch.tensor([[47], [48]])       # [Q, S]
+    bias = torch.zeros(1, 2, ctx_len).masked_fill(~visible[None], float("-inf"))
+    bias = bias.repeat_interleave(heads, dim=1).to(torch.bfloat16)
+    scale = dim ** -0.5
+    scores = torch.baddbmm(bias, q, ctx.transpose(1, 2), alpha=scale)
+    eager = torch.bmm(scores.softmax(-1), ctx[:, :, :kvr])
+    assert torch.equal(bf16_cpu.latent_attention(q, ctx, bias, scale, kvr), eager)
+    exact = torch.bmm(torch.baddbmm(bias.float(), q.float(), ctx.float().transpose(1, 2), alpha=scale)
+                      .softmax(-1), ctx[:, :, :kvr].float())
+    with bf16_cpu.traced("lone"):
+        fn = torch.compile(bf16_cpu.latent_attention, dynamic=False, fullgraph=True)
+        both = fn(q, ctx, bias, scale, kvr)
+        alone = [fn(q[:, r * heads:(r + 1) * heads], ctx, bias[:, r * heads:(r + 1) * heads], scale, kvr)
+                 for r in range(2)]
+    assert both.dtype == torch.bfloat16
+    torch.testing.assert_close(both.float(), exact, atol=0.0, rtol=2 ** -8)      # one bf16 rounding
+    torch.testing.assert_close(both.float(), eager.float(), atol=0.05, rtol=0.02)
+    assert torch.equal(torch.cat(alone, dim=1), both)
+
+
 @pytest.mark.parametrize("rows", [2, 3, 8])
 def test_rows_linear_is_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
