@@ -77,7 +77,7 @@ _WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None, "dirs": [
 # (test file, the demo model's shard under this plan or None, max query length): the graphs
 # those tests compile.  tp=2 ranks share one graph set (compile_step._plan_key).
 _WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
-              ("tests/engine/test_parallel_compiled.py", (2, 0, 2, 1), 2))
+              ("tests/engine/test_parallel_compiled.py", (2, 0, 2, 1), 1))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -114,7 +114,7 @@ def _mark(test: str) -> str:
 
 def pytest_collection_finish(session):
     """The compiled-step tests need 17 graphs of the demo model (MTP k=2) and the compiled
-    tp=2 test 10 of its shard (k=1): three to four minutes of compile on two cores when the
+    tp=2 test 6 of its shard (MTP off): about three minutes of compile on two cores when the
     cache is cold.  The suite leaves cores idle (its tests wait on daemons and sockets), so
     one compile child at a time, at one thread, makes them from now on, and the tests wait
     (``warm_compile``) if they get there first; a graph not made yet they make themselves
