@@ -113,7 +113,7 @@ def latent_attention(q: torch.Tensor, ctx: torch.Tensor, bias: torch.Tensor, sca
     a float32 one a few; the scores and the softmax keep float32's precision too."""
     dtype = q.dtype
     if reducing():
-        q, ctx, bias = q.float(), ctx.float(), bias.float()
+        q, ctx = q.float(), ctx.float()
     scores = torch.baddbmm(bias.to(q.dtype), q, ctx.transpose(1, 2), alpha=scale)
     return torch.bmm(scores.softmax(-1), ctx[:, :, :kvr]).to(dtype)
 

@@ -86,12 +86,18 @@ def _measure_int8_backends(backends: tuple[str, ...]) -> str:
     return min(times, key=times.get)
 
 
+def packs(backend: str, in_features: int) -> bool:
+    """Whether a product of ``in_features`` inputs on ``backend`` runs through the int8pack
+    kernel (INT8PACK_ALIGN); otherwise it takes the exact float path."""
+    return backend == "int8pack" and in_features % INT8PACK_ALIGN == 0
+
+
 def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tensor:
     """x_q int8 [M, K] . w int8 [N, K]^T -> [M, N] holding the exact integer sums (float32/64
     or int32 by backend), or with "int8pack" those sums rounded to bf16 (as float32)."""
     if backend == "int_mm":
         return torch._int_mm(x_q, w.t())
-    if backend == "int8pack" and x_q.shape[1] % INT8PACK_ALIGN == 0:
+    if packs(backend, x_q.shape[1]):
         return torch._weight_int8pack_mm(x_q.to(torch.bfloat16), w, _unit_scales(w)).float()
     K = x_q.shape[1]
     if K <= EXACT_FLOAT_K:
@@ -146,10 +152,7 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     model's 4 experts of [1536 x 512] took 6.7 ms a token, compiled, 2 threads."""
     xf = x.float()
     s = row_scales(xf)                                                   # [T, 1]
-    # Each product as int8_matmul takes it (in-features a multiple of INT8PACK_ALIGN).
-    pack, pack_down = ((backend == "int8pack" and k % INT8PACK_ALIGN == 0)
-                       for k in (x.shape[-1], down.shape[-1]))
-    if pack:
+    if packs(backend, x.shape[-1]):                                      # as int8_matmul takes it
         x_q = quantize_rows(xf, s).to(torch.bfloat16)
         acc = int8pack_experts(x_q[:, None, :].expand(*idx.shape, -1).contiguous(), idx, gate_up)
     else:
@@ -158,7 +161,7 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     g, u = (acc * (s[:, :, None] * gate_up_scale[idx])).to(x.dtype).chunk(2, dim=-1)
     act = (F.silu(g) * u).float()                                        # [T, k, I]
     s2 = row_scales(act)                                                 # [T, k, 1]
-    if pack_down:
+    if packs(backend, down.shape[-1]):
         acc2 = int8pack_experts(quantize_rows(act, s2).to(torch.bfloat16), idx, down)
     else:
         a_q = materialized(quantize_rows(act, s2))
