@@ -212,6 +212,12 @@ class StaticDecoder:
         return kinds
 
     @property
+    def dense_moe_waste(self) -> float:
+        """Multiply-adds a window spends per token on unchosen experts in its
+        dense-computed MoE layers (0 when it has none)."""
+        return self._dense_waste
+
+    @property
     def gather_max_tokens(self) -> int:
         """The most tokens a window may have for the gathered MoE."""
         return self._gather_max_tokens
@@ -246,6 +252,12 @@ class StaticDecoder:
         for i in sorted(self._gather):
             self._gsuffix[i] = gmakes.setdefault(_make(self._layers[i]), f".{len(gmakes)}" if gmakes else "")
         cfg = self.model.config
+        # Per token of a window, the multiply-adds the dense-computed MoE layers spend on
+        # experts the token did not choose (all their experts run on every token).
+        self._dense_waste = sum(
+            3 * cfg.hidden_size * cfg.moe_intermediate_size
+            * len(layer.mlp.experts) * (1 - cfg.num_experts_per_tok / cfg.n_routed_experts)
+            for kind, layer in zip(self._kinds, self._layers) if kind.startswith("moe"))
         self._gather_max_tokens = 0
         if cfg.n_routed_experts:
             self._gather_max_tokens = GATHER_MAX_PER_EXPERT * cfg.n_routed_experts \

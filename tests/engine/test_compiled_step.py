@@ -107,6 +107,38 @@ def test_lone_prefills_take_the_compiled_graphs_and_emit_what_the_varlen_path_em
     assert used and any(s0 > 0 for s0, _ in used), used     # fresh prompts and cached prefixes
 
 
+def test_a_prefill_takes_the_compiled_graphs_only_while_its_dense_experts_waste_little(monkeypatch):
+    """The prompt graphs compute the demo model's experts densely: the multiply-adds spent
+    on unchosen experts (StaticDecoder.dense_moe_waste, per token) bound the prompts they
+    take (ModelRunner.STATIC_PREFILL_WASTE); longer prompts take the varlen path, and
+    either way the tokens are the uncompiled engine's."""
+    from server.engine.worker import runner
+    eager, compiled = _models()
+    cfg = compiled.config
+    moe_layers = sum(1 for layer in compiled.model.layers if hasattr(layer.mlp, "gate"))
+    per_token = 3 * cfg.hidden_size * cfg.moe_intermediate_size * \
+        (cfg.n_routed_experts - cfg.num_experts_per_tok) * moe_layers
+    assert compiled.static_decoder.dense_moe_waste == pytest.approx(per_token)
+    used = []
+    real = runner.ModelRunner._static_prefill
+    monkeypatch.setattr(runner.ModelRunner, "_static_prefill",
+                        lambda self, st, s0, n: used.append(n) or real(self, st, s0, n))
+    monkeypatch.setattr(runner.ModelRunner, "STATIC_PREFILL_WASTE", 30 * per_token)
+    ps = [prompts(1, seed=20 + i, lo=n, hi=n + 1, vocab=1000)[0] for i, n in enumerate((12, 30, 31, 70))]
+    outs = []
+    for model, mode in ((eager, "off"), (compiled, "on")):
+        eng = make_engine(model, 0, compile=mode, max_batch_size=4)
+        outs.append([run_staggered(eng, requests([p], GREEDY)) for p in ps])     # one at a time
+    assert outs[1] == outs[0]
+    assert sorted(used) == [12, 30], used
+    # A 16-bit model on a CPU without 16-bit instructions never takes them: the prompt
+    # graph would convert every weight (every expert's) to float32 on each call.
+    eng = make_engine(compiled, 0, compile="on", max_batch_size=4)
+    eng.executor.worker.runner._converts_weights = True
+    assert run_staggered(eng, requests([ps[0]], GREEDY)) == outs[0][0]
+    assert sorted(used) == [12, 30], used
+
+
 def test_compile_is_refused_where_the_static_path_does_not_apply():
     """An int8 KV cache keeps the varlen path: nothing is compiled, the engine says so."""
     eager, _ = _models()

@@ -143,6 +143,27 @@ def test_installed_prompts_rows_run_as_float32_gemms(monkeypatch):
                                atol=0.05, rtol=0.01)
 
 
+def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_result(monkeypatch):
+    """Eager, a weight whose float32 copy exceeds CHUNK_BYTES is converted a block of output
+    rows at a time (no fresh whole copy per call); every output column is the same dot
+    product, so the result is the whole float32 product's, bit for bit (bias, 3-d rows)."""
+    monkeypatch.setattr(bf16_cpu, "CHUNK_BYTES", 4 * 32 * 7)          # 7 rows of a [*, 32]
+    converted = []
+    real = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: converted.append(t.shape) or real(t))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(48, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 9, 32, generator=g).to(torch.bfloat16)
+    out = bf16_cpu.float32_linear(x, w, b)
+    monkeypatch.setattr(torch.Tensor, "float", real)
+    assert out.shape == (2, 9, 48) and out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+    assert max(s[0] for s in converted if len(s) == 2 and s[1] == 32) == 7      # never all 48 rows
+    small = torch.randn(5, 32, generator=g).to(torch.bfloat16)                   # one block: whole
+    assert torch.equal(bf16_cpu.float32_linear(x, small), F.linear(x.float(), small.float()).to(torch.bfloat16))
+
+
 def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkeypatch):
     from server.model import layers
     for native in (False, True):
