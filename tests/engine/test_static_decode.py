@@ -86,10 +86,19 @@ def test_decode_metadata_worked_example():
     assert DecodeMetadata.build([0], 1, [[3]], 16, torch.device("cpu")).block_tables.tolist() == [[3, 0]]
 
 
-def test_static_forward_matches_varlen_forward_and_ignores_unwritten_slots():
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-moe", "routed-moe"])
+def test_static_forward_matches_varlen_forward_and_ignores_unwritten_slots(dense, monkeypatch):
     """Same hidden states as the varlen forward for a 3-token verify window on two
-    sequences of different lengths; cache slots never written hold NaN and must not leak."""
+    sequences of different lengths; cache slots never written hold NaN and must not leak.
+    The demo model's few experts run densely; a model whose tokens would spend more than
+    DENSE_MOE_WASTE multiply-adds on unchosen experts routes them (attention half only)."""
+    from server.model import static_decode
     model = tiny_model()
+    if not dense:
+        monkeypatch.setattr(static_decode, "DENSE_MOE_WASTE", model.static_decoder.dense_moe_waste / 2)
+        monkeypatch.setattr(model, "static_decoder", StaticDecoder(model))
+    assert model.static_decoder.dense_moe == dense
+    assert {k for k in model.static_decoder._kinds} == {"dense", "moe" if dense else "half"}
     bs, cfg = 4, model.config
     torch.manual_seed(0)
     caches = [torch.full((32, bs, model.kv_cache_dim), float("nan")) for _ in range(model.num_kv_layers)]
