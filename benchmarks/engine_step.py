@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
+from server.engine.child import keep_freed_pages
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
+    keep_freed_pages()           # as the daemon's engine process does (server/engine/child.py)
     if args.dtype is None and args.model is not None:
         import json
         stored = json.loads((args.model / "config.json").read_text()).get("torch_dtype")

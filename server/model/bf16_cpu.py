@@ -27,7 +27,8 @@ So, in the graphs of the compiled step (``traced``, by the kind of window):
 * ``"prompt"`` (a lone prompt, any length): linears and those bmms in float32.
 
 Outside graphs, once a 16-bit model is loaded on such a CPU (``install``), an ``F.linear``
-of PROMPT_ROWS rows or more (prompts on the varlen path) runs in float32 the same way.
+of FLOAT32_ROWS rows or more (prompts, batches and routed experts outside graphs) runs
+in float32 (``float32_linear``).
 Float32 models never take any of it, so the lossless float32 checks are untouched; bf16
 outputs are bf16 rounding apart from oneDNN's (float32 sums in another order).
 """
@@ -47,10 +48,11 @@ from server.model.quant import materialized
 log = logging.getLogger("server.model")
 
 MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
-# Outside graphs, from here float32 GEMMs beat oneDNN's bf16 rows (8 rows, the 0.5b
-# model's shapes: [1536, 1536] 1.1 against 1.8 ms, [6144, 1536] 4.7 against 7.3, the head
-# 22 against 38; at 4 rows they tie).
-PROMPT_ROWS = 8
+# Outside graphs, from here float32 GEMMs (float32_linear) beat oneDNN's bf16 rows, which
+# read the weight once per row (4 rows, the 0.5b model's shapes: [512, 1536] 0.22 against
+# 0.30 ms, [6144, 1536] 2.5 against 3.6, the head 14 against 19; at 3 rows oneDNN's).
+FLOAT32_ROWS = 4
+FLIP_ROWS = 128       # float32_linear: up to here the weight is the GEMM's left operand
 CHUNK_BYTES = 4 << 20  # float32 weight converted per block, eager (float32_linear)
 _HALF = (torch.bfloat16, torch.float16)
 WINDOWS = ("lone", "batch", "prompt")
@@ -83,21 +85,29 @@ def batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through float32 GEMMs over the converted weight, for many rows.
 
-    Eager, a weight whose float32 copy is larger than CHUNK_BYTES is converted a block of
-    output rows at a time: each block's copy is reused from the allocator and stays in
-    cache for its GEMM, where a whole copy is a fresh mapping that page-faults on every
-    call ([32000, 1536] at 203 rows: 135 ms chunked, 243 ms whole, 941 ms oneDNN's bf16).
-    Each output column is one dot product either way, so the blocks change no result."""
+    Eager (the 0.5b model's shapes, 2 threads, malloc keeping freed pages as the engine's
+    processes do):
+    * a weight whose float32 copy is larger than CHUNK_BYTES is converted a block of output
+      rows at a time, each block's copy staying in cache for its GEMM: the head at 16 rows
+      21 ms by blocks, 42 whole;
+    * up to FLIP_ROWS rows the weight is the GEMM's left operand (``w @ x^T``): MKL's
+      float32 GEMM with few rows on the left ran at a third to a half of the speed
+      ([512, 1536] at 4 rows: 0.18 against 0.60 ms; oneDNN's bf16 rows 0.32).
+    Each output element is one dot product over the inputs either way."""
     b = None if bias is None else bias.float()
-    rows = max(1, CHUNK_BYTES // (4 * weight.shape[1]))
-    if torch.compiler.is_compiling() or rows >= weight.shape[0]:
+    if torch.compiler.is_compiling():
         return _F_LINEAR(x.float(), weight.float(), b).to(x.dtype)
-    xf = x.float()
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    for r0 in range(0, weight.shape[0], rows):
-        out[..., r0:r0 + rows] = _F_LINEAR(xf, weight[r0:r0 + rows].float(),
-                                           None if b is None else b[r0:r0 + rows])
-    return out
+    n, k = weight.shape
+    xf = x.reshape(-1, k).float()
+    flip = xf.shape[0] <= FLIP_ROWS
+    xt = xf.t() if flip else None
+    step = max(1, CHUNK_BYTES // (4 * k))
+    out = torch.empty(xf.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        w = weight[r0:r0 + step].float()
+        part = torch.mm(w, xt).t() if flip else torch.mm(xf, w.t())
+        out[:, r0:r0 + step] = part if b is None else part + b[r0:r0 + step]
+    return out.view(*x.shape[:-1], n)
 
 
 def latent_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -164,7 +174,7 @@ def traced(window: str) -> Iterator[None]:
 
 
 def install() -> None:
-    """From now on, in this process, an ``F.linear`` of PROMPT_ROWS rows or more through a
+    """From now on, in this process, an ``F.linear`` of FLOAT32_ROWS rows or more through a
     16-bit CPU weight runs through ``float32_linear`` (called where a 16-bit model is loaded
     on a CPU that ``pays``)."""
     global _installed
@@ -173,7 +183,7 @@ def install() -> None:
             _installed = True
             F.linear = _linear
             log.info("bf16 on a CPU without bf16 instructions: products of %d rows or more "
-                     "run as float32 GEMMs", PROMPT_ROWS)
+                     "run as float32 GEMMs", FLOAT32_ROWS)
 
 
 _F_LINEAR = F.linear
@@ -195,6 +205,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         return _F_LINEAR(x, weight, bias)
     if torch.compiler.is_compiling():                # another graph: F.linear's own
         return _F_LINEAR(x, weight, bias)
-    if _installed and x.dim() >= 2 and x.numel() >= PROMPT_ROWS * x.shape[-1]:
+    if _installed and x.dim() >= 2 and x.numel() >= FLOAT32_ROWS * x.shape[-1]:
         return float32_linear(x, weight, bias)
     return _F_LINEAR(x, weight, bias)

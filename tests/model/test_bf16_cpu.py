@@ -125,7 +125,7 @@ def test_each_window_traces_its_form_and_only_while_tracing():
 
 
 def test_installed_prompts_rows_run_as_float32_gemms(monkeypatch):
-    """After ``install`` (a bf16 model loaded on such a CPU), eager products of PROMPT_ROWS
+    """After ``install`` (a bf16 model loaded on such a CPU), eager products of FLOAT32_ROWS
     rows or more take the float32 GEMM; fewer rows and float32 weights are F.linear's."""
     monkeypatch.setattr(bf16_cpu, "_installed", False)
     monkeypatch.setattr(F, "linear", F.linear)           # restored after the test
@@ -134,10 +134,10 @@ def test_installed_prompts_rows_run_as_float32_gemms(monkeypatch):
     seen = []
     monkeypatch.setattr(bf16_cpu, "float32_linear", lambda *a: seen.append(a[0].shape) or bf16_cpu._F_LINEAR(*a))
     w = torch.randn(48, 32).to(torch.bfloat16)
-    for rows in (1, bf16_cpu.PROMPT_ROWS - 1, bf16_cpu.PROMPT_ROWS, 200):
+    for rows in (1, bf16_cpu.FLOAT32_ROWS - 1, bf16_cpu.FLOAT32_ROWS, 200):
         F.linear(torch.randn(rows, 32).to(torch.bfloat16), w)
     F.linear(torch.randn(200, 32), w.float())
-    assert seen == [torch.Size([bf16_cpu.PROMPT_ROWS, 32]), torch.Size([200, 32])]
+    assert seen == [torch.Size([bf16_cpu.FLOAT32_ROWS, 32]), torch.Size([200, 32])]
     x = torch.randn(64, 32).to(torch.bfloat16)
     torch.testing.assert_close(bf16_cpu.float32_linear(x, w).float(), (x.float() @ w.float().t()),
                                atol=0.05, rtol=0.01)
@@ -158,10 +158,16 @@ def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_res
     out = bf16_cpu.float32_linear(x, w, b)
     monkeypatch.setattr(torch.Tensor, "float", real)
     assert out.shape == (2, 9, 48) and out.dtype == torch.bfloat16
-    assert torch.equal(out, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
-    assert max(s[0] for s in converted if len(s) == 2 and s[1] == 32) == 7      # never all 48 rows
-    small = torch.randn(5, 32, generator=g).to(torch.bfloat16)                   # one block: whole
-    assert torch.equal(bf16_cpu.float32_linear(x, small), F.linear(x.float(), small.float()).to(torch.bfloat16))
+    blocks = [s[0] for s in converted if len(s) == 2 and s != (18, 32)]          # not bias, rows
+    assert blocks == [7] * 6 + [6]                                              # never all 48 rows
+    monkeypatch.setattr(bf16_cpu, "CHUNK_BYTES", 1 << 30)
+    assert torch.equal(out, bf16_cpu.float32_linear(x, w, b))                    # one block: the same
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.01)
+    # Past FLIP_ROWS rows the rows are the GEMM's left operand; the same products.
+    many = torch.randn(bf16_cpu.FLIP_ROWS + 1, 32, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(bf16_cpu.float32_linear(many, w, b).float(),
+                               F.linear(many.float(), w.float(), b.float()), atol=0.05, rtol=0.01)
 
 
 def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkeypatch):
