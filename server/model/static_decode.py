@@ -174,7 +174,7 @@ class StaticDecoder:
         # Dense MoE costs (E + 1) / (top_k + 1) times the routed FLOPs: worth it when the
         # experts are few (the demo model: 5/3), never for DeepSeek-V3's 256; and only
         # while what it wastes is small beside the per-op costs it saves (the 0.5b model's
-        # 16 experts, top-4: 0.28 G multiply-adds a token, and a batch-16 step took 404 ms
+        # 16 experts, top-4: 0.28 G multiply-adds a token; its batch-16 step took 475 ms
         # dense, 287 routed).
         self.dense_moe = bool(cfg.n_routed_experts) and \
             cfg.n_routed_experts + 1 <= 4 * (cfg.num_experts_per_tok + 1) and \

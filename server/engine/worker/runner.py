@@ -219,8 +219,7 @@ class ModelRunner:
     STATIC_PREFILL_SCORES = 1 << 24
     # Most multiply-adds a static prefill may spend on unchosen experts (its graphs compute
     # a model's few experts densely, StaticDecoder.dense_moe_waste): the demo model's
-    # 800-token prompt spends 0.63 G and still gains (162 against 221 ms); the float32
-    # 0.5b model's spends 0.28 G a token.
+    # 800-token prompt spends 0.63 G and still gains (162 against 221 ms).
     STATIC_PREFILL_WASTE = 1e9
 
     def _static_prefill_ok(self, states, starts, n_new, nd) -> bool:
@@ -230,9 +229,9 @@ class ModelRunner:
         29.9 ms there, 8.5 / 16.9 / 36.9 ms on the varlen path.  Only with graphs:
         uncompiled, the varlen path's routed MoE and plain attention are the cheaper ones.
         Never for a 16-bit model on a CPU without 16-bit instructions: the prompt graph
-        converts every weight it reads to float32 on every call, every expert's too (the
-        0.5b model's 4 / 64 / 203-token prompts: 736 / 1025 / 1839 ms, on the varlen path
-        127 / 731 / 754)."""
+        converts every weight it reads to float32 on every call (the 0.5b model's 4 / 64 /
+        203-token prompts, its experts then dense: 736 / 1025 / 1839 ms, on the varlen
+        path 127 / 731 / 754)."""
         decoder = self.model.static_decoder
         if not (self.static_decode and len(states) == 1 and nd[0] == 0 and n_new[0] > 1
                 and decoder.compiled and not self._converts_weights
