@@ -220,6 +220,16 @@ class StaticDecoder:
         return kinds
 
     @property
+    def takes_prompts(self) -> bool:
+        """Whether a lone prompt may run through this decoder's prompt window ("many"):
+        never for a 16-bit model on a CPU without 16-bit instructions, whose prompt graph
+        would convert every weight it reads to float32 on every call (the 0.5b model's
+        4 / 64 / 203-token prompts, its experts then dense: 736 / 1025 / 1839 ms, on the
+        varlen path 127 / 731 / 754)."""
+        w = next(self.model.parameters())
+        return not bf16_cpu.pays(w.dtype, w.device.type)
+
+    @property
     def dense_moe_waste(self) -> float:
         """Multiply-adds a window spends per token on unchosen experts in its
         dense-computed MoE layers (0 when it has none)."""

@@ -131,10 +131,15 @@ def test_a_prefill_takes_the_compiled_graphs_only_while_its_dense_experts_waste_
         outs.append([run_staggered(eng, requests([p], GREEDY)) for p in ps])     # one at a time
     assert outs[1] == outs[0]
     assert sorted(used) == [12, 30], used
-    # A 16-bit model on a CPU without 16-bit instructions never takes them: the prompt
-    # graph would convert every weight (every expert's) to float32 on each call.
+    # A decoder that takes no prompts (a 16-bit model on a CPU without 16-bit
+    # instructions: its prompt graph would convert every weight to float32 on each call)
+    # neither compiles the prompt window nor sends a prompt there.
+    from server.engine.worker.compile_step import graph_plan
+    from server.model.static_decode import StaticDecoder
+    assert any(g[2] == "many" for g in graph_plan(compiled, 2))
+    monkeypatch.setattr(StaticDecoder, "takes_prompts", property(lambda self: False))
+    assert [g for g in graph_plan(compiled, 2) if g[2] == "many"] == []
     eng = make_engine(compiled, 0, compile="on", max_batch_size=4)
-    eng.executor.worker.runner._converts_weights = True
     assert run_staggered(eng, requests([ps[0]], GREEDY)) == outs[0][0]
     assert sorted(used) == [12, 30], used
 

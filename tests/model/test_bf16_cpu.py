@@ -181,6 +181,22 @@ def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkey
     bf16_cpu.pays.cache_clear()
 
 
+def test_a_16_bit_model_sends_no_prompt_through_the_prompt_graph_where_it_pays(tmp_path, monkeypatch):
+    """Its prompt graph would convert every weight to float32 on each call: the decoder
+    takes no prompts (nor compiles the window) where ``pays``; float32 models always do."""
+    from server.model import layers
+    from server.model.loader import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    half, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
+    full, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "fp32"))
+    for native in (False, True):
+        monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        bf16_cpu.pays.cache_clear()
+        assert half.static_decoder.takes_prompts is native
+        assert full.static_decoder.takes_prompts
+    bf16_cpu.pays.cache_clear()
+
+
 @pytest.mark.slow
 def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_emits(tmp_path, monkeypatch):
     """A 2-token window of a lone sequence through a bf16 tiny model's first layer: the

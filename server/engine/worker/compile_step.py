@@ -7,7 +7,8 @@ layer's modules as arguments, so one graph serves every layer of a kind (main an
 layers alike).  Per kind (dense, MoE) a deployment needs one graph per decode window a
 step feeds, 1 .. 1 + k tokens per sequence, for a lone sequence and for batches, plus a
 lone sequence's prompt window of any length (``graph_plan``): 6 graphs with MTP off, 10
-at k=1, 14 at k=2.
+at k=1, 14 at k=2 (no prompt window where the decoder takes no prompts: a 16-bit model on
+a CPU without 16-bit instructions).
 
 Why static windows: symbolic sizes cost time inside the kernels (a MoE layer on a lone
 2-token window: 153 us static but for the context and the pool, 190 us fully symbolic;
@@ -121,9 +122,10 @@ def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]
     model's static decoder uses.  Windows "q1" .. "q<max_query_len>": exactly that many
     tokens per sequence (every size static but the context, the KV pool, the block size
     and, for batches, the number of sequences); "many": a lone sequence's prompt window
-    of any length (sizes symbolic)."""
+    of any length (sizes symbolic), where the decoder takes prompts."""
     plan = []
     decoder = model.static_decoder
+    prompts = decoder.takes_prompts
     for kind, index in decoder.layer_kinds().items():
         if kind.startswith("gmoe"):
             # The gathered MoE is for few tokens only: the windows it can take (a batch
@@ -133,7 +135,8 @@ def graph_plan(model, max_query_len: int = 1) -> list[tuple[str, int, str, bool]
                      if q * (1 if lone else 2) <= decoder.gather_max_tokens]
             continue
         plan += [(kind, index, f"q{q}", lone) for lone in (False, True) for q in range(1, max_query_len + 1)]
-        plan.append((kind, index, "many", True))
+        if prompts:
+            plan.append((kind, index, "many", True))
     return plan
 
 

@@ -25,7 +25,6 @@ from server.engine.spec.verifier import greedy_accept, verify
 from server.engine.worker.metadata import build_metadata, expand_rows
 from server.engine.protocol import TokenLogprob
 from server.engine.worker.request_state import RequestState
-from server.model import bf16_cpu
 from server.model.batch import BatchMetadata, DecodeMetadata
 
 
@@ -68,8 +67,6 @@ class ModelRunner:
         # Steps where every request feeds one token plus the same number of drafts take
         # the static path (DecodeMetadata; server/model/static_decode.py).
         self.static_decode = static_decode
-        # A 16-bit model on a CPU without 16-bit instructions (model/bf16_cpu.py).
-        self._converts_weights = bf16_cpu.pays(next(model.parameters()).dtype, self.device.type)
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.masks = grammar_masks.MaskApplier(self.vocab_size, self.device)
         self.masks_words = (self.vocab_size + 31) // 32
@@ -228,13 +225,10 @@ class ModelRunner:
         2-core CPU a 40 / 120 / 250-token prefill of the demo model took 5.6 / 12.6 /
         29.9 ms there, 8.5 / 16.9 / 36.9 ms on the varlen path.  Only with graphs:
         uncompiled, the varlen path's routed MoE and plain attention are the cheaper ones.
-        Never for a 16-bit model on a CPU without 16-bit instructions: the prompt graph
-        converts every weight it reads to float32 on every call (the 0.5b model's 4 / 64 /
-        203-token prompts, its experts then dense: 736 / 1025 / 1839 ms, on the varlen
-        path 127 / 731 / 754)."""
+        Never where the decoder takes no prompts (``StaticDecoder.takes_prompts``)."""
         decoder = self.model.static_decoder
         if not (self.static_decode and len(states) == 1 and nd[0] == 0 and n_new[0] > 1
-                and decoder.compiled and not self._converts_weights
+                and decoder.compiled and decoder.takes_prompts
                 and n_new[0] * decoder.dense_moe_waste <= self.STATIC_PREFILL_WASTE):
             return False
         heads = self.model.config.num_attention_heads
