@@ -44,6 +44,11 @@ EXACT_FLOAT_K = 1024          # 1024 * 127 * 128 < 2**24: float32 sums of int8 p
 # torch._weight_int8pack_mm on CPU (torch 2.13) reads the in-features 8 at a time: other
 # widths summed wrongly or crashed the process when tried, so they take the float path.
 INT8PACK_ALIGN = 8
+# From here, eager, an "int8pack" product takes the exact float path instead: the kernel is
+# compute-bound on AVX2 ([6144, 1536] at 203 rows: 44.6 against 30.0 ms; at 32 rows 7.2
+# against 8.5, but the experts' [1536, 512] 0.60 against 0.52, [2304, 768] 1.31 / 1.11).
+INT8PACK_MAX_ROWS = 32
+FLOAT_BLOCK_BYTES = 4 << 20
 SCHEMES = ("w8a8_dynamic", "w8a8_static")
 EXACT_BACKENDS = ("int_mm", "float")
 _FASTEST: dict[tuple[str, bool], str] = {}
@@ -94,11 +99,14 @@ def packs(backend: str, in_features: int) -> bool:
 
 def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tensor:
     """x_q int8 [M, K] . w int8 [N, K]^T -> [M, N] holding the exact integer sums (float32/64
-    or int32 by backend), or with "int8pack" those sums rounded to bf16 (as float32)."""
+    or int32 by backend), or with "int8pack" those sums rounded to bf16 (as float32) for
+    fewer than INT8PACK_MAX_ROWS rows (from there, eager, the exact float path)."""
     if backend == "int_mm":
         return torch._int_mm(x_q, w.t())
-    if packs(backend, x_q.shape[1]):
+    if packs(backend, x_q.shape[1]) and (x_q.shape[0] < INT8PACK_MAX_ROWS or torch.compiler.is_compiling()):
         return torch._weight_int8pack_mm(x_q.to(torch.bfloat16), w, _unit_scales(w)).float()
+    if not torch.compiler.is_compiling():
+        return _float_blocks(x_q, w)
     K = x_q.shape[1]
     if K <= EXACT_FLOAT_K:
         return F.linear(x_q.float(), w.float())
@@ -107,6 +115,28 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
         part = F.linear(x_q[:, k0:k0 + EXACT_FLOAT_K].float(), w[:, k0:k0 + EXACT_FLOAT_K].float()).double()
         acc = part if acc is None else acc + part
     return acc
+
+
+def _float_blocks(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The exact float path, eager: the weight converted FLOAT_BLOCK_BYTES of float32 at a
+    time (each block's copy stays in cache for its GEMMs) and, up to 128 rows, the GEMM's
+    left operand (MKL with few rows on the left ran at a third to a half of the speed);
+    EXACT_FLOAT_K inputs per float32 product, summed in float64.  The sums are exact, so
+    they are the unblocked path's numbers."""
+    n, k = w.shape
+    xf = x_q.float()
+    flip = xf.shape[0] <= 128
+    step = max(1, FLOAT_BLOCK_BYTES // (4 * k))
+    out = xf.new_empty(xf.shape[0], n, dtype=torch.float32 if k <= EXACT_FLOAT_K else torch.float64)
+    for r0 in range(0, n, step):
+        wf = w[r0:r0 + step].float()
+        acc = None
+        for k0 in range(0, k, EXACT_FLOAT_K):
+            a, b = wf[:, k0:k0 + EXACT_FLOAT_K], xf[:, k0:k0 + EXACT_FLOAT_K]
+            part = torch.mm(a, b.t()).t() if flip else torch.mm(b, a.t())
+            acc = part if acc is None else acc.double() + part
+        out[:, r0:r0 + step] = acc
+    return out
 
 
 def _unit_scales(w: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ int8 products take torch._weight_int8pack_mm with the quantized activations as b
 
 Checked against the exact backends: each integer sum comes back as the exact one rounded
 once to bf16 (so a row's output does not depend on the rows beside it, and MTP stays
-lossless); in-features it cannot take fall back to the exact float path; a bf16 W8A8 model
+lossless), or exact from INT8PACK_MAX_ROWS rows (prompts); in-features it cannot take fall back to the exact float path; a bf16 W8A8 model
 on it agrees with the exact path within bf16 rounding; float32 models and row-parallel
 layers never take it.
 """
@@ -40,6 +40,22 @@ def test_sums_are_the_exact_ones_rounded_once_to_bf16(k):
     assert torch.equal(got, _exact(x_q, w).to(torch.bfloat16).float())
     # A row alone gives what it gives among others: MTP's k+1-row windows stay lossless.
     assert torch.equal(quant.int8_matmul(x_q[2:3], w, "int8pack"), got[2:3])
+
+
+def test_prompts_rows_take_the_exact_sums_in_blocks(monkeypatch):
+    """From INT8PACK_MAX_ROWS rows (prompts) the exact float path runs instead (the kernel
+    is compute-bound there); it converts the weight a block of rows at a time, the weight
+    on the left up to 128 rows, and its sums are the exact ones either way."""
+    monkeypatch.setattr(quant, "FLOAT_BLOCK_BYTES", 4 * 1536 * 96)             # 96-row blocks
+    g = torch.Generator().manual_seed(2)
+    for k in (1536, 512):                                   # two float32 parts / one
+        w = torch.randint(-127, 128, (1000, k), dtype=torch.int8, generator=g)
+        for rows in (quant.INT8PACK_MAX_ROWS, 200):
+            x_q = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=g)
+            assert torch.equal(quant.int8_matmul(x_q, w, "int8pack").double(), _exact(x_q, w))
+            assert torch.equal(quant.int8_matmul(x_q, w, "float").double(), _exact(x_q, w))
+        few = torch.randint(-127, 128, (quant.INT8PACK_MAX_ROWS - 1, k), dtype=torch.int8, generator=g)
+        assert torch.equal(quant.int8_matmul(few, w, "int8pack"), _exact(few, w).to(torch.bfloat16).float())
 
 
 def test_in_features_it_cannot_take_get_the_exact_sums():
