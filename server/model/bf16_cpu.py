@@ -43,7 +43,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from server.model.quant import materialized
+from server.model.quant import converted_mm, materialized
 
 log = logging.getLogger("server.model")
 
@@ -52,8 +52,6 @@ MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
 # read the weight once per row (4 rows, the 0.5b model's shapes: [512, 1536] 0.22 against
 # 0.30 ms, [6144, 1536] 2.5 against 3.6, the head 14 against 19; at 3 rows oneDNN's).
 FLOAT32_ROWS = 4
-FLIP_ROWS = 128       # float32_linear: up to here the weight is the GEMM's left operand
-CHUNK_BYTES = 4 << 20  # float32 weight converted per block, eager (float32_linear)
 _HALF = (torch.bfloat16, torch.float16)
 WINDOWS = ("lone", "batch", "prompt")
 
@@ -83,31 +81,14 @@ def batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` through float32 GEMMs over the converted weight, for many rows.
-
-    Eager (the 0.5b model's shapes, 2 threads, malloc keeping freed pages as the engine's
-    processes do):
-    * a weight whose float32 copy is larger than CHUNK_BYTES is converted a block of output
-      rows at a time, each block's copy staying in cache for its GEMM: the head at 16 rows
-      21 ms by blocks, 42 whole;
-    * up to FLIP_ROWS rows the weight is the GEMM's left operand (``w @ x^T``): MKL's
-      float32 GEMM with few rows on the left ran at a third to a half of the speed
-      ([512, 1536] at 4 rows: 0.18 against 0.60 ms; oneDNN's bf16 rows 0.32).
-    Each output element is one dot product over the inputs either way."""
+    """``F.linear`` through float32 GEMMs over the converted weight, for many rows; eager,
+    by blocks of the weight (``quant.converted_mm``)."""
     b = None if bias is None else bias.float()
     if torch.compiler.is_compiling():
         return _F_LINEAR(x.float(), weight.float(), b).to(x.dtype)
     n, k = weight.shape
-    xf = x.reshape(-1, k).float()
-    flip = xf.shape[0] <= FLIP_ROWS
-    xt = xf.t() if flip else None
-    step = max(1, CHUNK_BYTES // (4 * k))
-    out = torch.empty(xf.shape[0], n, dtype=x.dtype, device=x.device)
-    for r0 in range(0, n, step):
-        w = weight[r0:r0 + step].float()
-        part = torch.mm(w, xt).t() if flip else torch.mm(xf, w.t())
-        out[:, r0:r0 + step] = part if b is None else part + b[r0:r0 + step]
-    return out.view(*x.shape[:-1], n)
+    out = converted_mm(x.reshape(-1, k).float(), weight)
+    return (out if b is None else out + b).to(x.dtype).view(*x.shape[:-1], n)
 
 
 def latent_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.model import bf16_cpu
+from server.model import bf16_cpu, quant
 
 
 def test_latent_products_are_the_bmms():
@@ -144,10 +144,10 @@ def test_installed_prompts_rows_run_as_float32_gemms(monkeypatch):
 
 
 def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_result(monkeypatch):
-    """Eager, a weight whose float32 copy exceeds CHUNK_BYTES is converted a block of output
+    """Eager, a weight whose float32 copy exceeds quant.BLOCK_BYTES is converted a block of output
     rows at a time (no fresh whole copy per call); every output column is the same dot
     product, so the result is the whole float32 product's, bit for bit (bias, 3-d rows)."""
-    monkeypatch.setattr(bf16_cpu, "CHUNK_BYTES", 4 * 32 * 7)          # 7 rows of a [*, 32]
+    monkeypatch.setattr(quant, "BLOCK_BYTES", 4 * 32 * 7)            # 7 rows of a [*, 32]
     converted = []
     real = torch.Tensor.float
     monkeypatch.setattr(torch.Tensor, "float", lambda t: converted.append(t.shape) or real(t))
@@ -160,12 +160,12 @@ def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_res
     assert out.shape == (2, 9, 48) and out.dtype == torch.bfloat16
     blocks = [s[0] for s in converted if len(s) == 2 and s != (18, 32)]          # not bias, rows
     assert blocks == [7] * 6 + [6]                                              # never all 48 rows
-    monkeypatch.setattr(bf16_cpu, "CHUNK_BYTES", 1 << 30)
+    monkeypatch.setattr(quant, "BLOCK_BYTES", 1 << 30)
     assert torch.equal(out, bf16_cpu.float32_linear(x, w, b))                    # one block: the same
     ref = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.01)
     # Past FLIP_ROWS rows the rows are the GEMM's left operand; the same products.
-    many = torch.randn(bf16_cpu.FLIP_ROWS + 1, 32, generator=g).to(torch.bfloat16)
+    many = torch.randn(quant.FLIP_ROWS + 1, 32, generator=g).to(torch.bfloat16)
     torch.testing.assert_close(bf16_cpu.float32_linear(many, w, b).float(),
                                F.linear(many.float(), w.float(), b.float()), atol=0.05, rtol=0.01)
 

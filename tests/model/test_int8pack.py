@@ -46,7 +46,7 @@ def test_prompts_rows_take_the_exact_sums_in_blocks(monkeypatch):
     """From INT8PACK_MAX_ROWS rows (prompts) the exact float path runs instead (the kernel
     is compute-bound there); it converts the weight a block of rows at a time, the weight
     on the left up to 128 rows, and its sums are the exact ones either way."""
-    monkeypatch.setattr(quant, "FLOAT_BLOCK_BYTES", 4 * 1536 * 96)             # 96-row blocks
+    monkeypatch.setattr(quant, "BLOCK_BYTES", 4 * 1536 * 96)                   # 96-row blocks
     g = torch.Generator().manual_seed(2)
     for k in (1536, 512):                                   # two float32 parts / one
         w = torch.randint(-127, 128, (1000, k), dtype=torch.int8, generator=g)
