@@ -50,8 +50,48 @@ def start_all(*daemons: "Daemon", timeout_s: float = 180) -> tuple["Daemon", ...
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on, never one this process was given before: the
-    kernel may hand a just-released port out again, and one config takes two or three."""
+    """A loopback port nobody listens on, never one this process was given before.
+
+    Taken below the kernel's ephemeral range: a port from ``bind(0)`` is free only until the
+    socket closes, and in the seconds before the daemon binds it any outbound connection on
+    the machine (another test's client, a rank's rendezvous) may be handed it, and a daemon
+    then fails to start with "Address already in use".  Below the range nothing is handed
+    out implicitly; each pytest-xdist worker draws from its own slice, each process from its
+    own offset in it, and a port is checked bindable before it is given."""
+    window = _port_window()
+    if not window:
+        return _ephemeral_port()
+    start = (os.getpid() * 7919) % len(window)
+    for i in range(len(window)):
+        port = window[(start + i) % len(window)]
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    return _ephemeral_port()
+
+
+def _port_window() -> range:
+    """This process's slice of the ports just below the ephemeral range (empty when that
+    range starts too low to leave room)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    bottom = max(10000, low - 16384)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    index = int(worker) % workers if worker.isdigit() else 0
+    size = (low - bottom) // workers
+    return range(bottom + index * size, bottom + (index + 1) * size) if size >= 64 else range(0)
+
+
+def _ephemeral_port() -> int:
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
