@@ -61,7 +61,7 @@ class ParallelLayout:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None   # None: this node alone, rendezvous on loopback
-    master_port: int | None = None   # None: any free loopback port
+    master_port: int | None = None   # None: the engine opens the store on a port it binds
     device_ids: tuple[int, ...] = ()
     dp: int = 1                      # attention data parallel (MindIE's -1 = unset = 1)
     cp: int = 1                      # context parallel

@@ -29,7 +29,8 @@ class ParallelConfig:
     dp: int = 1                     # attention data parallel groups of world_size / dp ranks
     cp: int = 1                     # context parallel ranks (with sp = tp): a step's tokens split
     master_addr: str = "127.0.0.1"
-    master_port: int = 1120
+    master_port: int = 1120         # 0: the executor hosts the store on a port it is given
+    store_hosted: bool = False      # the store runs in the engine's process: ranks are clients
     nnodes: int = 1
     node_rank: int = 0
     timeout_s: float = 30.0         # collectives and heartbeats
@@ -149,16 +150,12 @@ def _parallel_config(app: Any) -> ParallelConfig:
     lay = getattr(app, "parallel", None)
     if lay is None or lay.world_size == 1:
         return ParallelConfig()
-    port = lay.master_port if lay.master_port is not None else _free_port()
+    # No port in the config: the executor opens the store on a port the kernel picks as it
+    # binds (a port probed free and bound later by rank 0 could be taken in between).
+    port = lay.master_port if lay.master_port is not None else 0
     return ParallelConfig(world_size=lay.world_size, moe_tp=lay.moe_tp, moe_ep=lay.moe_ep,
                           sp=lay.sp, dp=lay.dp, cp=lay.cp, master_addr=lay.master_addr or "127.0.0.1",
                           master_port=port, nnodes=lay.nnodes, node_rank=lay.node_rank,
                           device_ids=lay.device_ids)
 
 
-def _free_port() -> int:
-    """A loopback port for a one-node group's rendezvous (nothing else is told about it)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -122,6 +122,23 @@ def test_random_checkpoint_identical_k2(tiny_path):
     assert _parallel(tiny_path, 2, "tp4-moe2x2") == _single(tiny_path, 2)
 
 
+def test_a_group_without_a_port_meets_on_a_store_the_executor_holds(tiny_path):
+    """No port configured (the daemon's one-node default): the executor opens the store on a
+    port the kernel picks while binding it, every rank joins it as a client, and it goes
+    with the group."""
+    par = dataclasses.replace(parallel_config("tp2"), master_port=0)
+    engine = LLMEngine(inspect_checkpoint(tiny_path), dataclasses.replace(BASE, parallel=par),
+                       eos_token_ids=set())
+    try:
+        store = engine.executor._store
+        assert store is not None and store.port > 0 and store.check(["joined/0", "joined/1"])
+        out = run_tokens(engine, _requests(engine.runtime.vocab_size))
+    finally:
+        engine.shutdown()
+    assert engine.executor._store is None
+    assert out == _single(tiny_path, 0)
+
+
 def test_fp8_checkpoint_identical(tmp_path):
     """Block-FP8 weights (read whole per rank, dequantized, then cut) served in float32."""
     path = str(make_tiny_checkpoint(tmp_path / "fp8", seed=2, fp8=True))

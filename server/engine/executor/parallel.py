@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from server.engine.child import child_context, init_child
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, ParallelConfig
 from server.engine.executor.process import ProcessExecutor, read_into_queue, serve_steps
 from server.engine.worker.rank_group import PING, RankFailed, RankGroup, collective_error
 from server.model.config import torch_dtype
@@ -126,6 +126,10 @@ class ParallelExecutor(ProcessExecutor):
     """The engine's view of a rank group: ``execute_model`` / ``shutdown`` as for one worker."""
 
     def __init__(self, model_path: str, cfg: EngineConfig, num_spec_tokens: int) -> None:
+        self._store = None
+        if cfg.parallel.master_port == 0:
+            self._store, par = host_store(cfg.parallel)
+            cfg = dataclasses.replace(cfg, parallel=par)
         par = cfg.parallel
         ctx = child_context()
         threads = max(1, torch.get_num_threads() // max(1, par.ranks_per_node))
@@ -151,6 +155,10 @@ class ParallelExecutor(ProcessExecutor):
         self._status = status
         self._await_ready(f"the rank group ({par.world_size} ranks)")
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._store = None                       # its server thread ends with the object
+
     def _dead(self) -> str | None:
         for rank, rx in self._status:            # a follower's own start-up report
             try:
@@ -161,6 +169,18 @@ class ParallelExecutor(ProcessExecutor):
             except (EOFError, OSError):
                 pass
         return super()._dead()
+
+
+def host_store(par: ParallelConfig) -> tuple[Any, ParallelConfig]:
+    """A one-node group's rendezvous store, opened here on a port the kernel picks while
+    binding, so no other socket can take it before the ranks start; they all join as
+    clients.  Returns the store (kept for the group's life) and the layout naming its port."""
+    import datetime as dt
+
+    import torch.distributed as dist
+    store = dist.TCPStore(par.master_addr, 0, par.world_size, is_master=True,
+                          timeout=dt.timedelta(seconds=par.start_timeout_s), wait_for_workers=False)
+    return store, dataclasses.replace(par, master_port=store.port, store_hosted=True)
 
 
 def start_node_ranks(cfg: EngineConfig, model_path: str, num_spec_tokens: int) -> list:

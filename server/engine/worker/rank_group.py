@@ -51,11 +51,13 @@ class RankGroup:
 
     @classmethod
     def join(cls, par: ParallelConfig, rank: int, backend: str) -> "RankGroup":
-        """Rendezvous on rank 0's TCP store, then form the group."""
+        """Rendezvous on the group's TCP store (rank 0's, or the executor's when it hosts
+        it: ``store_hosted``), then form the group."""
         start = dt.timedelta(seconds=par.start_timeout_s)
         try:
             store = dist.TCPStore(par.master_addr, par.master_port, par.world_size,
-                                  is_master=rank == 0, timeout=start, wait_for_workers=False)
+                                  is_master=rank == 0 and not par.store_hosted,
+                                  timeout=start, wait_for_workers=False)
         except Exception as exc:
             raise RankFailed(f"rank {rank}: cannot reach the rendezvous store at "
                              f"{par.master_addr}:{par.master_port}: {exc}") from exc
