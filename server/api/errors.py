@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from server.web.errors import APIError, error_response
+from server.web.errors import APIError, error_response, native_path
 from server.pd.errors import PDError
 
 
@@ -22,8 +22,7 @@ def api_error(exc: PDError) -> APIError:
 
 
 def _is_native(request: Request) -> bool:
-    return not request.url.path.startswith("/v1/") or request.url.path in (
-        "/v1/config", "/v1/status")
+    return native_path(request.url.path)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -57,6 +57,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+def native_path(path: str) -> bool:
+    """Whether a path is a native (MindIE-shaped) endpoint rather than an OpenAI one."""
+    return not path.startswith("/v1/") or path in ("/v1/config", "/v1/status")
+
+
 def openai_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message,
                       "type": _OPENAI_TYPES.get(status, HTTPStatus(status).phrase),

@@ -8,29 +8,52 @@ between keep-alive requests, has a fixed deadline (``clientHeaderTimeout``) that
 does not extend: when it passes before the headers are complete, the client gets
 ``408 Request Timeout`` and the connection is closed.  The body has its own deadline,
 applied where it is read (``body.py``).
+
+The 408 is JSON in the shape of the endpoint the request line names, when it arrived
+(errors.py: OpenAI's on /v1, MindIE's on the native endpoints); OpenAI's otherwise.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import re
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
+import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-        b"connection: close\r\ncontent-length: 50\r\n\r\n"
-        b"request headers not received within the time limit")
+from server.web.errors import mindie_body, native_path, openai_body
+
+_HEAD_KEPT = 2048                     # enough of the head for its request line
+_REQUEST_LINE = re.compile(rb"^\s*[A-Z]+ (\S+) ")
 
 
-def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+def timeout_response(head: bytes, timeout_s: float,
+                     native: Callable[[str], bool] = native_path) -> bytes:
+    """The whole 408 for a request whose first bytes were ``head``."""
+    message = f"request headers not received within {timeout_s:g} s (clientHeaderTimeout)"
+    line = _REQUEST_LINE.match(head)
+    path = urlsplit(line.group(1).decode("latin-1")).path if line else ""   # absolute form too
+    body = orjson.dumps(mindie_body(408, message) if path and native(path)
+                        else openai_body(408, message))
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+
+
+def header_timeout_protocol(timeout_s: float, native: Callable[[str], bool] = native_path
+                            ) -> type[H11Protocol]:
     """An H11Protocol class whose connections must send each request's headers within
-    ``timeout_s`` seconds of the connection opening or of the previous response."""
+    ``timeout_s`` seconds of the connection opening or of the previous response.
+    ``native``: whether a path's errors take MindIE's shape (the coordinator's never do)."""
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _timed_cycle: Any = None
+        _head = b""
 
         def _arm(self) -> None:
             self._disarm()
+            self._head = b""
             self._timed_cycle = self.cycle
             self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
 
@@ -44,8 +67,13 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             waiting = self.cycle is None or self.cycle.response_complete
             if self.transport.is_closing() or self.cycle is not self._timed_cycle or not waiting:
                 return
-            self.transport.write(_408)
+            self.transport.write(timeout_response(self._head, timeout_s, native))
             self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is not None and len(self._head) < _HEAD_KEPT:
+                self._head += data[:_HEAD_KEPT - len(self._head)]
+            super().data_received(data)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)

@@ -116,6 +116,7 @@ def test_trickling_headers_are_cut_and_lock_nobody_out(daemon):
         print(f"trickle x100: usual {usual * 1000:.0f} ms, during "
               f"{statistics.median(during) * 1000:.0f} ms; all 100 got 408 after {elapsed:.1f} s")
         assert all(c.startswith(b"HTTP/1.1 408") for c in cut), {c[:40] for c in cut}
+        assert all(b'"type":"timeout_error"' in c and b"clientHeaderTimeout" in c for c in cut)
         assert elapsed < HEADER_S + 4 and sent[0] < len(line)   # cut before they finished
     finally:
         stop.set()
@@ -123,6 +124,22 @@ def test_trickling_headers_are_cut_and_lock_nobody_out(daemon):
         for s in socks:
             s.close()
     assert _latencies(daemon, 1)
+
+
+@pytest.mark.parametrize("line, shape", [
+    (b"POST /v1/chat/completions HTTP/1.1", b'"type":"timeout_error","param":null,"code":408'),
+    (b"POST http://x/v1/completions?a=1 HTTP/1.1", b'"type":"timeout_error"'),
+    (b"POST /generate HTTP/1.1", b'"error_type":"Request Timeout"'),
+    (b"GET /v1/status HTTP/1.1", b'"error_type":"Request Timeout"')])
+def test_late_headers_get_408_in_their_endpoints_shape(daemon, line, shape):
+    """OpenAI's shape on /v1, MindIE's on the native endpoints, as every other error."""
+    with socket.create_connection(("127.0.0.1", _port(daemon.base))) as s:
+        s.sendall(line + b"\r\nHost: x\r\n")            # the blank line never comes
+        data = _recv_all(s, HEADER_S + 5)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"application/json" in head, head
+    assert shape in body and b"clientHeaderTimeout" in body, body
+    assert int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]) == len(body)
 
 
 def test_slow_body_gets_408_in_the_openai_shape(daemon):

@@ -595,6 +595,17 @@ def test_half_sent_requests_are_all_closed_within_the_timeouts(limited):
     assert httpx.post(limited.base + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
 
 
+def test_late_headers_get_408_in_the_openai_shape_on_every_path(limited):
+    """The coordinator answers every error in OpenAI's shape, /health's included."""
+    for line in (b"POST /v1/chat/completions HTTP/1.1", b"GET /health HTTP/1.1"):
+        with socket.create_connection(("127.0.0.1", limited.port)) as s:
+            s.sendall(line + b"\r\nHost: x\r\n")
+            data = _recv_until_closed(s, HEADER_S + 5)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert json.loads(body)["error"]["type"] == "timeout_error", body
+
+
 def test_slow_body_gets_408_in_the_openai_shape(limited):
     with socket.create_connection(("127.0.0.1", limited.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")

@@ -112,7 +112,8 @@ def server_config(app: Any, cfg: CoordinatorConfig, **kw: Any) -> Any:
     import uvicorn
     return uvicorn.Config(app, host=cfg.ip_address, port=cfg.port, log_level="warning",
                           access_log=False, lifespan="off",
-                          http=header_timeout_protocol(cfg.header_timeout_s),
+                          http=header_timeout_protocol(cfg.header_timeout_s,
+                                                       native=lambda path: False),
                           timeout_keep_alive=5, timeout_graceful_shutdown=5, **kw)
 
 
