@@ -124,23 +124,84 @@ def test_each_window_traces_its_form_and_only_while_tracing():
     torch.testing.assert_close(out.float(), eager.float(), atol=0.05, rtol=0.01)
 
 
-def test_installed_prompts_rows_run_as_float32_gemms(monkeypatch):
-    """After ``install`` (a bf16 model loaded on such a CPU), eager products of FLOAT32_ROWS
-    rows or more take the float32 GEMM; fewer rows and float32 weights are F.linear's."""
+def test_installed_products_take_the_kernel_then_float32_gemms(monkeypatch):
+    """After ``install`` (a bf16 model loaded on such a CPU), eager products of up to
+    KERNEL_ROWS rows take half_avx2.c, more rows the float32 GEMM; without the kernel,
+    FLOAT32_ROWS rows or more take the float32 GEMM and fewer F.linear's own."""
     monkeypatch.setattr(bf16_cpu, "_installed", False)
     monkeypatch.setattr(F, "linear", F.linear)           # restored after the test
     bf16_cpu.install()
     assert F.linear is bf16_cpu._linear
-    seen = []
-    monkeypatch.setattr(bf16_cpu, "float32_linear", lambda *a: seen.append(a[0].shape) or bf16_cpu._F_LINEAR(*a))
+    gemm, kernel = [], []
+    monkeypatch.setattr(bf16_cpu, "float32_linear", lambda *a: gemm.append(a[0].shape[0]) or bf16_cpu._F_LINEAR(*a))
+    real_kernel = bf16_cpu.kernel_linear
+    monkeypatch.setattr(bf16_cpu, "kernel_linear", lambda *a: kernel.append(a[0].shape[0]) or real_kernel(*a))
     w = torch.randn(48, 32).to(torch.bfloat16)
-    for rows in (1, bf16_cpu.FLOAT32_ROWS - 1, bf16_cpu.FLOAT32_ROWS, 200):
-        F.linear(torch.randn(rows, 32).to(torch.bfloat16), w)
-    F.linear(torch.randn(200, 32), w.float())
-    assert seen == [torch.Size([bf16_cpu.FLOAT32_ROWS, 32]), torch.Size([200, 32])]
+    rows = (1, bf16_cpu.FLOAT32_ROWS - 1, bf16_cpu.FLOAT32_ROWS, bf16_cpu.KERNEL_ROWS,
+            bf16_cpu.KERNEL_ROWS + 1)
+    for available in (True, False):
+        if not available:
+            monkeypatch.setattr(bf16_cpu, "half_kernel", lambda: None)
+        elif bf16_cpu.half_kernel() is None:
+            continue                                     # tested without it below
+        gemm.clear(), kernel.clear()
+        for n in rows:
+            F.linear(torch.randn(n, 32).to(torch.bfloat16), w)
+        F.linear(torch.randn(200, 32), w.float())        # float32 weights: F.linear's
+        assert kernel == list(rows[:-1])
+        assert gemm == list(rows[-1:] if available else rows[2:])
     x = torch.randn(64, 32).to(torch.bfloat16)
     torch.testing.assert_close(bf16_cpu.float32_linear(x, w).float(), (x.float() @ w.float().t()),
                                atol=0.05, rtol=0.01)
+
+
+def _kernel_or_skip():
+    import platform
+    import shutil
+    if platform.machine() != "x86_64" or not torch.cpu._is_avx2_supported() or not shutil.which("cc"):
+        pytest.skip("half_avx2.c needs an x86 CPU with AVX2 and a C compiler")
+    assert bf16_cpu.half_kernel() is not None, "AVX2 and cc are here: the kernel must build"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_kernel_is_f_linear_and_each_row_is_summed_alone(dtype):
+    """half_avx2.c: the float32 product over the 16-bit weight (any N, K with a tail past
+    the 8-wide vectors, bias, 3-d rows), and each row's result bit for bit the same at any
+    row count: a window of k+1 rows gives each row what a one-row step gives."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(101, 203, generator=g) * 0.1).to(dtype)
+    b = torch.randn(101, generator=g).to(dtype)
+    x = torch.randn(2, 23, 203, generator=g).to(dtype)
+    out = bf16_cpu.kernel_linear(x, w, b)
+    assert out.shape == (2, 23, 101) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()),
+                               atol=0.02, rtol=0.01)
+    flat = x.reshape(-1, 203)
+    alone = torch.cat([bf16_cpu.kernel_linear(flat[i:i + 1], w, b) for i in range(len(flat))])
+    assert torch.equal(alone, out.reshape(-1, 101))
+    assert torch.equal(bf16_cpu.kernel_linear(flat[5:7], w, b), alone[5:7])
+    assert bf16_cpu.kernel_linear(x, w.t().contiguous().t()) is None      # column-major: not its
+    assert bf16_cpu.kernel_linear(x, w.float()) is None
+
+
+def test_half_kernel_builds_into_its_cache_and_a_failed_build_falls_back(tmp_path, monkeypatch):
+    _kernel_or_skip()
+    monkeypatch.setenv(bf16_cpu.KERNEL_CACHE_ENV, str(tmp_path / "k"))
+    try:
+        bf16_cpu.half_kernel.cache_clear()
+        assert bf16_cpu.half_kernel() is not None
+        assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]     # no part left
+        bf16_cpu.half_kernel.cache_clear()
+        monkeypatch.setenv(bf16_cpu.KERNEL_CACHE_ENV, str(tmp_path / "broken"))
+        monkeypatch.setenv("CC", "false")                                  # exits 1
+        assert bf16_cpu.half_kernel() is None
+        bf16_cpu.half_kernel.cache_clear()
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv(bf16_cpu.KERNEL_ENV, "0")
+        assert bf16_cpu.half_kernel() is None
+    finally:
+        bf16_cpu.half_kernel.cache_clear()
 
 
 def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_result(monkeypatch):

@@ -1,0 +1,101 @@
+/* Products with 16-bit float weights on CPUs with AVX2 and FMA but no 16-bit float
+ * arithmetic: y[M, N] = x[M, K] . w[N, K]^T, x and y float32, w bfloat16 or float16.
+ *
+ * Why (server/model/bf16_cpu.py): there oneDNN converts the weight to float32 for every
+ * row it multiplies, and converting it once for an MKL float32 GEMM writes and reads a
+ * float32 copy.  Here each 8-wide vector of the weight is converted in registers once and
+ * multiplied into up to ROWS rows of x, so the weight is read from memory once at any
+ * row count.
+ *
+ * Every output element is one chain of 8-lane fused multiply-adds over K in order, then
+ * the same horizontal sum: its value does not depend on M or on the other rows, so a
+ * window of k+1 rows computes each row exactly as a one-row step does.
+ *
+ * Built at first use by server/model/bf16_cpu.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp);
+ * its OpenMP is the libgomp torch has loaded, so the two share one thread pool.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define ROWS 4          /* rows of x per block: ROWS x COLS accumulators + COLS weight */
+#define COLS 3          /* vectors + one x vector = the 16 ymm registers */
+
+static inline __m256 load_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline float bf16_value(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline float f16_value(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+#define BLOCK(NAME, LOAD, VALUE)                                                          \
+static void NAME(const float *x, long ldx, const uint16_t *w, long K, float *y, long ldy,  \
+                 int rows, int cols) {                                                     \
+    __m256 acc[ROWS][COLS];                                                                \
+    for (int i = 0; i < ROWS; i++)                                                         \
+        for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();                    \
+    long k8 = K & ~7L;                                                                     \
+    for (long k = 0; k < k8; k += 8) {                                                     \
+        __m256 wv[COLS];                                                                   \
+        for (int j = 0; j < COLS; j++)                                                     \
+            wv[j] = j < cols ? LOAD(w + j * K + k) : _mm256_setzero_ps();                  \
+        for (int i = 0; i < ROWS; i++) {                                                   \
+            if (i >= rows) break;                                                          \
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + k);                                  \
+            for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]); \
+        }                                                                                  \
+    }                                                                                      \
+    for (int i = 0; i < rows; i++)                                                         \
+        for (int j = 0; j < cols; j++) {                                                   \
+            float s = hsum(acc[i][j]);                                                     \
+            for (long k = k8; k < K; k++) s += x[i * ldx + k] * VALUE(w[j * K + k]);       \
+            y[i * ldy + j] = s;                                                            \
+        }                                                                                  \
+}
+
+BLOCK(block_bf16, load_bf16, bf16_value)
+BLOCK(block_f16, load_f16, f16_value)
+
+typedef void (*block_fn)(const float *, long, const uint16_t *, long, float *, long, int, int);
+
+static void product(block_fn block, const float *x, long M, long K, long ldx,
+                    const uint16_t *w, long N, float *y, long ldy, int threads) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        long n = b * COLS;
+        int cols = N - n < COLS ? (int)(N - n) : COLS;
+        for (long m = 0; m < M; m += ROWS) {
+            int rows = M - m < ROWS ? (int)(M - m) : ROWS;
+            block(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols);
+        }
+    }
+}
+
+/* w: bfloat16 [N, K], rows contiguous; x float32 rows of stride ldx; y float32 of ldy. */
+void half_mm_bf16(const float *x, long M, long K, long ldx, const uint16_t *w, long N,
+                  float *y, long ldy, int threads) {
+    product(block_bf16, x, M, K, ldx, w, N, y, ldy, threads);
+}
+
+void half_mm_f16(const float *x, long M, long K, long ldx, const uint16_t *w, long N,
+                 float *y, long ldy, int threads) {
+    product(block_f16, x, M, K, ldx, w, N, y, ldy, threads);
+}
