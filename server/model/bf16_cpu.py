@@ -64,7 +64,7 @@ MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
 # read the weight once per row (4 rows, the 0.5b model's shapes: [512, 1536] 0.22 against
 # 0.30 ms, [6144, 1536] 2.5 against 3.6, the head 14 against 19; at 3 rows oneDNN's).
 FLOAT32_ROWS = 4
-KERNEL_ROWS = 48    # up to here half_avx2.c (kernel_linear); past it MKL's float32 GEMMs
+KERNEL_ROWS = 64    # eager, up to here half_avx2.c (kernel_linear); past it MKL's GEMMs
 KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use half_avx2.c
 KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
 _KERNEL_SOURCE = Path(__file__).with_name("half_avx2.c")
@@ -90,10 +90,16 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a batch window's rows (their number symbolic): one float32 reduction
-    per output column and row, the rows inner, so that each weight row is read from memory
-    once for all of them ([8192, 1536] at 16 rows: 10.3 ms against oneDNN's 19.1)."""
-    out = (weight.float()[:, None, :] * materialized(x.float())[None, :, :]).sum(-1).t().to(x.dtype)
+    """``F.linear`` for a batch window's rows (their number symbolic): half_avx2.c as an
+    operator of the graph (``half_mm``: [6144, 1536] at 16 rows 2.1 ms); without the
+    kernel, one float32 reduction per output column and row, the rows inner, so that each
+    weight row is read from memory once for all of them ([8192, 1536] at 16 rows: 10.3 ms
+    against oneDNN's 19.1)."""
+    if _kernel_ready() and weight.is_contiguous():
+        out = torch.ops.mtp_serve.half_mm(x.reshape(-1, x.shape[-1]).float(), weight)
+        out = out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    else:
+        out = (weight.float()[:, None, :] * materialized(x.float())[None, :, :]).sum(-1).t().to(x.dtype)
     return out if bias is None else out + bias
 
 
@@ -117,16 +123,38 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor,
             or weight.dim() != 2 or not weight.is_contiguous()):
         return None
     n, k = weight.shape
-    xf = x.reshape(-1, k).float()
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
+    out = _kernel_mm(lib, x.reshape(-1, k).float(), weight)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("mtp_serve::half_mm", mutates_args=())
+def half_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] . weight [N, K]^T -> float32 [M, N] through half_avx2.c, as one
+    operator a compiled graph calls (Inductor cannot trace ctypes).  Where a graph built
+    with it is loaded without the kernel, the converted float32 product."""
+    lib = half_kernel()
+    if lib is None or not weight.is_contiguous():
+        return converted_mm(x, weight)
+    return _kernel_mm(lib, x, weight)
+
+
+@half_mm.register_fake
+def _half_mm_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def _kernel_mm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's call itself (eager callers skip the operator's dispatch: the routed
+    experts make hundreds of these a step)."""
+    n, k = weight.shape
+    xf = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(xf.shape[0], n, dtype=torch.float32)
     fn = lib.half_mm_bf16 if weight.dtype == torch.bfloat16 else lib.half_mm_f16
     fn(xf.data_ptr(), xf.shape[0], k, xf.stride(0), weight.data_ptr(), n, out.data_ptr(), n,
        torch.get_num_threads())
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype).view(*x.shape[:-1], n)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,6 +196,12 @@ def half_kernel() -> ctypes.CDLL | None:
     for fn in (lib.half_mm_bf16, lib.half_mm_f16):
         fn.argtypes, fn.restype = args, None
     return lib
+
+
+@torch.compiler.assume_constant_result
+def _kernel_ready() -> bool:
+    """``half_kernel`` as a constant of a traced graph (Dynamo does not trace the build)."""
+    return half_kernel() is not None
 
 
 def _cpu_flags() -> set[str]:

@@ -113,8 +113,16 @@ def test_each_window_traces_its_form_and_only_while_tracing():
         out = torch.compile(lin, backend="eager", dynamic=False, fullgraph=True)(x2)
     assert F.linear is before                            # restored on exit
     assert "linear" in str(_ops(lin, x2))
-    with bf16_cpu.traced("batch"):                       # a batch graph: one reduction, rows inner
+    with bf16_cpu.traced("batch"):                       # a batch graph: half_avx2.c's operator
         batch = _ops(lin, x2)
+        if bf16_cpu.half_kernel() is not None:
+            assert "mtp_serve.half_mm" in batch and "sum" not in batch
+        real = bf16_cpu._kernel_ready
+        try:                                             # or one reduction, rows inner
+            bf16_cpu._kernel_ready = lambda: False
+            batch = _ops(lin, x2)
+        finally:
+            bf16_cpu._kernel_ready = real
         assert "linear" not in str(batch) and batch.count("sum") == 1
     with bf16_cpu.traced("prompt"):                      # a prompt: a float32 GEMM
         assert "linear" in str(_ops(lin, x2)) and "float" in str(_ops(lin, x2))

@@ -60,7 +60,7 @@ log = logging.getLogger("server.engine")
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
 CPP_WRAPPER_ENV = "MTP_SERVE_COMPILE_CPP_WRAPPER"
 _MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py",
-                  "bf16_cpu.py", "quant.py")
+                  "bf16_cpu.py", "quant.py", "half_avx2.c")
 
 
 def should_compile(mode: str, device: torch.device, static_ok: bool) -> bool:
@@ -102,7 +102,9 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"threads {torch.get_num_threads()}".encode())
     h.update(repr(sorted(int8_layers(model).items())).encode())
     h.update(_plan_key(model.parallel_plan).encode())
-    h.update(f"bf16_cpu {_bf16_reductions(model, device)} cpp_wrapper {cpp_wrapper(device)}".encode())
+    bf16 = _bf16_reductions(model, device)
+    kernel = bf16 and bf16_cpu.half_kernel() is not None      # batch graphs call half_avx2.c
+    h.update(f"bf16_cpu {bf16} kernel {kernel} cpp_wrapper {cpp_wrapper(device)}".encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
     return root / h.hexdigest()[:24]
