@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -68,7 +69,7 @@ KERNEL_ROWS = 64    # eager, up to here half_avx2.c (kernel_linear); past it MKL
 KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use half_avx2.c
 KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
 _KERNEL_SOURCE = Path(__file__).with_name("half_avx2.c")
-_KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+_KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm")
 _HALF = (torch.bfloat16, torch.float16)
 WINDOWS = ("lone", "batch", "prompt")
 
@@ -127,6 +128,30 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor,
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def kernel_experts(xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor | None:
+    """A routed MoE's experts over their rows in one half_avx2.c call (``experts`` there):
+    xs [A, H], expert e's rows the e-th ``counts[e]`` of them; gate_up [E, 2I, H], down
+    [E, H, I] (MoE.expert_stacks) -> float32 [A, H].  None where it does not apply (not
+    installed, no kernel, an expert with more than KERNEL_ROWS rows: a prompt's, for
+    MKL's GEMMs)."""
+    lib = half_kernel()
+    if (not _installed or lib is None or torch.compiler.is_compiling()
+            or gate_up.dtype not in _HALF or gate_up.device.type != "cpu"
+            or not (gate_up.is_contiguous() and down.is_contiguous())
+            or max(counts, default=0) > KERNEL_ROWS):
+        return None
+    e, i2, h = gate_up.shape
+    xf = xs.float().contiguous()
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+    gu = torch.empty(xf.shape[0], i2, dtype=torch.float32)
+    out = torch.empty(xf.shape[0], h, dtype=torch.float32)
+    fn = lib.half_experts_bf16 if gate_up.dtype == torch.bfloat16 else lib.half_experts_f16
+    fn(xf.data_ptr(), h, i2 // 2, offsets.data_ptr(), e, gate_up.data_ptr(), down.data_ptr(),
+       gu.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 @torch.library.custom_op("mtp_serve::half_mm", mutates_args=())
@@ -195,6 +220,10 @@ def half_kernel() -> ctypes.CDLL | None:
             ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     for fn in (lib.half_mm_bf16, lib.half_mm_f16):
         fn.argtypes, fn.restype = args, None
+    moe = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    for fn in (lib.half_experts_bf16, lib.half_experts_f16):
+        fn.argtypes, fn.restype = moe, None
     return lib
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model import quant
+from server.model import bf16_cpu, quant
 from server.model.config import DeepseekConfig, yarn_get_mscale
 
 
@@ -268,14 +268,19 @@ class MoE(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if mine.numel():
             xs = x.index_select(0, token_of)
-            outs = []
-            start = 0
-            run = self._expert_runner()
-            for j, n in enumerate(counts[first:first + num_local]):
-                if n:
-                    outs.append(run(j, xs[start:start + n]))
-                    start += n
-            ys = torch.cat(outs) * weights.reshape(-1)[mine, None]   # float32 weighting
+            local = counts[first:first + num_local]
+            stacks = self._current_stacks()
+            ys = bf16_cpu.kernel_experts(xs, local, *stacks) if stacks and len(stacks) == 2 else None
+            if ys is None:
+                outs = []
+                start = 0
+                run = self._expert_runner()
+                for j, n in enumerate(local):
+                    if n:
+                        outs.append(run(j, xs[start:start + n]))
+                        start += n
+                ys = torch.cat(outs)
+            ys = ys * weights.reshape(-1)[mine, None]            # float32 weighting
             out.index_add_(0, token_of, ys.float())
         out = out.to(x.dtype)
         if self.shared_experts is not None and self.shared_after_combine:

@@ -193,6 +193,57 @@ def test_half_kernel_is_f_linear_and_each_row_is_summed_alone(dtype):
     assert bf16_cpu.kernel_linear(x, w.float()) is None
 
 
+def test_half_kernel_runs_a_routed_moes_experts_in_one_call(monkeypatch):
+    """``kernel_experts``: every expert's gate/up, SiLU and down over its rows (some with
+    none) in one call, the float32 products of the stacked weights; each row's result the
+    same whatever rows the other experts hold; refused past KERNEL_ROWS rows an expert and
+    before ``install``."""
+    _kernel_or_skip()
+    monkeypatch.setattr(bf16_cpu, "_installed", True)
+    g = torch.Generator().manual_seed(2)
+    e, h, i = 5, 72, 40
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * 0.1).to(torch.bfloat16)
+    counts = [3, 0, 6, 1, 2]
+    xs = torch.randn(sum(counts), h, generator=g).to(torch.bfloat16)
+    out = bf16_cpu.kernel_experts(xs, counts, gate_up, down)
+    want, start = [], 0
+    for j, n in enumerate(counts):
+        gu = xs[start:start + n].float() @ gate_up[j].float().t()
+        want.append((F.silu(gu[:, :i]) * gu[:, i:]) @ down[j].float().t())
+        start += n
+    torch.testing.assert_close(out, torch.cat(want), atol=1e-4, rtol=1e-4)
+    alone = bf16_cpu.kernel_experts(xs[3:4], [0, 0, 1, 0, 0], gate_up, down)  # expert 2's first row
+    assert torch.equal(alone[0], out[3])
+    assert bf16_cpu.kernel_experts(xs, [bf16_cpu.KERNEL_ROWS + 1], gate_up[:1], down[:1]) is None
+    monkeypatch.setattr(bf16_cpu, "_installed", False)
+    assert bf16_cpu.kernel_experts(xs, counts, gate_up, down) is None
+
+
+def test_a_bf16_moe_serves_through_the_kernel_what_it_serves_without(tmp_path, monkeypatch):
+    """A routed bf16 MoE layer (experts stacked, as the serving loader leaves them) gives
+    the per-expert path's output through ``kernel_experts``, to bf16 rounding."""
+    _kernel_or_skip()
+    from server.model.loader import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "m", dtype="bfloat16"))
+    moe = next(m for m in model.modules() if hasattr(m, "expert_stacks"))
+    moe.expert_stacks()
+    monkeypatch.setattr(bf16_cpu, "_installed", True)
+    calls = []
+    real = bf16_cpu.kernel_experts
+    monkeypatch.setattr(bf16_cpu, "kernel_experts",
+                        lambda *a: calls.append(real(*a)) or calls[-1])
+    x = torch.randn(7, moe.gate.weight.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        monkeypatch.setattr(type(moe), "_macs_per_token_dense", property(lambda _: 1 << 60))  # routed
+        fused = moe(x)
+        monkeypatch.setattr(bf16_cpu, "_installed", False)
+        looped = moe(x)
+    assert [c is not None for c in calls] == [True, False]               # the kernel, then not
+    torch.testing.assert_close(fused.float(), looped.float(), atol=0.03, rtol=0.02)
+
+
 def test_half_kernel_builds_into_its_cache_and_a_failed_build_falls_back(tmp_path, monkeypatch):
     _kernel_or_skip()
     monkeypatch.setenv(bf16_cpu.KERNEL_CACHE_ENV, str(tmp_path / "k"))
