@@ -154,18 +154,23 @@ def kernel_experts(xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
     return out
 
 
-@torch.library.custom_op("mtp_serve::half_mm", mutates_args=())
 def half_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x float32 [M, K] . weight [N, K]^T -> float32 [M, N] through half_avx2.c, as one
-    operator a compiled graph calls (Inductor cannot trace ctypes).  Where a graph built
-    with it is loaded without the kernel, the converted float32 product."""
+    operator a compiled graph calls (Inductor cannot trace ctypes; quant.py's fragment
+    says why not ``custom_op``).  Where a graph built with it is loaded without the
+    kernel, the converted float32 product."""
     lib = half_kernel()
     if lib is None or not weight.is_contiguous():
         return converted_mm(x, weight)
     return _kernel_mm(lib, x, weight)
 
 
-@half_mm.register_fake
+_OPS = torch.library.Library("mtp_serve", "FRAGMENT")
+_OPS.define("half_mm(Tensor x, Tensor weight) -> Tensor")
+_OPS.impl("half_mm", half_mm, "CPU")
+
+
+@torch.library.register_fake("mtp_serve::half_mm")
 def _half_mm_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
@@ -224,6 +229,10 @@ def half_kernel() -> ctypes.CDLL | None:
            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     for fn in (lib.half_experts_bf16, lib.half_experts_f16):
         fn.argtypes, fn.restype = moe, None
+    lib.int8_mm.argtypes, lib.int8_mm.restype = args, None
+    lib.int8_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    lib.int8_rows.restype = None
     return lib
 
 

@@ -1,5 +1,6 @@
 /* Products with 16-bit float weights on CPUs with AVX2 and FMA but no 16-bit float
- * arithmetic: y[M, N] = x[M, K] . w[N, K]^T, x and y float32, w bfloat16 or float16.
+ * arithmetic: y[M, N] = x[M, K] . w[N, K]^T, x and y float32, w bfloat16 or float16; and
+ * the exact integer sums of int8 weights with quantized activations (int8_* below).
  *
  * Why (server/model/bf16_cpu.py): there oneDNN converts the weight to float32 for every
  * row it multiplies, and converting it once for an MKL float32 GEMM writes and reads a
@@ -151,4 +152,73 @@ void half_experts_f16(const float *xs, long H, long I, const long *offsets, long
                       const uint16_t *gate_up, const uint16_t *down, float *gu, float *ys,
                       int threads) {
     experts(block_f16, xs, H, I, offsets, E, gate_up, down, gu, ys, threads);
+}
+
+/* Int8 weights (server/model/quant.py, backend "avx2"): x holds the quantized activations
+ * as int16, w int8 [N, K]; y int32 [M, N] the exact sums, as torch._int_mm gives them.
+ * Sixteen weights at a time are widened to int16 in registers and multiplied and added in
+ * pairs into int32 lanes (vpmaddwd: a product is at most 128 * 128, so nothing saturates or
+ * overflows below 131072 inputs).  The weight is read as int8, a byte a value. */
+static inline __m256i load_i8(const int8_t *p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    return _mm_cvtsi128_si32(s);
+}
+
+static void block_i8(const int16_t *x, long ldx, const int8_t *w, long K, int32_t *y, long ldy,
+                     int rows, int cols) {
+    __m256i acc[ROWS][COLS];
+    for (int i = 0; i < ROWS; i++)
+        for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_si256();
+    long k16 = K & ~15L;
+    for (long k = 0; k < k16; k += 16) {
+        __m256i wv[COLS];
+        for (int j = 0; j < COLS; j++)
+            wv[j] = j < cols ? load_i8(w + j * K + k) : _mm256_setzero_si256();
+        for (int i = 0; i < ROWS; i++) {
+            if (i >= rows) break;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * ldx + k));
+            for (int j = 0; j < COLS; j++)
+                acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            int32_t t = hsum_i32(acc[i][j]);
+            for (long k = k16; k < K; k++) t += (int32_t)x[i * ldx + k] * w[j * K + k];
+            y[i * ldy + j] = t;
+        }
+}
+
+void int8_mm(const int16_t *x, long M, long K, long ldx, const int8_t *w, long N, int32_t *y,
+             long ldy, int threads) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        long n = b * COLS;
+        int cols = N - n < COLS ? (int)(N - n) : COLS;
+        for (long m = 0; m < M; m += ROWS) {
+            int rows = M - m < ROWS ? (int)(M - m) : ROWS;
+            block_i8(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols);
+        }
+    }
+}
+
+/* Row a of x through expert expert[a] of w int8 [E, N, K] -> y int32 [A, N]: the gathered
+ * experts of a window (quant.gathered_int8_experts), each chosen expert's rows read in
+ * place. */
+void int8_rows(const int16_t *x, long A, long K, const long *expert, const int8_t *w, long N,
+               int32_t *y, int threads) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long j = 0; j < A * blocks; j++) {
+        long a = j / blocks, n = (j % blocks) * COLS;
+        int cols = N - n < COLS ? (int)(N - n) : COLS;
+        block_i8(x + a * K, K, w + (expert[a] * N + n) * K, K, y + a * N + n, N, 1, cols);
+    }
 }

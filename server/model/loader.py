@@ -84,9 +84,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     sharded tensor's slice through ``safe_open(...).get_slice`` (parallel.py says which).
 
     ``int8_backend`` (int8 checkpoints): "int_mm" (torch._int_mm), "float" (the same exact
-    integer products through a float GEMM), "int8pack" (16-bit models: those products
-    rounded to bf16) or "auto" (the fastest for ``dtype``, measured once:
-    server/model/quant.py)."""
+    integer products through a float GEMM), "avx2" (the same through our AVX2 kernel),
+    "int8pack" (16-bit models: those products rounded to bf16) or "auto" (the fastest for
+    ``dtype``, measured once: server/model/quant.py)."""
     start = time.perf_counter()
     path = Path(path)
     cfg = read_config(path)
