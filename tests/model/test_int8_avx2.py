@@ -1,0 +1,73 @@
+"""The "avx2" int8 backend (server/model/quant.py, half_avx2.c): the exact integer sums
+``torch._int_mm`` gives, read a byte a weight, eager and as operators of a compiled graph;
+the gathered experts' rows through it; a W8A8 model on it serves what the exact float
+path serves."""
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+
+from server.model import bf16_cpu, quant
+from server.model.loader import load_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if platform.machine() != "x86_64" or not torch.cpu._is_avx2_supported() or not shutil.which("cc"):
+        pytest.skip("half_avx2.c needs an x86 CPU with AVX2 and a C compiler")
+    assert bf16_cpu.half_kernel() is not None, "AVX2 and cc are here: the kernel must build"
+
+
+def _exact(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x_q.double() @ w.double().t()).to(torch.int64)
+
+
+@pytest.mark.parametrize("k", [1536, 203, 9000])
+def test_sums_are_the_exact_ones_and_each_rows_own(k):
+    """Any in-features (a tail past the 16-wide vectors, more than 2**24 / 128**2 of them),
+    any out-features, the extremes of int8: int32 sums equal to the exact ones, and a row's
+    the same alone as beside others."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-128, 128, (101, k), dtype=torch.int8, generator=g)
+    w[0] = -128
+    x_q = torch.randint(-127, 128, (9, k), dtype=torch.int8, generator=g)
+    x_q[0] = -127
+    got = quant.int8_matmul(x_q, w, "avx2")
+    assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), _exact(x_q, w))
+    assert torch.equal(quant.int8_matmul(x_q[4:5], w, "avx2"), got[4:5])
+    compiled = torch.compile(lambda a, b: quant.int8_matmul(a, b, "avx2") * 2, dynamic=True)
+    assert torch.equal(compiled(x_q, w), got * 2)
+
+
+def test_gathered_rows_read_their_own_experts():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-128, 128, (5, 40, 96), dtype=torch.int8, generator=g)
+    rows = torch.randint(-127, 128, (7, 96), generator=g).float()
+    expert = torch.tensor([4, 0, 0, 2, 4, 1, 3])
+    got = torch.ops.mtp_serve.int8_rows(rows, expert, w)
+    want = torch.stack([_exact(r[None], w[e])[0] for r, e in zip(rows, expert.tolist())])
+    assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), want)
+
+
+def test_the_fastest_backend_is_chosen_among_the_exact_ones_with_it():
+    quant._FASTEST.clear()
+    try:
+        assert quant.fastest_int8_backend("cpu", torch.float32) in quant.EXACT_BACKENDS
+    finally:
+        quant._FASTEST.clear()
+
+
+def test_a_w8a8_model_on_it_serves_the_exact_float_paths_logits(quantized):
+    from tests.model.test_quantized import heldout
+    prompts, conts = heldout()
+    ids = torch.tensor([prompts[0] + conts[0]])
+    with torch.inference_mode():
+        outs = []
+        for backend in ("float", "avx2"):
+            model = load_checkpoint(quantized["w8a8"], int8_backend=backend)[0]
+            assert {m.backend for m in model.modules() if isinstance(m, quant.QuantLinear)} == {backend}
+            outs.append(model.compute_logits(model.forward_full(ids)[0]))
+    assert torch.equal(outs[0], outs[1])
