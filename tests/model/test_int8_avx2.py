@@ -60,6 +60,7 @@ def test_the_fastest_backend_is_chosen_among_the_exact_ones_with_it():
         quant._FASTEST.clear()
 
 
+@pytest.mark.demo
 def test_a_w8a8_model_on_it_serves_the_exact_float_paths_logits(quantized):
     from tests.model.test_quantized import heldout
     prompts, conts = heldout()
