@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from server.model.quant import converted_mm, materialized
+from server.model.quant import converted_mm, kernel_operator, materialized
 
 log = logging.getLogger("server.model")
 
@@ -166,14 +166,8 @@ def half_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _kernel_mm(lib, x, weight)
 
 
-_OPS = torch.library.Library("mtp_serve", "FRAGMENT")
-_OPS.define("half_mm(Tensor x, Tensor weight) -> Tensor")
-_OPS.impl("half_mm", half_mm, "CPU")
-
-
-@torch.library.register_fake("mtp_serve::half_mm")
-def _half_mm_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+kernel_operator("half_mm(Tensor x, Tensor weight) -> Tensor", half_mm,
+                lambda x, weight: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
 
 
 def _kernel_mm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -77,18 +77,24 @@ BLOCK(block_f16, load_f16, f16_value)
 
 typedef void (*block_fn)(const float *, long, const uint16_t *, long, float *, long, int, int);
 
+/* Every ROWS x COLS block of an [M, N] output, the column blocks shared out over the
+ * calling function's ``threads``: CALL sees the block's first row m and column n, and
+ * its rows and cols. */
+#define EACH_BLOCK(M, N, CALL)                                                            \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                     \
+    for (long b_ = 0; b_ < ((N) + COLS - 1) / COLS; b_++) {                               \
+        long n = b_ * COLS;                                                               \
+        int cols = (N) - n < COLS ? (int)((N) - n) : COLS;                                \
+        for (long m = 0; m < (M); m += ROWS) {                                            \
+            int rows = (M) - m < ROWS ? (int)((M) - m) : ROWS;                            \
+            CALL;                                                                         \
+        }                                                                                 \
+    }
+
 static void product(block_fn block, const float *x, long M, long K, long ldx,
                     const uint16_t *w, long N, float *y, long ldy, int threads) {
-    long blocks = (N + COLS - 1) / COLS;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        long n = b * COLS;
-        int cols = N - n < COLS ? (int)(N - n) : COLS;
-        for (long m = 0; m < M; m += ROWS) {
-            int rows = M - m < ROWS ? (int)(M - m) : ROWS;
-            block(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols);
-        }
-    }
+    EACH_BLOCK(M, N,
+               block(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols))
 }
 
 /* w: bfloat16 [N, K], rows contiguous; x float32 rows of stride ldx; y float32 of ldy. */
@@ -197,16 +203,8 @@ static void block_i8(const int16_t *x, long ldx, const int8_t *w, long K, int32_
 
 void int8_mm(const int16_t *x, long M, long K, long ldx, const int8_t *w, long N, int32_t *y,
              long ldy, int threads) {
-    long blocks = (N + COLS - 1) / COLS;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        long n = b * COLS;
-        int cols = N - n < COLS ? (int)(N - n) : COLS;
-        for (long m = 0; m < M; m += ROWS) {
-            int rows = M - m < ROWS ? (int)(M - m) : ROWS;
-            block_i8(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols);
-        }
-    }
+    EACH_BLOCK(M, N,
+               block_i8(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols))
 }
 
 /* Row a of x through expert expert[a] of w int8 [E, N, K] -> y int32 [A, N]: the gathered

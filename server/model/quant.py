@@ -41,6 +41,8 @@ rate, about twice the rate of bf16 weights in values a second.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,13 +180,20 @@ def int8_kernel_mm(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # library fragment rather than with torch.library.custom_op: its dispatch costs 20 us a
 # call against 49, and a decode step makes about 90 of these.
 _OPS = torch.library.Library("mtp_serve", "FRAGMENT")
-_OPS.define("int8_mm(Tensor x_q, Tensor w) -> Tensor")
-_OPS.impl("int8_mm", int8_kernel_mm, "CPU")
 
 
-@torch.library.register_fake("mtp_serve::int8_mm")
-def _(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x_q.new_empty(x_q.shape[0], w.shape[0], dtype=torch.int32)
+def kernel_operator(schema: str, impl: Callable[..., torch.Tensor],
+                    fake: Callable[..., torch.Tensor]) -> None:
+    """Define ``mtp_serve::<schema>`` on that fragment: ``impl`` for CPU tensors, ``fake``
+    (the output's shape and dtype) while a graph is traced."""
+    name = schema.split("(", 1)[0]
+    _OPS.define(schema)
+    _OPS.impl(name, impl, "CPU")
+    torch.library.register_fake(f"mtp_serve::{name}")(fake)
+
+
+kernel_operator("int8_mm(Tensor x_q, Tensor w) -> Tensor", int8_kernel_mm,
+                lambda x_q, w: x_q.new_empty(x_q.shape[0], w.shape[0], dtype=torch.int32))
 
 
 def int8_rows(rows: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -204,13 +213,8 @@ def int8_rows(rows: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torc
     return out
 
 
-_OPS.define("int8_rows(Tensor rows, Tensor expert, Tensor w) -> Tensor")
-_OPS.impl("int8_rows", int8_rows, "CPU")
-
-
-@torch.library.register_fake("mtp_serve::int8_rows")
-def _(rows: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0], w.shape[1], dtype=torch.int32)
+kernel_operator("int8_rows(Tensor rows, Tensor expert, Tensor w) -> Tensor", int8_rows,
+                lambda rows, expert, w: rows.new_empty(rows.shape[0], w.shape[1], dtype=torch.int32))
 
 
 def _unit_scales(w: torch.Tensor) -> torch.Tensor:
