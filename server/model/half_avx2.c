@@ -114,37 +114,36 @@ void half_mm_f16(const float *x, long M, long K, long ldx, const uint16_t *w, lo
  * down_e . (silu(gate_e . xs[a]) * (up_e . xs[a])), float32 throughout; gu is scratch of
  * [A, 2I].  One parallel region for every expert: the per-expert calls it replaces cost
  * more in dispatch than in arithmetic at a batch's few rows an expert. */
+/* Each expert's rows of x through its weight, w [E, N, K] -> y; the (expert, column
+ * block) pairs shared out over the threads of the enclosing parallel region. */
+static void each_expert(block_fn block, const float *x, long ldx, const long *offsets, long E,
+                        const uint16_t *w, long N, long K, float *y, long ldy) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp for schedule(dynamic, 8)
+    for (long j = 0; j < E * blocks; j++) {
+        long e = j / blocks, n = (j % blocks) * COLS;
+        int cols = N - n < COLS ? (int)(N - n) : COLS;
+        for (long m = offsets[e]; m < offsets[e + 1]; m += ROWS) {
+            int rows = offsets[e + 1] - m < ROWS ? (int)(offsets[e + 1] - m) : ROWS;
+            block(x + m * ldx, ldx, w + (e * N + n) * K, K, y + m * ldy + n, ldy, rows, cols);
+        }
+    }
+}
+
 static void experts(block_fn block, const float *xs, long H, long I, const long *offsets,
                     long E, const uint16_t *gate_up, const uint16_t *down, float *gu, float *ys,
                     int threads) {
     long A = offsets[E], I2 = 2 * I;
-    long up_blocks = (I2 + COLS - 1) / COLS, down_blocks = (H + COLS - 1) / COLS;
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(dynamic, 8)
-        for (long j = 0; j < E * up_blocks; j++) {
-            long e = j / up_blocks, n = (j % up_blocks) * COLS, r0 = offsets[e];
-            int cols = I2 - n < COLS ? (int)(I2 - n) : COLS;
-            for (long m = r0; m < offsets[e + 1]; m += ROWS) {
-                int rows = offsets[e + 1] - m < ROWS ? (int)(offsets[e + 1] - m) : ROWS;
-                block(xs + m * H, H, gate_up + (e * I2 + n) * H, H, gu + m * I2 + n, I2, rows, cols);
-            }
-        }
+        each_expert(block, xs, H, offsets, E, gate_up, I2, H, gu, I2);
         #pragma omp for schedule(static)
         for (long a = 0; a < A; a++)
             for (long i = 0; i < I; i++) {
                 float g = gu[a * I2 + i];
                 gu[a * I2 + i] = g / (1.0f + expf(-g)) * gu[a * I2 + I + i];
             }
-        #pragma omp for schedule(dynamic, 8)
-        for (long j = 0; j < E * down_blocks; j++) {
-            long e = j / down_blocks, n = (j % down_blocks) * COLS, r0 = offsets[e];
-            int cols = H - n < COLS ? (int)(H - n) : COLS;
-            for (long m = r0; m < offsets[e + 1]; m += ROWS) {
-                int rows = offsets[e + 1] - m < ROWS ? (int)(offsets[e + 1] - m) : ROWS;
-                block(gu + m * I2, I2, down + (e * H + n) * I, I, ys + m * H + n, H, rows, cols);
-            }
-        }
+        each_expert(block, gu, I2, offsets, E, down, H, I, ys, H);
     }
 }
 
