@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
 from server.config.sections import MindIEConfig
-from server.engine.kv.block_file import HEADER_BYTES
+from server.engine.kv.block_file import file_overhead
 from server.engine.kv.layout import checkpoint_kv_block_bytes, disk_tier_blocks, min_disk_gb
 
 KP = "BackendConfig.kvPoolConfig"
@@ -93,11 +93,12 @@ def disk_tier_issue(settings: KvPoolSettings, weights: Path, block_size: int,
     if settings.disk_dir is None or settings.config_file is None:
         return None
     block = checkpoint_kv_block_bytes(weights, block_size, kv_cache_dtype)
-    if block is None or disk_tier_blocks(settings.disk_size_gb, block) >= 1:
+    if block is None or disk_tier_blocks(settings.disk_size_gb, block, block_size) >= 1:
         return None
     return ConfigIssue(f"{KP}.configPath ({settings.config_file.name}).disk_size_gb",
-                       settings.disk_size_gb, f">= {min_disk_gb(block)!r} (GB of 2^30 bytes)",
+                       settings.disk_size_gb, f">= {min_disk_gb(block, block_size)!r} (GB of 2^30 bytes)",
                        f"the disk tier cannot hold one KV block of this model: a block is "
-                       f"{block} bytes and its file has a {HEADER_BYTES}-byte header (cacheBlockSize "
-                       f"{block_size}, kv_cache_dtype {kv_cache_dtype})",
+                       f"{block} bytes and its file adds {file_overhead(block_size)} bytes of "
+                       f"header and tokens (cacheBlockSize {block_size}, kv_cache_dtype "
+                       f"{kv_cache_dtype})",
                        related=("BackendConfig.ScheduleConfig.cacheBlockSize",))

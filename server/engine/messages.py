@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.engine.kv.block_key import BlockKey
 from server.engine.protocol import SamplingParams, TokenLogprob
 
 
@@ -74,7 +75,7 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...] = ()   # lost their blocks (they keep their drafts)
     kv_saves: tuple[tuple[int, int], ...] = ()    # (device block, host slot): copied out first
     kv_loads: tuple[tuple[int, int], ...] = ()    # (host slot, device block): then copied in
-    kv_disk_writes: tuple[tuple[int, int, str], ...] = ()  # (host slot, hash, path): saved block to disk
+    kv_disk_writes: tuple[tuple[int, BlockKey, str], ...] = ()  # (host slot, key, path): saved block to disk
     kv_row_loads: tuple[tuple[bytes, int], ...] = ()       # (verified row, device block): disk or PD
 
     @property

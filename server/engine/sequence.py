@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from server.engine.kv.block_key import BlockKey
 from server.engine.protocol import FinishReason, RequestCounters, SamplingParams
 from server.engine.token_view import TokenView
 
@@ -46,7 +47,8 @@ class Sequence(TokenView):
     num_inflight_steps: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0        # leading blocks registered in the prefix cache
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[BlockKey] = field(default_factory=list)   # keys of its registered blocks
+    prefix_keys: list[BlockKey] = field(default_factory=list)    # keys of its full blocks so far
     reserved_blocks: int = 0          # worst-case block budget when admitted in reserve mode
     dp_group: int = 0                 # attention data parallel group its blocks come from
     swap_slots: list[int] = field(default_factory=list)   # host tier slots while swapped out

@@ -117,12 +117,13 @@ def test_disk_tier_settings_refused(body, key, tmp_path):
 # ---- a disk tier smaller than one KV block ------------------------------------------
 # Start-up refuses it (DiskTier needs room for one block file), so --check must too.  A
 # block's bytes depend on the model: every cache layer (main layers and the MTP layer the
-# weights hold) x cacheBlockSize tokens x the cache row, a file adds a 40-byte header.
+# weights hold) x cacheBlockSize tokens x the cache row; a file adds a 72-byte header and
+# the block's key content (parent digest 32, next token 8, 8 per token: kv/block_key.py).
 # The tiny checkpoint: 2 layers + 1 MTP, float32, kv_lora_rank 32 + qk_rope_head_dim 8.
 DISK = {**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
         f"{MC0}.cpuMemSize": 1, f"{SC}.cacheBlockSize": 16}
 INT8 = {f"{MC0}.models": {"deepseekv2": {"kv_cache_options": {"kv_cache_dtype": "int8"}}}}
-HEADER = 40
+HEADER = 72 + 32 + 8 + 8 * 16
 
 
 def _tiny(tmp_path, with_mtp=True):
@@ -147,7 +148,8 @@ def test_disk_tier_below_one_block_refused_with_its_minimum(with_mtp, edits, blo
         _disk_config(tmp_path, (block + HEADER - 1) / (1 << 30), edits)
     (issue,) = info.value.issues
     assert issue.path == f"{KP}.configPath (pool.json).disk_size_gb", str(issue)
-    assert f"{block} bytes and its file has a {HEADER}-byte header" in issue.message, str(issue)
+    assert f"{block} bytes and its file adds {HEADER} bytes of header and tokens" in issue.message, \
+        str(issue)
     assert issue.allowed.startswith(f">= {least!r}"), str(issue)
     assert _disk_config(tmp_path, least, edits).kv_pool.disk_size_gb == least
 

@@ -77,3 +77,49 @@ def test_shared_blocks_are_ref_counted_and_evicted_lru():
     d = seq([8, 8, 8, 8, 8], "d")
     bm.allocate(d, bm.match_prefix(d), 2)     # needs one more block: evicts a cached one
     assert bm.num_cached_blocks == 1
+
+
+# ---- keys: SHA-256 chains, and a hit compares the tokens (issue 58) ------------------
+
+def test_block_keys_are_sha256_over_parent_next_token_and_tokens():
+    import hashlib
+    import struct
+    bm = BlockManager(16, 4, enable_prefix_cache=True, hash_next_token=True)
+    s = seq(range(1, 11))
+    computed(bm, s)
+    k0, k1 = s.block_hashes
+    tag = b"mtp-serve prefix block key v1\0"
+    c0 = bytes(32) + struct.pack("<q4q", 5, 1, 2, 3, 4)            # root parent, next token 5
+    c1 = k0.digest + struct.pack("<q4q", 9, 5, 6, 7, 8)
+    assert (k0.content, k1.content) == (c0, c1)
+    assert k0.digest == hashlib.sha256(tag + c0).digest()
+    assert k1.digest == hashlib.sha256(tag + c1).digest()
+
+
+def test_a_digest_collision_is_no_hit_anywhere_the_tokens_are_compared(monkeypatch, tmp_path):
+    """Every block's digest made equal (what a forged or colliding key would be): a
+    different prompt gets no block from the device cache, the host tier or the disk tier,
+    while the same prompt still hits.  Before, a hit was taken on the 64-bit hash alone."""
+    import server.engine.kv.block_key as block_key
+    from server.engine.kv.block_file import write_block
+    from server.engine.kv.disk_tier import DiskTier
+    from server.engine.kv.host_tier import HostTier
+    monkeypatch.setattr(block_key, "digest_of", lambda content: bytes(32))
+    bm = BlockManager(4, 4, enable_prefix_cache=True, host=HostTier(8), host_prefix=True)
+    a = seq(range(1, 11), "a")
+    computed(bm, a)                                  # 2 full blocks cached on the device
+    bm.free(a)
+    other = seq(range(101, 111), "o")
+    assert bm.match_prefix(other).num_blocks == 0    # same digests, other tokens: a miss
+    assert bm.match_prefix(seq(range(1, 11), "a2")).num_device_blocks == 2
+    filler = seq(range(50, 66), "f")                 # takes every block: a's go to the host tier
+    bm.allocate(filler, bm.match_prefix(filler), 16)
+    assert len(bm.take_transfers().saves) == 2
+    bm.free(filler)
+    assert bm.match_prefix(seq(range(101, 111), "o2")).num_blocks == 0
+    assert bm.match_prefix(seq(range(1, 11), "a3")).num_blocks == 2    # from the host tier
+    disk = DiskTier(tmp_path, 8, 64, 4)
+    key, forged = (block_key.block_key(None, t, 5) for t in ([1, 2, 3, 4], [101, 102, 103, 104]))
+    write_block(disk.plan_write(key), key, b"x" * 64)
+    disk.end_step()
+    assert forged.digest == key.digest and disk.read(forged) is None and disk.num_corrupt == 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.kv.block_file import file_name, hash_of_name, read_block, write_block
+from server.engine.kv.block_file import HEADER_BYTES, file_name, read_block, write_block
+from server.engine.kv.block_key import BlockKey, block_key, digest_of
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.host_pool import HostKVPool
 from server.engine.kv.host_tier import HostTier
@@ -251,7 +252,15 @@ def test_disk_tier_survives_a_restart_and_never_serves_a_damaged_file(tmp_path):
     assert st.disk_corrupt_files == 2 and st.disk_cache_hits > 0
     block_bytes = written.kv_bytes_saved // written.kv_blocks_saved
     for f in (flipped, cut):          # removed, or written again whole once recomputed
-        assert not f.exists() or read_block(f, hash_of_name(f.name), block_bytes) is not None
+        assert not f.exists() or read_block(f, _key_in(f), block_bytes) is not None
+
+
+def _key_in(path) -> BlockKey:
+    """The key a block file claims to hold (its content field, kv/block_file.py)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[40:48], "little")
+    content = data[HEADER_BYTES:HEADER_BYTES + n]
+    return BlockKey(digest_of(content), content)
 
 
 def test_disk_files_of_another_layout_are_not_read(tmp_path):
@@ -264,19 +273,22 @@ def test_disk_files_of_another_layout_are_not_read(tmp_path):
 
 
 def test_kv_file_round_trip_and_every_kind_of_damage(tmp_path):
-    path = tmp_path / file_name(-5)
-    assert hash_of_name(path.name) == -5
-    write_block(path, -5, b"x" * 64)
-    assert read_block(path, -5, 64) == b"x" * 64
+    key, other = block_key(None, [1, 2, 3, 4], 5), block_key(None, [1, 2, 3, 4], 6)
+    path = tmp_path / file_name(key)
+    assert path.name == key.digest.hex() + ".kvb"
+    write_block(path, key, b"x" * 64)
+    assert read_block(path, key, 64) == b"x" * 64
     assert [p.name for p in tmp_path.iterdir()] == [path.name]      # no temporary left
-    assert read_block(path, -6, 64) is None                         # another block's file
-    assert read_block(path, -5, 63) is None                         # another layout
+    assert read_block(path, other, 64) is None                      # another block's file
+    assert read_block(path, key, 63) is None                        # another layout
     data = path.read_bytes()
     path.write_bytes(data[:-1] + b"y")
-    assert read_block(path, -5, 64) is None                         # payload changed
+    assert read_block(path, key, 64) is None                        # payload changed
     path.write_bytes(data[:40])
-    assert read_block(path, -5, 64) is None                         # truncated
-    assert read_block(tmp_path / "missing.kvb", -5, 64) is None
+    assert read_block(path, key, 64) is None                        # truncated
+    path.write_bytes(b"MTPKVB01" + data[8:])
+    assert read_block(path, key, 64) is None                        # the format before
+    assert read_block(tmp_path / "missing.kvb", key, 64) is None
 
 
 def test_a_failing_disk_write_is_a_later_miss_not_an_engine_error(tmp_path, monkeypatch):
@@ -375,3 +387,37 @@ def test_a_directory_in_place_of_a_block_file_is_a_miss_at_start_and_at_run_time
     assert _one_round(restarted) == ref
     st = restarted.stats()
     assert st.num_requests_failed == 0 and st.disk_cache_hits > 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link_to_big_file", "big_file"])
+def test_a_fifo_or_link_in_place_of_a_block_file_is_a_miss_without_a_wait(tmp_path, kind):
+    """Reads while serving open only a regular file of a block file's size, never through
+    a link: a FIFO hung the engine for good (the read waited for a writer), a link to a
+    large file allocated its size on every read.  Now each is a logged, counted miss."""
+    import os
+    import threading
+    import tracemalloc
+    from server.engine.kv.disk_tier import DiskTier
+    disk = DiskTier(tmp_path / "tier", 8, 64, 4)
+    key = block_key(None, [1, 2, 3, 4], 5)
+    path = disk.plan_write(key)
+    write_block(path, key, b"x" * 64)
+    disk.end_step()
+    os.unlink(path)
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)                           # sparse: no disk used
+    {"fifo": lambda: os.mkfifo(path), "link_to_big_file": lambda: os.symlink(big, path),
+     "big_file": lambda: os.replace(big, path)}[kind]()
+    got: list = []
+    tracemalloc.start()
+    reader = threading.Thread(target=lambda: got.append(disk.read(key)), daemon=True)
+    reader.start()
+    reader.join(5)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    if reader.is_alive():                               # (the old code) let it go
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert got == [None], "the read waited on the entry"
+    assert peak < 1 << 20 and disk.num_corrupt == 1 and not os.path.lexists(path)
+    assert disk.read(key) is None                       # gone from the index: a plain miss

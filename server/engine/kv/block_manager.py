@@ -22,14 +22,16 @@ destination) pairs that the scheduler puts in the step message (``take_transfers
 With a disk tier (kv/disk_tier.py) too, a block saved to the host tier is also written to
 disk, and a match goes on from the host tier into files verified before they count.
 
-Hashes are stable across processes (ints only, no ``None``, whose hash is an address
-before Python 3.12), so blocks a previous daemon wrote to disk are found again.
+Keys are SHA-256 chains over the blocks' tokens (kv/block_key.py), the same in every
+process, so blocks a previous daemon wrote to disk are found again; a hit compares the
+block's tokens, never the digest alone.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from server.engine.kv.block_key import BlockKey, block_key
 from server.engine.kv.disk_tier import DiskTier
 from server.engine.kv.host_tier import HostTier
 from server.engine.sequence import Sequence
@@ -39,13 +41,13 @@ from server.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: BlockKey | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     block_ids: list[int]             # matched device blocks
-    hashes: list[int]                # every matched block: the device run, then the host run
+    hashes: list[BlockKey]           # every matched block: the device run, then the host run
     num_free_hits: int               # matched device blocks currently free (leave the free pool on use)
     # each block after the device run: its host tier slot (int), or its bytes read from
     # the disk tier and verified (bytes)
@@ -63,22 +65,17 @@ class PrefixMatch:
 @dataclass(slots=True)
 class Transfers:
     """Copies queued for the next step message: (device block, host slot) saves,
-    (host slot, device block) loads, (host slot, hash, path) disk writes of saved blocks
+    (host slot, device block) loads, (host slot, key, path) disk writes of saved blocks
     and (row, device block) loads of rows read from disk or pulled from a PD peer."""
     saves: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
-    disk_writes: list[tuple[int, int, str]] = field(default_factory=list)
+    disk_writes: list[tuple[int, BlockKey, str]] = field(default_factory=list)
     row_loads: list[tuple[bytes, int]] = field(default_factory=list)
 
 
 class RemoteRow(bytes):
     """One full prompt block's KV rows pulled from a PD prefill instance (server/pd):
     loaded like a verified disk-tier block, counted apart."""
-
-
-def _chain_hash(parent: int | None, tokens: tuple[int, ...], next_token: int | None) -> int:
-    return hash((-1 if parent is None else parent, -1 if next_token is None else next_token,
-                 tokens))
 
 
 class BlockManager:
@@ -103,7 +100,7 @@ class BlockManager:
         self.blocks = {i: Block(i) for i in ids}
         self._free_plain: deque[int] = deque(ids)
         self._free_cached: OrderedDict[int, None] = OrderedDict()   # LRU: oldest first
-        self._cached: dict[int, int] = {}                           # hash -> block id
+        self._cached: dict[BlockKey, int] = {}                      # key -> block id
         # Metrics: prompt tokens looked up / found in the prefix cache.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0                                    # found on the device
@@ -147,15 +144,15 @@ class BlockManager:
         return -(-num_slots // self.block_size)
 
     # ---- prefix cache ---------------------------------------------------------------
-    def _block_hashes(self, token_ids: list[int], num_blocks: int, start: int = 0,
-                      parent: int | None = None) -> list[int]:
-        bs = self.block_size
-        out = []
-        for b in range(start, num_blocks):
-            nxt = token_ids[(b + 1) * bs] if self.hash_next_token else None
-            parent = _chain_hash(parent, tuple(token_ids[b * bs:(b + 1) * bs]), nxt)
-            out.append(parent)
-        return out
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
+        """The keys of ``seq``'s first ``num_blocks`` full blocks.  Each is computed once per
+        sequence (a SHA-256 per block: kv/block_key.py): its tokens only grow, so a block's
+        key never changes, and a request waiting for room is matched again every step."""
+        keys, toks, bs = seq.prefix_keys, seq.token_ids, self.block_size
+        for b in range(len(keys), num_blocks):
+            nxt = toks[(b + 1) * bs] if self.hash_next_token else None
+            keys.append(block_key(keys[-1] if keys else None, toks[b * bs:(b + 1) * bs], nxt))
+        return keys[:num_blocks]
 
     def match_prefix(self, seq: Sequence, group: int = 0) -> PrefixMatch:
         """Longest run of cached blocks for ``seq.token_ids``, leaving >= 1 token to compute
@@ -169,13 +166,11 @@ class BlockManager:
         # Blocks b with (b+1)*bs <= n-1: the token after each exists and one token remains.
         num_full = (seq.num_tokens - 1) // self.block_size
         ids: list[int] = []
-        hashes: list[int] = []
+        hashes: list[BlockKey] = []
         free_hits = 0
-        parent = None
         sources: list[int | bytes] = []
-        for b in range(num_full):
-            h = self._block_hashes(seq.token_ids, b + 1, b, parent)[0]
-            bid = self._cached.get(h) if not sources else None
+        for b, h in enumerate(self._keys(seq, num_full)):
+            bid = self._cached.get(h) if not sources else None    # equal keys: equal tokens
             if bid is not None:
                 ids.append(bid)
                 free_hits += self.blocks[bid].ref_count == 0
@@ -189,7 +184,6 @@ class BlockManager:
                     break
                 sources.append(src)
             hashes.append(h)
-            parent = h
         return PrefixMatch(ids, hashes, free_hits, tuple(sources))
 
     def register_computed(self, seq: Sequence) -> None:
@@ -200,8 +194,7 @@ class BlockManager:
         num_full = min(num_full, len(seq.block_table))
         if num_full <= seq.num_hashed_blocks:
             return
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        new = self._block_hashes(seq.token_ids, num_full, seq.num_hashed_blocks, parent)
+        new = self._keys(seq, num_full)[seq.num_hashed_blocks:]
         for b, h in enumerate(new, start=seq.num_hashed_blocks):
             block = self.blocks[seq.block_table[b]]
             if block.block_hash is None and h not in self._cached:

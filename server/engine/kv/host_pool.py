@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from server.engine.kv.block_file import write_block
+from server.engine.kv.block_key import BlockKey
 from server.engine.kv.block_rows import BlockRows
 
 log = logging.getLogger("server.engine")
@@ -56,7 +57,7 @@ class HostKVPool:
 
     # ---- the step's copies ----------------------------------------------------------
     def apply(self, saves: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]],
-              disk_writes: Sequence[tuple[int, int, str]] = ()) -> None:
+              disk_writes: Sequence[tuple[int, BlockKey, str]] = ()) -> None:
         self.flush()
         _check_unique_slots(saves, disk_writes)
         saved = None
@@ -73,9 +74,9 @@ class HostKVPool:
             self._write_host(save_slots, saved)
         if disk_writes:                       # the rows just saved, now final on the host
             self.flush()
-            for slot, block_hash, path in disk_writes:
+            for slot, key, path in disk_writes:
                 try:
-                    write_block(path, block_hash, self.data[slot].numpy().data)
+                    write_block(path, key, self.data[slot].numpy().data)
                 except OSError as exc:        # e.g. a full disk: a missing file is a miss later
                     log.warning("disk KV tier: writing %s failed: %s", path, exc)
         if loaded is not None:
@@ -120,7 +121,7 @@ class HostKVPool:
 
 
 def _check_unique_slots(saves: Sequence[tuple[int, int]],
-                        disk_writes: Sequence[tuple[int, int, str]]) -> None:
+                        disk_writes: Sequence[tuple[int, BlockKey, str]]) -> None:
     """Refuse a step whose copies would file one block's rows under another's hash.
 
     The engine never plans one (kv/host_tier.py); this keeps a planning fault from turning

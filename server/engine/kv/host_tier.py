@@ -5,7 +5,8 @@ The tier is a second level behind the device pool (kv/block_manager.py), sized i
 It holds two kinds of slots:
 
   * cached slots: a full prefix block that left the device pool (evicted from the prefix
-    cache), keyed by the same MTP-aware chain hash the device prefix cache uses; evicted
+    cache), keyed by the same MTP-aware block key the device prefix cache uses
+    (kv/block_key.py: a lookup compares the block's tokens, not only its digest); evicted
     least recently used first when the tier needs room;
   * swap slots: the blocks of a request preempted while the tier had room (swap-based
     preemption); owned by that request until it resumes or finishes, never evicted.
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from server.engine.kv.block_key import BlockKey
+
 
 class HostTier:
     def __init__(self, num_blocks: int) -> None:
@@ -36,7 +39,7 @@ class HostTier:
             raise ValueError(f"the host KV tier needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() gives slot 0 first
-        self._cached: OrderedDict[int, int] = OrderedDict()           # hash -> slot, LRU first
+        self._cached: OrderedDict[BlockKey, int] = OrderedDict()      # key -> slot, LRU first
         self.num_swap_slots = 0
         self.num_evicted = 0                 # cached slots handed to another block
         self.num_skipped = 0                 # blocks not kept: every slot written this step
@@ -55,17 +58,17 @@ class HostTier:
         return self.num_used_blocks / self.num_blocks
 
     # ---- cached (prefix) slots --------------------------------------------------------
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: BlockKey) -> int | None:
         """The slot holding ``block_hash``; None also while its save is in this step."""
         slot = self._cached.get(block_hash)
         return None if slot in self._written else slot
 
-    def touch(self, block_hash: int) -> None:
+    def touch(self, block_hash: BlockKey) -> None:
         """Mark a hit as most recently used."""
         if block_hash in self._cached:
             self._cached.move_to_end(block_hash)
 
-    def store(self, block_hash: int) -> int | None:
+    def store(self, block_hash: BlockKey) -> int | None:
         """The slot to save a block with ``block_hash`` into; None when the tier already
         holds that block (no copy needed) or every slot is swapped out."""
         if block_hash in self._cached:

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Iterable
 
-from server.engine.kv.block_file import HEADER_BYTES
+from server.engine.kv.block_file import file_overhead
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT8_SCALE_BYTES = 4                # one float32 scale per token (Int8LatentCache.scale)
@@ -34,14 +34,15 @@ def kv_block_bytes(num_layers: int, block_size: int, kv_cache_dim: int, rope_dim
                             for i in range(num_layers))
 
 
-def disk_tier_blocks(disk_gb: float, block_bytes: int) -> int:
-    """Blocks a disk tier of ``disk_gb`` GiB holds (each file: a header and the block)."""
-    return int(disk_gb * GIB) // (block_bytes + HEADER_BYTES)
+def disk_tier_blocks(disk_gb: float, block_bytes: int, block_size: int) -> int:
+    """Blocks a disk tier of ``disk_gb`` GiB holds (each file: a header, the block's tokens
+    and its rows: kv/block_file.py)."""
+    return int(disk_gb * GIB) // (block_bytes + file_overhead(block_size))
 
 
-def min_disk_gb(block_bytes: int) -> float:
-    """The least ``disk_size_gb`` that holds one block (exact: a power-of-two quotient)."""
-    return (block_bytes + HEADER_BYTES) / GIB
+def min_disk_gb(block_bytes: int, block_size: int) -> float:
+    """The least ``disk_size_gb`` that holds one block."""
+    return (block_bytes + file_overhead(block_size)) / GIB
 
 
 def checkpoint_kv_block_bytes(weights: Path, block_size: int, kv_cache_dtype: str) -> int | None:

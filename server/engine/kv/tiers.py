@@ -2,8 +2,9 @@
 
 The host tier's bookkeeping (kv/host_tier.py) is sized by the worker's host pool; the
 disk tier (kv/disk_tier.py) lives in a folder named after what makes a block's bytes mean
-something (the model's config and files, block size, MTP-aware hashing, cache layout), so
-files written for another checkpoint or layout are never read.  No torch.
+something (the model's config and files, block size, MTP-aware hashing, cache layout, the
+file format), so files written for another checkpoint, layout or format are never read.
+No torch.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from server.engine.config import EngineConfig
+from server.engine.kv.block_file import MAGIC
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.disk_tier import DiskTier
 from server.engine.kv.dp_blocks import DataParallelBlocks
@@ -43,11 +45,14 @@ def make_block_manager(model_config: Any, cfg: EngineConfig,
 def _disk_tier(model_config: Any, cfg: EngineConfig, rt: RuntimeInfo) -> DiskTier | None:
     if not (cfg.disk_cache_dir and rt.host_cache_prefix):
         return None
+    # The file format (MAGIC) is part of it: files of an older format live in another
+    # folder and are never opened.
     ident = repr((model_config, cfg.tokenizer_dir, cfg.block_size, rt.mtp_enabled,
-                  rt.num_kv_layers, rt.num_int8_kv_layers, rt.kv_block_bytes))
+                  rt.num_kv_layers, rt.num_int8_kv_layers, rt.kv_block_bytes, MAGIC))
     fingerprint = hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
-    capacity = disk_tier_blocks(cfg.disk_cache_gb, rt.kv_block_bytes)   # as --check counts
-    disk = DiskTier(Path(cfg.disk_cache_dir) / fingerprint, capacity, rt.kv_block_bytes)
+    capacity = disk_tier_blocks(cfg.disk_cache_gb, rt.kv_block_bytes, cfg.block_size)  # as --check
+    disk = DiskTier(Path(cfg.disk_cache_dir) / fingerprint, capacity, rt.kv_block_bytes,
+                    cfg.block_size)
     log.info("disk KV tier: %s, %d blocks (%d found)", disk.dir, capacity, disk.num_blocks)
     return disk
 
