@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from server.model import kernels
 from server.model.quant import converted_mm, kernel_operator, materialized
 
 log = logging.getLogger("server.model")
@@ -67,8 +68,7 @@ MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
 # 0.30 ms, [6144, 1536] 2.5 against 3.6, the head 14 against 19; at 3 rows oneDNN's).
 FLOAT32_ROWS = 4
 KERNEL_ROWS = 64    # eager, up to here half_avx2.c (kernel_linear); past it MKL's GEMMs
-KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use half_avx2.c
-KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
+KERNEL_ENV = kernels.KERNEL_ENV            # 0: never build or use half_avx2.c
 _KERNEL_SOURCE = Path(__file__).with_name("half_avx2.c")
 _KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm")
 _HALF = (torch.bfloat16, torch.float16)
@@ -77,9 +77,25 @@ WINDOWS = ("lone", "batch", "prompt")
 
 @functools.lru_cache(maxsize=None)
 def pays(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether a model of ``dtype`` weights on ``device_type`` takes this module's forms."""
-    from server.model.layers import cpu_has_native_bf16
-    return device_type == "cpu" and dtype in _HALF and not cpu_has_native_bf16()
+    """Whether a model of ``dtype`` weights on ``device_type`` takes this module's forms
+    (the 16-bit backend is "avx2" or "float32", not oneDNN's own: ``chosen_backend``)."""
+    return device_type == "cpu" and dtype in _HALF and chosen_backend() != "onednn"
+
+
+@functools.lru_cache(maxsize=None)
+def chosen_backend() -> str:
+    """This process's 16-bit product backend on a CPU (kernels/choice.py): forced by
+    $MTP_SERVE_HALF_BACKEND, else "onednn" where the CPU multiplies 16-bit floats
+    natively, else "avx2" where half_avx2.c built, else "float32".  The kernel is built
+    only where the choice may need it."""
+    forced, caps = kernels.kernel_settings().half_backend, kernels.cpu_caps()
+    needs_kernel = forced == "avx2" or (forced == "auto" and not caps.native_bf16)
+    return kernels.half_backend(caps, needs_kernel and half_kernel() is not None, forced)
+
+
+def _half_kernel() -> ctypes.CDLL | None:
+    """The kernel for 16-bit products: only where the chosen backend is "avx2"."""
+    return half_kernel() if chosen_backend() == "avx2" else None
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,7 +136,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear`` through half_avx2.c (module docstring), eager; None where it does not
     apply (no kernel, a weight that is not a row-major 16-bit CPU matrix)."""
-    lib = half_kernel()
+    lib = _half_kernel()
     if (lib is None or weight.dtype not in _HALF or weight.device.type != "cpu"
             or weight.dim() != 2 or not weight.is_contiguous()):
         return None
@@ -138,7 +154,7 @@ def kernel_experts(xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
     [E, H, I] (MoE.expert_stacks) -> float32 [A, H].  None where it does not apply (not
     installed, no kernel, an expert with more than KERNEL_ROWS rows: a prompt's, for
     MKL's GEMMs)."""
-    lib = half_kernel()
+    lib = _half_kernel()
     if (not _installed or lib is None or torch.compiler.is_compiling()
             or gate_up.dtype not in _HALF or gate_up.device.type != "cpu"
             or not (gate_up.is_contiguous() and down.is_contiguous())
@@ -187,9 +203,10 @@ def half_kernel() -> ctypes.CDLL | None:
     """half_avx2.c, built at first use into the kernel cache (a file per source and
     compiler, written whole by rename, so processes building at once do not collide);
     None where it cannot be, logged once."""
-    if os.environ.get(KERNEL_ENV, "1") == "0":
+    config = kernels.kernel_settings()
+    if not config.half_kernel:
         return None
-    if not (torch.cpu._is_avx2_supported() and {"fma", "f16c"} <= _cpu_flags()):
+    if not kernels.cpu_caps().avx2_kernel:
         log.info("no AVX2 / FMA / F16C: 16-bit products take oneDNN and float32 GEMMs")
         return None
     cc = shutil.which(os.environ.get("CC") or "cc")
@@ -199,8 +216,7 @@ def half_kernel() -> ctypes.CDLL | None:
         return None
     tag = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + cc.encode()
                          + " ".join(_KERNEL_FLAGS).encode()).hexdigest()[:16]
-    root = Path(os.environ.get(KERNEL_CACHE_ENV)
-                or Path.home() / ".cache" / "mtp-serve" / "kernels")
+    root = config.kernel_cache
     built = root / f"half_avx2-{tag}.so"
     try:
         if not built.exists():
@@ -233,17 +249,8 @@ def half_kernel() -> ctypes.CDLL | None:
 
 @torch.compiler.assume_constant_result
 def _kernel_ready() -> bool:
-    """``half_kernel`` as a constant of a traced graph (Dynamo does not trace the build)."""
-    return half_kernel() is not None
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
+    """``_half_kernel`` as a constant of a traced graph (Dynamo does not trace the build)."""
+    return _half_kernel() is not None
 
 
 def latent_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -318,7 +325,7 @@ def install() -> None:
         if not _installed:
             _installed = True
             F.linear = _linear
-            kernel = half_kernel() is not None
+            kernel = _half_kernel() is not None
             log.info("bf16 on a CPU without bf16 instructions: products of %s run as float32 "
                      "GEMMs", f"1-{KERNEL_ROWS} rows through half_avx2.c, more" if kernel
                      else f"{FLOAT32_ROWS} rows or more")

@@ -61,18 +61,12 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def column_major_pays(dtype: torch.dtype) -> bool:
-    """Whether ``column_major`` helps a CPU product in ``dtype`` on this machine."""
+    """Whether ``column_major`` helps a CPU product in ``dtype`` on this machine: float32,
+    or 16-bit weights where oneDNN's own product serves them (bf16_cpu.chosen_backend:
+    a CPU with AVX512_BF16 or AMX; our kernel reads row-major weights)."""
     if dtype == torch.float32:
         return True
-    return dtype in (torch.bfloat16, torch.float16) and cpu_has_native_bf16()
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN has native 16-bit float products here (torch's own CPU feature check)."""
-    check = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported",
-                                                          "_is_amx_tile_supported")]
-    return any(f() for f in check if f is not None)
+    return dtype in (torch.bfloat16, torch.float16) and bf16_cpu.chosen_backend() == "onednn"
 
 
 def _yarn_inv_freq(cfg: DeepseekConfig, dim: int) -> tuple[torch.Tensor, float]:

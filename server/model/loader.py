@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from server.model import bf16_cpu
+from server.model import bf16_cpu, kernels
 from server.model.config import TORCH_DTYPES, DeepseekConfig, UnsupportedConfigError
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
 from server.model.fp8 import BLOCK, dequantize_fp8
@@ -94,9 +94,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         dtype = TORCH_DTYPES[cfg.torch_dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported; allowed: float32, bfloat16, float16")
-    if int8_backend == "int8pack" and dtype == torch.float32:
-        raise CheckpointError("int8 backend int8pack rounds the integer sums to bf16: for 16-bit "
-                              "models only (float32 ones keep the exact sums)")
+    int8_backend = _int8_backend(int8_backend, dtype)
     block = _fp8_block(cfg, path)
     where = _tensor_index(path)                                  # tensor name -> file name
 
@@ -109,8 +107,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
 
     with meta_device():
         model = DeepseekV3ForCausalLM(cfg, num_mtp_layers=num_mtp)
-    if bf16_cpu.pays(dtype, torch.device(device).type):
-        bf16_cpu.install()                       # prompts' rows as float32 GEMMs (bf16_cpu.py)
+    try:
+        if bf16_cpu.pays(dtype, torch.device(device).type):
+            bf16_cpu.install()                   # prompts' rows as float32 GEMMs (bf16_cpu.py)
+    except (kernels.BackendUnavailable, kernels.KernelSettingError) as e:
+        raise CheckpointError(str(e)) from e
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
         spec = detect(path, cfg.extra, linears)
@@ -253,6 +254,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         raise CheckpointError(f"checkpoint {path}: parameters left unloaded: {', '.join(leftover)}")
     model.eval()
     heads_by_columns(model)
+    moved = kernels.align_module(model)     # kernels/alignment.py: a crash is no way to learn a rule
+    if moved:
+        logger.info("%d tensor(s) moved to 64-byte aligned storage", moved)
 
     ignored = [k for k in where if k not in consumed and not k.endswith("weight_scale_inv")]
     if ignored and slices:
@@ -272,6 +276,22 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                      path=path, dtype=dtype,
                      quantization=spec.describe() if spec is not None else ("fp8" if quantized else None))
     return model, info
+
+
+def _int8_backend(asked: str, dtype: torch.dtype) -> str:
+    """The int8 backend to load with: ``asked``, or for "auto" $MTP_SERVE_INT8_BACKEND where
+    set (still "auto" otherwise: measured once the device is known), checked against what
+    this CPU and a model of ``dtype`` can run (kernels/choice.py)."""
+    try:
+        if asked == "auto":
+            asked = kernels.kernel_settings().int8_backend
+        if asked == "auto":
+            return asked
+        half = dtype in (torch.bfloat16, torch.float16)
+        kernel = asked == "avx2" and bf16_cpu.half_kernel() is not None
+        return kernels.forced_int8_backend(asked, kernels.cpu_caps(), half, kernel)
+    except (kernels.BackendUnavailable, kernels.KernelSettingError) as e:
+        raise CheckpointError(str(e)) from e
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.model import collectives
+from server.model.kernels import choice, cpu_caps, int8pack
 
 EXACT_FLOAT_K = 1024          # 1024 * 127 * 128 < 2**24: float32 sums of int8 products are exact
-# torch._weight_int8pack_mm on CPU (torch 2.13) reads the in-features 8 at a time: other
-# widths summed wrongly or crashed the process when tried, so they take the float path.
-INT8PACK_ALIGN = 8
 # From here, eager, an "int8pack" product takes the exact float path instead: the kernel is
 # compute-bound on AVX2 ([6144, 1536] at 203 rows: 44.6 against 30.0 ms; at 32 rows 7.2
 # against 8.5, but the experts' [1536, 512] 0.60 against 0.52, [2304, 768] 1.31 / 1.11).
@@ -74,8 +72,8 @@ def fastest_int8_backend(device: torch.device | str, dtype: torch.dtype = torch.
         return "int_mm"
     half = dtype in (torch.bfloat16, torch.float16)
     if (kind, half) not in _FASTEST:
-        candidates = tuple(b for b in EXACT_BACKENDS if b != "avx2" or _int8_kernel() is not None)
-        _FASTEST[(kind, half)] = _measure_int8_backends(candidates + (("int8pack",) if half else ()))
+        candidates = choice.int8_candidates(cpu_caps(), half, _int8_kernel() is not None)
+        _FASTEST[(kind, half)] = _measure_int8_backends(candidates)
     return _FASTEST[(kind, half)]
 
 
@@ -104,8 +102,8 @@ def _measure_int8_backends(backends: tuple[str, ...]) -> str:
 
 def packs(backend: str, in_features: int) -> bool:
     """Whether a product of ``in_features`` inputs on ``backend`` runs through the int8pack
-    kernel (INT8PACK_ALIGN); otherwise it takes the exact float path."""
-    return backend == "int8pack" and in_features % INT8PACK_ALIGN == 0
+    kernel (its rules: kernels/int8pack.py); otherwise it takes the exact float path."""
+    return backend == "int8pack" and int8pack.takes(in_features)
 
 
 def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tensor:
@@ -118,8 +116,9 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
         if torch.compiler.is_compiling():
             return torch.ops.mtp_serve.int8_mm(x_q, w)
         return int8_kernel_mm(x_q, w)
-    if packs(backend, x_q.shape[1]) and (x_q.shape[0] < INT8PACK_MAX_ROWS or torch.compiler.is_compiling()):
-        return torch._weight_int8pack_mm(x_q.to(torch.bfloat16), w, _unit_scales(w)).float()
+    if (packs(backend, x_q.shape[1]) and int8pack.weight_fits(w)
+            and (x_q.shape[0] < INT8PACK_MAX_ROWS or torch.compiler.is_compiling())):
+        return int8pack.int8pack_mm(x_q.to(torch.bfloat16), w, _unit_scales(w)).float()
     if not torch.compiler.is_compiling():
         return converted_mm(x_q.float(), w, EXACT_FLOAT_K)     # exact: the sums below, eager
     K = x_q.shape[1]
@@ -296,7 +295,11 @@ def int8pack_experts(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> 
     ones = _unit_scales(w)
     for t, experts in enumerate(idx.tolist()):
         for j, e in enumerate(experts):
-            out[t, j] = torch._weight_int8pack_mm(rows[t, j:j + 1], w[e], ones)[0]
+            if int8pack.weight_fits(w[e]):
+                out[t, j] = int8pack.int8pack_mm(rows[t, j:j + 1], w[e], ones)[0]
+            else:                    # the same numbers: the exact sums, rounded once to bf16
+                exact = converted_mm(rows[t, j:j + 1].float(), w[e], EXACT_FLOAT_K)[0]
+                out[t, j] = exact.to(torch.bfloat16).float()
     return out
 
 

@@ -11,7 +11,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.model import bf16_cpu, quant
+from server.model import bf16_cpu, kernels, layers, quant
+
+
+@pytest.fixture(autouse=True)
+def _kernel_backend(monkeypatch):
+    """These are the forms of the "avx2" 16-bit backend (or "float32" where the kernel
+    cannot run): forced, so they run on every CPU able to run them, AVX-512 ones included,
+    where the automatic choice is oneDNN's own product."""
+    backend = "avx2" if bf16_cpu.half_kernel() is not None else "float32"
+    monkeypatch.setattr(bf16_cpu, "chosen_backend", lambda: backend)
+    bf16_cpu.pays.cache_clear(), layers.column_major_pays.cache_clear()
+    yield
+    monkeypatch.undo()
+    bf16_cpu.pays.cache_clear(), layers.column_major_pays.cache_clear()
 
 
 def test_latent_products_are_the_bmms():
@@ -246,20 +259,25 @@ def test_a_bf16_moe_serves_through_the_kernel_what_it_serves_without(tmp_path, m
 
 def test_half_kernel_builds_into_its_cache_and_a_failed_build_falls_back(tmp_path, monkeypatch):
     _kernel_or_skip()
-    monkeypatch.setenv(bf16_cpu.KERNEL_CACHE_ENV, str(tmp_path / "k"))
+    monkeypatch.setenv(kernels.KERNEL_CACHE_ENV, str(tmp_path / "k"))
     try:
+        kernels.kernel_settings.cache_clear()
         bf16_cpu.half_kernel.cache_clear()
         assert bf16_cpu.half_kernel() is not None
         assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]     # no part left
         bf16_cpu.half_kernel.cache_clear()
-        monkeypatch.setenv(bf16_cpu.KERNEL_CACHE_ENV, str(tmp_path / "broken"))
+        monkeypatch.setenv(kernels.KERNEL_CACHE_ENV, str(tmp_path / "broken"))
+        kernels.kernel_settings.cache_clear()
         monkeypatch.setenv("CC", "false")                                  # exits 1
         assert bf16_cpu.half_kernel() is None
         bf16_cpu.half_kernel.cache_clear()
         monkeypatch.delenv("CC")
-        monkeypatch.setenv(bf16_cpu.KERNEL_ENV, "0")
+        monkeypatch.setenv(kernels.KERNEL_ENV, "0")
+        kernels.kernel_settings.cache_clear()
         assert bf16_cpu.half_kernel() is None
     finally:
+        monkeypatch.undo()
+        kernels.kernel_settings.cache_clear()
         bf16_cpu.half_kernel.cache_clear()
 
 
@@ -291,9 +309,8 @@ def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_res
 
 
 def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkeypatch):
-    from server.model import layers
     for native in (False, True):
-        monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(bf16_cpu, "chosen_backend", lambda native=native: "onednn" if native else "avx2")
         bf16_cpu.pays.cache_clear()
         assert bf16_cpu.pays(torch.bfloat16, "cpu") is (not native)
         assert not bf16_cpu.pays(torch.float32, "cpu")
@@ -304,13 +321,12 @@ def test_pays_only_for_16_bit_weights_on_a_cpu_without_their_instructions(monkey
 def test_a_16_bit_model_sends_no_prompt_through_the_prompt_graph_where_it_pays(tmp_path, monkeypatch):
     """Its prompt graph would convert every weight to float32 on each call: the decoder
     takes no prompts (nor compiles the window) where ``pays``; float32 models always do."""
-    from server.model import layers
     from server.model.loader import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     half, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
     full, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "fp32"))
     for native in (False, True):
-        monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(bf16_cpu, "chosen_backend", lambda native=native: "onednn" if native else "avx2")
         bf16_cpu.pays.cache_clear()
         assert half.static_decoder.takes_prompts is native
         assert full.static_decoder.takes_prompts

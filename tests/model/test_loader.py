@@ -110,9 +110,9 @@ def test_bf16_heads_stay_row_major_without_native_bf16(tiny, monkeypatch):
     """Column-major bf16 products leave oneDNN's fast path on a CPU without AVX512_BF16 /
     AMX (30x slower, layers.column_major): there a bf16 head stays row-major; float32 and
     a native-bf16 CPU keep the column-major head."""
-    from server.model import layers
+    from server.model import bf16_cpu, layers
     for native in (False, True):
-        monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(bf16_cpu, "chosen_backend", lambda native=native: "onednn" if native else "avx2")
         layers.column_major_pays.cache_clear()
         model, _ = load_checkpoint(tiny, dtype=torch.bfloat16)
         head = model.lm_head.weight
