@@ -39,6 +39,7 @@ worker, then the worker side):
       block_manager.py   block allocation, ref counts, MTP-aware prefix cache (no torch)
       dp_blocks.py       one block pool per attention data parallel group (no torch)
       host_tier.py       host tier bookkeeping: hash -> slot, swap slots (no torch)
+      peer_blocks.py     blocks derived from a PD peer's rows, purged on a role change (no torch)
       disk_tier.py       disk tier: verified reads, write plans (no torch)
       block_file.py      one block on disk: checksummed, written atomically (no torch)
       tiers.py           the tiers built for one engine (disk fingerprint) and their figures

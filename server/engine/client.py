@@ -27,6 +27,11 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def purge_peer_blocks(self, epoch: int) -> None:
+        """PD: the role changed to version ``epoch``; forget every prefix block loaded from
+        a peer (and those computed on top of one) before the next step, and load no rows
+        checked under an earlier version (kv/block_manager.py)."""
+
     def stats(self) -> EngineStats:
         """A snapshot taken after the latest step."""
 

@@ -128,7 +128,8 @@ class LLMEngine:
                        seed=int(seed) & ((1 << 63) - 1),
                        arrival_time=req.arrival_time or self.clock(), stop_ids=stop_ids,
                        export_kv=req.export_kv,
-                       remote_kv=tuple(RemoteRow(r) for r in req.remote_kv))
+                       remote_kv=tuple(RemoteRow(r) for r in req.remote_kv),
+                       peer_epoch=req.remote_kv_epoch if req.remote_kv else None)
         seq.counters.prompt_tokens = n
         error = self._check(seq)
         if error:

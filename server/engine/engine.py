@@ -78,8 +78,8 @@ class EngineLoop:
         self.stats = engine.stats()
 
     def put(self, kind: str, arg: Any) -> None:
-        """``("add", EngineRequest)``, ``("abort", request_id)`` or ``("abort_all", None)``,
-        from any thread."""
+        """``("add", EngineRequest)``, ``("abort", request_id)``, ``("abort_all", None)`` or
+        ``("purge_peer", epoch)``, from any thread."""
         self.inbox.put((kind, arg))
         self.wake.set()
 
@@ -102,6 +102,8 @@ class EngineLoop:
                 elif kind == "abort_all":
                     for rid in list(self.engine.scheduler.requests):
                         self.engine.abort(rid)
+                elif kind == "purge_peer":
+                    self.engine.blocks.purge_peer_blocks(arg)
                 else:
                     self.engine.abort(arg)
             except Exception as exc:               # e.g. a duplicate id: tell that stream only
@@ -195,6 +197,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._loop.put("abort", request_id)
+
+    def purge_peer_blocks(self, epoch: int) -> None:
+        self._loop.put("purge_peer", epoch)
 
     def stats(self) -> EngineStats:
         return self._loop.stats

@@ -255,6 +255,9 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def purge_peer_blocks(self, epoch: int) -> None:
+        self._send(("purge_peer", epoch))
+
     def stats(self) -> EngineStats:
         return self._stats
 

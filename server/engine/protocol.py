@@ -77,6 +77,10 @@ class EngineRequest:
     # rows a prefill instance exported, one bytes row per full prompt block, block 0 first.
     export_kv: bool = False
     remote_kv: tuple[bytes, ...] = ()
+    # The PD role version the rows were checked under: after a role change the engine
+    # purges blocks loaded from peers and loads no rows of an earlier version
+    # (BlockManager.purge_peer_blocks).
+    remote_kv_epoch: int = 0
 
 
 @dataclass(slots=True)

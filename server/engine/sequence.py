@@ -55,6 +55,9 @@ class Sequence(TokenView):
     swap_num_computed: int = 0        # computed positions its swapped-out blocks hold
     export_kv: bool = False           # PD prefill: the worker exports the prompt blocks' KV
     remote_kv: tuple = ()             # PD decode: prompt blocks' rows from P (RemoteRow each)
+    # PD: the oldest role version of peer rows its KV derives from (pulled rows, or cached
+    # blocks computed from them); None: none.  kv/block_manager.py, purge_peer_blocks.
+    peer_epoch: int | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

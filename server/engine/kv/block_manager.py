@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from server.engine.kv.block_key import BlockKey, block_key
 from server.engine.kv.disk_tier import DiskTier
 from server.engine.kv.host_tier import HostTier
+from server.engine.kv.peer_blocks import PeerBlocks
 from server.engine.sequence import Sequence
 
 
@@ -113,6 +114,8 @@ class BlockManager:
         self.num_blocks_saved = 0                                   # device -> host copies
         self.num_blocks_loaded = 0                                  # host -> device copies
         self._transfers = Transfers()
+        # PD: blocks derived from a peer's rows, purged on a role change (peer_blocks.py)
+        self.peers = PeerBlocks(num_blocks + (host.num_blocks if host is not None else 0))
 
     # ---- figures --------------------------------------------------------------------
     @property
@@ -178,7 +181,7 @@ class BlockManager:
                 src = self.host.lookup(h) if self.host_prefix else None
                 if src is None and self.disk is not None:
                     src = self.disk.read(h)            # verified, or None (a miss)
-                if src is None and b < len(seq.remote_kv):
+                if src is None and b < len(seq.remote_kv) and self.peers.rows_usable(seq):
                     src = seq.remote_kv[b]
                 if src is None:
                     break
@@ -197,9 +200,11 @@ class BlockManager:
         new = self._keys(seq, num_full)[seq.num_hashed_blocks:]
         for b, h in enumerate(new, start=seq.num_hashed_blocks):
             block = self.blocks[seq.block_table[b]]
-            if block.block_hash is None and h not in self._cached:
+            if block.block_hash is None and h not in self._cached and \
+                    self.peers.may_register(seq):
                 block.block_hash = h
                 self._cached[h] = block.block_id
+                self.peers.tag(h, seq, self._holds)
         seq.block_hashes.extend(new)
         seq.num_hashed_blocks = num_full
 
@@ -219,9 +224,12 @@ class BlockManager:
                     slot = self.host.store(block.block_hash)
                     if slot is not None:   # (None: the tier holds it already, or is all swap)
                         self._save(bid, slot)
-                        path = self.disk.plan_write(block.block_hash) if self.disk else None
+                        path = self.disk.plan_write(block.block_hash) \
+                            if self.disk and block.block_hash not in self.peers else None
                         if path is not None:
                             self._transfers.disk_writes.append((slot, block.block_hash, path))
+                else:
+                    self.peers.forget(block.block_hash)
                 block.block_hash = None
         self.blocks[bid].ref_count = 1
         return bid
@@ -270,6 +278,11 @@ class BlockManager:
             else:
                 self._load(src, bid)
             seq.block_table.append(bid)
+        self.peers.inherit(seq, match.hashes)         # PD: the peer rows its KV derives from
+        if self.enable_prefix_cache:
+            for h, src in zip(tier_hashes, match.tier_sources):
+                if isinstance(src, RemoteRow):
+                    self.peers.tag(h, seq, self._holds)
         seq.block_hashes = list(match.hashes)
         seq.num_hashed_blocks = match.num_blocks
         seq.num_computed_tokens = match.num_blocks * self.block_size
@@ -280,6 +293,26 @@ class BlockManager:
             self.num_disk_hits += num_disk * self.block_size
         self.num_remote_hits += num_remote * self.block_size
         self.append_slots(seq, num_slots)
+
+    # ---- PD: blocks derived from a peer's rows ----------------------------------------
+    def _holds(self, key: BlockKey) -> bool:
+        return key in self._cached or (self.host is not None and self.host.holds(key))
+
+    def purge_peer_blocks(self, epoch: int) -> None:
+        """The PD role is now version ``epoch``: forget every cached block derived from rows
+        a peer sent under an earlier one, on the device and in the host tier (never on
+        disk: peer_blocks.py).  A block in use stays with its request, unfindable, and
+        is freed with it."""
+        for key in self.peers.purge(epoch):
+            bid = self._cached.pop(key, None)
+            if bid is not None:
+                block = self.blocks[bid]
+                block.block_hash = None
+                if block.ref_count == 0:
+                    del self._free_cached[bid]
+                    self._free_plain.append(bid)
+            if self.host is not None:
+                self.host.drop(key)
 
     # ---- swap (preemption through the host tier) ----------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:

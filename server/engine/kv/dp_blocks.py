@@ -109,6 +109,10 @@ class DataParallelBlocks:
     def can_swap_out(self, seq: Sequence) -> bool:
         return False
 
+    def purge_peer_blocks(self, epoch: int) -> None:
+        for g in self.groups:
+            g.purge_peer_blocks(epoch)
+
     def take_transfers(self) -> Transfers:
         """The groups' queued loads of PD rows (by global block id; no tier copies)."""
         out = Transfers()

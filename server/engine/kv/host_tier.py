@@ -68,6 +68,16 @@ class HostTier:
         if block_hash in self._cached:
             self._cached.move_to_end(block_hash)
 
+    def holds(self, block_hash: BlockKey) -> bool:
+        return block_hash in self._cached
+
+    def drop(self, block_hash: BlockKey) -> None:
+        """Forget a cached block (a PD role change purged it: kv/peer_blocks.py); its slot
+        is free again.  Called between steps, when no slot is being written."""
+        slot = self._cached.pop(block_hash, None)
+        if slot is not None:
+            self._free.append(slot)
+
     def store(self, block_hash: BlockKey) -> int | None:
         """The slot to save a block with ``block_hash`` into; None when the tier already
         holds that block (no copy needed) or every slot is swapped out."""
