@@ -350,7 +350,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         return _F_LINEAR(x, weight, bias)
     if torch.compiler.is_compiling():                # another graph: F.linear's own
         return _F_LINEAR(x, weight, bias)
-    if _installed and x.dim() >= 2:
+    if _installed and x.dim() >= 2 and chosen_backend() != "onednn":
         rows = x.numel() // max(1, x.shape[-1])
         if rows <= KERNEL_ROWS and (out := kernel_linear(x, weight, bias)) is not None:
             return out

@@ -103,8 +103,8 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(repr(sorted(int8_layers(model).items())).encode())
     h.update(_plan_key(model.parallel_plan).encode())
     bf16 = _bf16_reductions(model, device)
-    kernel = bf16 and bf16_cpu.half_kernel() is not None      # batch graphs call half_avx2.c
-    h.update(f"bf16_cpu {bf16} kernel {kernel} cpp_wrapper {cpp_wrapper(device)}".encode())
+    backend = bf16_cpu.chosen_backend() if bf16 else "native"   # "avx2": batch graphs call half_avx2.c
+    h.update(f"bf16_cpu {bf16} {backend} cpp_wrapper {cpp_wrapper(device)}".encode())
     for name in _MODEL_SOURCES:
         h.update((here / name).read_bytes())
     return root / h.hexdigest()[:24]

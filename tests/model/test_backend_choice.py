@@ -1,0 +1,119 @@
+"""Which product backend each CPU class gets (server/model/kernels/choice.py), with the
+capability probe stubbed: AVX2-only, AVX-512, AVX-512 BF16/VNNI and AMX.  And the
+environment variables that force a backend: read once, refused when outside their set."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.model import bf16_cpu, kernels, layers, quant
+from server.model.kernels import choice, cpu, settings
+
+CLASSES = cpu.EXAMPLES
+
+
+def test_each_example_belongs_to_its_class():
+    assert {name: caps.cpu_class for name, caps in CLASSES.items()} == {n: n for n in CLASSES}
+    assert cpu.CpuCaps().cpu_class == "other"
+    assert set(CLASSES) | {"other"} == set(kernels.CPU_CLASSES)
+
+
+@pytest.mark.parametrize("name, kernel, want", [
+    ("avx2", True, "avx2"), ("avx2", False, "float32"),
+    ("avx512", True, "avx2"), ("avx512", False, "float32"),           # no BF16: as AVX2-only
+    ("avx512_bf16_vnni", True, "onednn"), ("amx", True, "onednn"), ("amx", False, "onednn"),
+])
+def test_the_automatic_16_bit_backend_per_cpu_class(name, kernel, want):
+    assert choice.half_backend(CLASSES[name], kernel) == want
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_the_int8_candidates_per_cpu_class(name):
+    caps = CLASSES[name]
+    assert choice.int8_candidates(caps, half=False, kernel=True) == ("int_mm", "float", "avx2")
+    assert choice.int8_candidates(caps, half=True, kernel=True) == ("int_mm", "float", "avx2", "int8pack")
+    assert choice.int8_candidates(caps, half=True, kernel=False) == ("int_mm", "float", "int8pack")
+    # A CPU without AVX2 never measures the kernel, even if something claims it built.
+    assert "avx2" not in choice.int8_candidates(cpu.CpuCaps(), half=True, kernel=True)
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_the_measured_int8_choice_measures_only_what_the_class_can_run(name, monkeypatch):
+    """The stubbed probe reaches the measurement: every candidate it allows is timed, the
+    fastest is taken, and the choice is kept per kind of model."""
+    monkeypatch.setattr(quant, "cpu_caps", lambda: CLASSES[name])
+    monkeypatch.setattr(quant, "_int8_kernel", lambda: object())
+    monkeypatch.setattr(quant, "_FASTEST", {})
+    timed = []
+    monkeypatch.setattr(quant, "_measure_int8_backends",
+                        lambda backends: timed.append(backends) or backends[-1])
+    assert quant.fastest_int8_backend("cpu", torch.bfloat16) == "int8pack"
+    assert quant.fastest_int8_backend("cpu", torch.float32) == "avx2"
+    quant.fastest_int8_backend("cpu", torch.bfloat16)                 # measured once
+    assert timed == [("int_mm", "float", "avx2", "int8pack"), ("int_mm", "float", "avx2")]
+    assert quant.fastest_int8_backend("cuda", torch.bfloat16) == "int_mm"
+
+
+def test_forced_backends_are_checked_against_the_cpu_and_model():
+    avx2, bare = CLASSES["avx2"], cpu.CpuCaps()
+    assert choice.forced_int8_backend("int8pack", avx2, half=True, kernel=True) == "int8pack"
+    with pytest.raises(choice.BackendUnavailable, match="16-bit models only"):
+        choice.forced_int8_backend("int8pack", avx2, half=False, kernel=True)
+    with pytest.raises(choice.BackendUnavailable, match="the CPU lacks AVX2, FMA, F16C"):
+        choice.forced_int8_backend("avx2", bare, half=True, kernel=False)
+    with pytest.raises(choice.BackendUnavailable, match="no C compiler"):
+        choice.half_backend(avx2, kernel=False, forced="avx2")
+    assert choice.half_backend(CLASSES["amx"], kernel=True, forced="avx2") == "avx2"
+    assert choice.half_backend(avx2, kernel=True, forced="onednn") == "onednn"
+
+
+def test_the_environment_is_parsed_once_and_refused_outside_its_set():
+    s = settings.parse({"MTP_SERVE_INT8_BACKEND": " Int8Pack ", "MTP_SERVE_HALF_BACKEND": "float32",
+                        "MTP_SERVE_KERNEL_CACHE": "/tmp/k"})
+    assert (s.int8_backend, s.half_backend, s.half_kernel, str(s.kernel_cache)) == \
+        ("int8pack", "float32", True, "/tmp/k")
+    assert settings.parse({}) == settings.KernelSettings()
+    with pytest.raises(settings.KernelSettingError) as e:
+        settings.parse({"MTP_SERVE_INT8_BACKEND": "vnni", "MTP_SERVE_HALF_BACKEND": "amx",
+                        "MTP_SERVE_HALF_KERNEL": "yes"})
+    for part in ("$MTP_SERVE_INT8_BACKEND='vnni'; allowed: auto, int_mm, int8pack, avx2, float",
+                 "$MTP_SERVE_HALF_BACKEND='amx'", "$MTP_SERVE_HALF_KERNEL='yes'"):
+        assert part in str(e.value)
+    with pytest.raises(settings.KernelSettingError, match="HALF_KERNEL=0 forbids"):
+        settings.parse({"MTP_SERVE_HALF_KERNEL": "0", "MTP_SERVE_HALF_BACKEND": "avx2"})
+
+
+def test_a_bad_value_stops_the_load_with_its_name(tmp_path, monkeypatch):
+    from server.model.loader import CheckpointError, load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "tiny")
+    monkeypatch.setenv(kernels.INT8_ENV, "fast")
+    kernels.kernel_settings.cache_clear()
+    try:
+        with pytest.raises(CheckpointError, match=r"\$MTP_SERVE_INT8_BACKEND='fast'"):
+            load_checkpoint(path, int8_backend="auto")
+    finally:
+        monkeypatch.undo()
+        kernels.kernel_settings.cache_clear()
+
+
+def test_the_forced_16_bit_backend_decides_the_forms_and_the_heads_layout(monkeypatch):
+    """Forcing "avx2" on a CPU that multiplies bf16 natively takes the kernel's forms and
+    row-major heads (the kernel reads rows); forcing "onednn" takes neither."""
+    if bf16_cpu.half_kernel() is None:
+        pytest.skip("half_avx2.c cannot run here")
+    try:
+        for forced, pays in (("avx2", True), ("float32", True), ("onednn", False)):
+            monkeypatch.setenv(kernels.HALF_ENV, forced)
+            kernels.kernel_settings.cache_clear()
+            for f in (bf16_cpu.chosen_backend, bf16_cpu.pays, layers.column_major_pays):
+                f.cache_clear()
+            assert bf16_cpu.chosen_backend() == forced
+            assert bf16_cpu.pays(torch.bfloat16, "cpu") is pays
+            assert layers.column_major_pays(torch.bfloat16) is (not pays)
+            assert (bf16_cpu._half_kernel() is not None) is (forced == "avx2")
+    finally:
+        monkeypatch.undo()
+        kernels.kernel_settings.cache_clear()
+        for f in (bf16_cpu.chosen_backend, bf16_cpu.pays, layers.column_major_pays):
+            f.cache_clear()
