@@ -81,11 +81,14 @@ class LLMEngine:
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
             moe_ep=cfg.parallel.moe_ep, sp=info.sp, dp=info.dp, cp=cfg.parallel.cp,
             kv_blocks_per_rank=info.kv_blocks_per_rank,
+            prediction_draft_tokens=info.prediction_draft_tokens,
             engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
         self.blocks = blocks or make_block_manager(model.config, cfg, self.runtime)
         self.scheduler = Scheduler(cfg, self.blocks, num_spec_tokens=k,
-                                   async_scheduling=cfg.async_scheduling, clock=clock)
+                                   async_scheduling=cfg.async_scheduling,
+                                   prediction_drafts=self.runtime.prediction_draft_tokens,
+                                   clock=clock)
         self.output_processor = OutputProcessor(tokenizer)
         self._stats = EngineStats(kv_blocks_total=self.runtime.num_kv_blocks,
                                   block_size=cfg.block_size, num_speculative_tokens=k,
@@ -131,38 +134,46 @@ class LLMEngine:
                        remote_kv=tuple(RemoteRow(r) for r in req.remote_kv),
                        peer_epoch=req.remote_kv_epoch if req.remote_kv else None)
         seq.counters.prompt_tokens = n
-        error = self._check(seq)
-        if error:
+        refusal = self._check(seq)
+        if refusal:
+            param, error = refusal
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ERROR
             self._finish_bookkeeping(seq)
-            self._pending.append(final_output(seq, FinishReason.ERROR, error))
+            self._pending.append(final_output(seq, FinishReason.ERROR, error, error_param=param))
             return
         self.output_processor.add(seq)
         self.scheduler.add(seq)
 
-    def _check(self, seq: Sequence) -> str | None:
+    def _check(self, seq: Sequence) -> tuple[str, str] | None:
+        """(the request parameter at fault, why) for a request that can never be served as
+        asked; None for one the engine takes.  The API answers a refusal with a 400 naming
+        the parameter ("prompt": the prompt, whatever the route calls it)."""
         n, vocab = seq.num_prompt_tokens, self.runtime.vocab_size
         if n == 0:
-            return "the prompt is empty"
+            return "prompt", "the prompt is empty"
         if n >= self.cfg.max_seq_len:
-            return f"prompt has {n} tokens; maxSeqLen {self.cfg.max_seq_len} leaves no room for output"
+            return "prompt", f"prompt has {n} tokens; maxSeqLen {self.cfg.max_seq_len} leaves no room for output"
         if seq.max_output_tokens < 1:
-            return "max_tokens must be at least 1"
+            return "max_tokens", "max_tokens must be at least 1"
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
-            return f"prompt token ids must lie in [0, {vocab})"
+            return "prompt", f"prompt token ids must lie in [0, {vocab})"
         p = seq.sampling
         for what, ids in (("logit_bias", list(p.logit_bias or ())), ("stop_token_ids", p.stop_token_ids),
                           ("prediction", p.prediction or ())):
             bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
             if bad:
-                return f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                return what, f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
         need = self.scheduler.worst_case_blocks(seq)
-        if need > self.blocks.num_blocks_per_group:
+        most = self.blocks.num_blocks_per_group
+        if need > most:
             pool = ("the pool has" if self.blocks.num_groups == 1
                     else f"a dp group's pool (of {self.blocks.num_groups}) has")
-            return (f"request needs up to {need} KV blocks ({n} prompt + {seq.max_output_tokens} "
-                    f"output tokens), {pool} {self.blocks.num_blocks_per_group}")
+            # Fewer output tokens help unless the prompt with one output token cannot fit.
+            one = self.scheduler.request_blocks(n, 1)
+            return ("prompt" if one > most else "max_tokens",
+                    f"request needs up to {need} KV blocks ({n} prompt + {seq.max_output_tokens} "
+                    f"output tokens), {pool} {most}")
         return None
 
     def abort(self, request_id: str) -> None:

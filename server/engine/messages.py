@@ -119,6 +119,7 @@ class WorkerInfo:
     sp: int = 1                       # ranks the pool is striped over (sequence parallel)
     dp: int = 1                       # dp groups the pool is split over (attention data parallel)
     kv_blocks_per_rank: int = 0       # blocks one rank holds: num_kv_blocks / (sp x dp)
+    prediction_draft_tokens: int = 0  # predicted drafts a step may verify (measured; 0: none)
 
 
 @dataclass(slots=True)

@@ -96,10 +96,11 @@ class RequestOutput:
 
 
 def final_output(seq: Sequence, reason: FinishReason, error: str | None = None,
-                 text: str = "") -> EngineOutput:
-    """The last output of a request that ends without new tokens (abort, error)."""
+                 text: str = "", error_param: str | None = None) -> EngineOutput:
+    """The last output of a request that ends without new tokens (abort, error; a refusal
+    names the request parameter at fault in ``error_param``)."""
     return EngineOutput(request_id=seq.request_id, token_ids=[], text=text, finished=True,
-                        finish_reason=reason, error=error,
+                        finish_reason=reason, error=error, error_param=error_param,
                         counters=replace(seq.counters), first_token_time=seq.first_token_time)
 
 

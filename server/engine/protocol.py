@@ -120,6 +120,9 @@ class EngineOutput:
     logprobs: list[TokenLogprob] | None = None
     counters: RequestCounters = field(default_factory=RequestCounters)
     error: str | None = None
+    # With ``error``: the request parameter of a request the engine refuses because it can
+    # never be served as asked (the client's to change: a 400); None: an engine fault (500).
+    error_param: str | None = None
     first_token_time: float | None = None   # monotonic time the request's first token was emitted
     # With SamplingParams.prompt_logprobs, on the request's first output: one entry per
     # prompt token, None for the first (nothing precedes it).

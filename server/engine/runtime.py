@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def lookahead_slots(num_spec_tokens: int, async_scheduling: bool, max_drafts: int | None = None) -> int:
+def lookahead_slots(num_spec_tokens: int, async_scheduling: bool) -> int:
     """KV slots a sequence may need past ``prompt + max_output`` tokens: the worst case.
 
     With k drafts (k = ``num_spec_tokens``) a step feeds the last token plus k drafts, and
@@ -20,14 +20,15 @@ def lookahead_slots(num_spec_tokens: int, async_scheduling: bool, max_drafts: in
     1 + k tokens that step may still add; the scheduler never schedules a continuation for
     a sequence that the in-flight step must finish, which takes one of those back.
 
-    A request with a prediction may verify up to ``max_drafts`` predicted tokens a step
-    instead of k drafts (spec/prediction.py): ``max_drafts`` then takes k's place where
-    a step feeds drafts; the chained passes stay MTP's.
+    A request with a prediction may verify a window of predicted tokens a step instead of
+    k drafts (spec/prediction.py), but never one reaching past its ``max_tokens`` and never
+    more than the blocks its step was given hold, so predictions add nothing here: the
+    worst case is the same with or without one (issue 58: a prediction once made a request
+    that fits the pool need more blocks than the pool has).
     """
     k = num_spec_tokens
-    d = max(k, max_drafts or 0)
     chained = max(0, k - 1)
-    return d + chained + (d if async_scheduling else 0)
+    return k + chained + (k if async_scheduling else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class RuntimeInfo:
     kv_blocks_per_rank: int = 0         # blocks one rank holds (num_kv_blocks / (sp x dp))
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
     engine_pid: int = 0                 # the process running the engine loop (engine_process.py)
+    prediction_draft_tokens: int = 0    # predicted drafts a step may verify: the worker's measured window
 
     @property
     def mtp_enabled(self) -> bool:
@@ -125,6 +127,7 @@ class RuntimeInfo:
                 "kv_tokens": self.num_kv_blocks * self.block_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "lookahead_slots": self.lookahead_slots,
+                "prediction_draft_tokens": self.prediction_draft_tokens,
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,
                 "vocab_size": self.vocab_size, "decode_path": self.decode_path,
                 "compile_state": self.compile_state,

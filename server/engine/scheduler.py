@@ -11,7 +11,13 @@ stall it would cause.
 KV blocks.  A scheduled sequence needs slots for its new tokens, its drafts and the k - 1
 positions the chained MTP passes write; with a step in flight (asynchronous scheduling)
 also for that step's 1 + d placeholder tokens and up to k fresh drafts (runtime.py has
-the worst case).  Two admission modes keep the engine from ever deadlocking:
+the worst case).  A request with a prediction may verify a window of predicted drafts
+instead (spec/prediction.py): the worker never stages one past the request's
+``max_tokens`` and cuts one to the blocks the step was given, so a window needs no KV
+beyond MTP's worst case, and never makes a request unservable.  The scheduler gives a
+window its slots when they are free (no preemption, no waiting for them); otherwise the
+step runs with the window cut, or with MTP's drafts.  Two admission modes keep the
+engine from ever deadlocking:
   * preemptible (maxPreemptCount > 0): blocks are taken as needed; when they run out the
     newest preemptible running sequence is preempted (blocks freed, recomputed later from
     its tokens).  A sequence preempted maxPreemptCount times is re-admitted reserved.
@@ -57,14 +63,17 @@ class SequenceUpdate:                # what update() did to one sequence
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, *, num_spec_tokens: int = 0,
-                 async_scheduling: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 async_scheduling: bool = False, prediction_drafts: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.num_spec_tokens = num_spec_tokens
         self.chained = max(0, num_spec_tokens - 1)    # positions the chained MTP passes write
         self.async_scheduling = async_scheduling
-        # A request with a prediction may verify this many predicted drafts a step.
-        self.prediction_drafts = cfg.prediction_draft_tokens
+        # A request with a prediction may verify this many predicted drafts a step: what
+        # the worker measured worth verifying (RuntimeInfo.prediction_draft_tokens).
+        self.prediction_drafts = prediction_drafts
+        self._lookahead = lookahead_slots(num_spec_tokens, async_scheduling)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -86,20 +95,32 @@ class Scheduler:
         """Blocks promised to reserved sequences and not yet taken by them."""
         return sum(self._reserved)
 
-    def _max_drafts(self, seq: Sequence) -> int:
+    def _max_drafts(self, seq: Sequence, window: bool = True) -> int:
         """The most drafts ``seq`` may feed in a step: k, or its predicted drafts."""
-        if seq.sampling.prediction and self.prediction_drafts:
+        if window and seq.sampling.prediction and self.prediction_drafts:
             return max(self.num_spec_tokens, self.prediction_drafts)
         return self.num_spec_tokens
 
-    def worst_case_blocks(self, seq: Sequence) -> int:
-        extra = lookahead_slots(self.num_spec_tokens, self.async_scheduling, self._max_drafts(seq))
-        return self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_output_tokens + extra)
+    def request_blocks(self, num_prompt_tokens: int, max_output_tokens: int) -> int:
+        """The most blocks a request of this size ever holds (a prediction adds none)."""
+        return self.blocks.blocks_for(num_prompt_tokens + max_output_tokens + self._lookahead)
 
-    def _slots_needed(self, seq: Sequence) -> int:     # positions its next step may touch
+    def worst_case_blocks(self, seq: Sequence) -> int:
+        return self.request_blocks(seq.num_prompt_tokens, seq.max_output_tokens)
+
+    def _slots_needed(self, seq: Sequence, window: bool = True) -> int:
+        """Positions ``seq``'s next step may touch; ``window`` False: with a predicted
+        window held or to come, only what MTP's drafts would touch (the worker cuts the
+        window to the blocks the step has).  Never past the request's worst case, which
+        covers every window the worker stages (module docstring)."""
         if seq.num_inflight_steps:      # placeholders: 1 + d tokens in flight, then fresh drafts
-            return seq.num_tokens + 1 + seq.num_draft_tokens + self._max_drafts(seq) + self.chained
-        return seq.num_tokens + seq.num_draft_tokens + self.chained
+            need = seq.num_tokens + 1 + seq.num_draft_tokens + self._max_drafts(seq, window) \
+                + self.chained
+        else:
+            drafts = seq.num_draft_tokens if window else min(seq.num_draft_tokens,
+                                                             self.num_spec_tokens)
+            need = seq.num_tokens + drafts + self.chained
+        return min(need, seq.num_prompt_tokens + seq.max_output_tokens + self._lookahead)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -239,8 +260,10 @@ class Scheduler:
             if seq.num_inflight_steps and seq.num_output_tokens + 1 >= seq.max_output_tokens:
                 i += 1                         # the step in flight is certainly its last
                 continue
-            slots = self._slots_needed(seq)
+            slots, plain = self._slots_needed(seq), self._slots_needed(seq, window=False)
             before = len(seq.block_table)
+            if slots > plain and not self._grow(seq, slots):
+                slots = plain                  # no room for its predicted window this step
             while not self._grow(seq, slots):
                 victim = self._pick_victim(i, seq.dp_group)
                 if victim is None:
@@ -280,7 +303,8 @@ class Scheduler:
             seq = self.waiting[0]
             if id(seq) in skip or seq.num_inflight_steps:
                 break                          # freed this step, or its last step is in flight
-            slots = self._slots_needed(seq)
+            # Admitted (again) with MTP's slots: a predicted window it holds is cut to them.
+            slots = self._slots_needed(seq, window=False)
             reserve = cfg.max_preempt_count == 0 or seq.num_preemptions >= cfg.max_preempt_count
             worst = self.worst_case_blocks(seq) if reserve else 0
             place = self._place(seq, slots, worst)

@@ -30,6 +30,7 @@ class FakeEngine:
         self.grammars: list[str] = []
         self.running = 0
         self.fail_after: int | None = None     # emit an ERROR output after this many steps
+        self.refusal: tuple[str, str] | None = None   # (param, why): refuse every request at once
         self.fatal_error: str | None = None    # the worker group's failure (AsyncEngine)
         self.runtime = RuntimeInfo(num_speculative_tokens, num_speculative_tokens, False, False,
                                    64, 16, frozenset(), 2048)
@@ -50,6 +51,10 @@ class FakeEngine:
         ids = self.tok.encode(self.script)[: req.sampling.max_tokens]
         detok = IncrementalDetokenizer(self.tok, req.prompt_token_ids)
         counters = RequestCounters(prompt_tokens=len(req.prompt_token_ids))
+        if self.refusal is not None:          # as LLMEngine.add_request refuses
+            yield EngineOutput(req.request_id, [], "", True, FinishReason.ERROR, counters=counters,
+                               error=self.refusal[1], error_param=self.refusal[0])
+            return
         self.running += 1
         try:
             pos = 0

@@ -468,3 +468,28 @@ def test_small_bodies_are_planned_on_the_loop_large_ones_on_the_pool(tokenizer, 
     assert len(pooled) == 2          # validation and planning of the padded request only
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert after.status_code == 200
+
+
+@pytest.mark.parametrize("param,route,shown", [("max_tokens", "chat", "max_tokens"),
+                                               ("prompt", "chat", "messages"),
+                                               ("prompt", "completions", "prompt")])
+def test_an_engine_refusal_is_a_400_naming_the_parameter(tokenizer, param, route, shown):
+    """An engine that refuses a request it can never serve as asked (it cannot fit the KV
+    pool) answers 400 with the parameter to change, not 500 (issue 58); a stream gets the
+    same error as its event."""
+    why = "request needs up to 40 KV blocks (450 prompt + 62 output tokens), the pool has 34"
+
+    async def go():
+        client, engine, _ = make_client(tokenizer, "one two")
+        engine.refusal = (param, why)
+        body = {"messages": [{"role": "user", "content": "q"}]} if route == "chat" else \
+            {"prompt": "q"}
+        url = f"/v1/{'chat/' if route == 'chat' else ''}completions"
+        return await client.post(url, json=body), \
+            await client.post(url, json={**body, "stream": True})
+    plain, stream = run(go())
+    assert plain.status_code == 400, plain.text
+    err = plain.json()["error"]
+    assert (err["param"], err["message"], err["code"]) == (shown, why, 400)
+    event = [e for e in sse_events(stream.text) if e != "[DONE]"][-1]
+    assert event["error"]["code"] == 400 and event["error"]["param"] == shown

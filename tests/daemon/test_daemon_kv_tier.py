@@ -131,3 +131,21 @@ def test_disk_tier_keeps_prefixes_across_a_restart(tiny_weights, tmp_path):
         assert "is damaged; removed" in d.output()
     finally:
         assert d.terminate() == 0, d.output()[-3000:]
+
+
+def test_a_prediction_near_the_pools_cap_is_answered_as_without_one(daemon):
+    """Issue 58: this daemon's pool is 18 blocks of 16 (maxBatchSize 1, maxSeqLen 256).
+    A 126-token prompt whose output fills maxSeqLen needs 17; with a prediction it was
+    refused (500 "request needs up to 20 KV blocks ..., the pool has 18": the configured
+    window of 64 was reserved on top).  A window never needs KV the request would not hold
+    anyway: 200, and the answer it has without a prediction."""
+    body = {"model": MODEL_NAME, "prompt": _prompt(7), "max_tokens": 256, "temperature": 0.0,
+            "ignore_eos": True}
+    plain = httpx.post(daemon.base + "/v1/completions", timeout=60, json=body)
+    assert plain.status_code == 200, plain.text
+    text = plain.json()["choices"][0]["text"]
+    got = httpx.post(daemon.base + "/v1/completions", timeout=60, json={
+        **body, "prediction": {"type": "content", "content": text}})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == text
+    assert plain.json()["usage"]["prompt_tokens"] + plain.json()["usage"]["completion_tokens"] == 256

@@ -184,3 +184,73 @@ def test_windows_grow_while_accepted_whole_and_restart_after_a_rejection():
     assert t.window == 16                      # a rejection: BASE_WINDOW again
     t.size_window(8, 8, 12)
     assert t.window == 12
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_a_prediction_near_the_pools_cap_is_served_and_changes_nothing(async_on):
+    """Issue 58: a pool of 34 blocks of 16 (maxBatchSize 1, maxSeqLen 512), 450 prompt
+    tokens + 62 output tokens.  Before, a prediction made the request need 36 blocks (40
+    with async scheduling: the configured window of 64, twice) and the engine refused it;
+    now a window never needs KV the request does not hold anyway: the answer is the one
+    without a prediction, and the window is verified where it fits."""
+    model = high_acceptance_model()
+    prompt = prompts(1, seed=11, lo=450, hi=451)[0]
+    kw = dict(num_blocks=34, block_size=16, max_batch_size=1, async_scheduling=async_on,
+              async_executor="thread")
+
+    def run(prediction):
+        eng = make_engine(model, 1, **kw)
+        outs = eng.generate([EngineRequest("r", prompt, SamplingParams(
+            max_tokens=62, temperature=0.0, ignore_eos=True, prediction=prediction))])["r"]
+        eng.shutdown()
+        assert outs[-1].error is None, outs[-1].error
+        return [t for o in outs for t in o.token_ids], outs[-1].counters
+
+    plain, _ = run(None)
+    assert len(plain) == 62
+    for prediction in (tuple(plain), tuple(plain[:20]) + (5, 6, 7) + tuple(plain[23:])):
+        got, counters = run(prediction)
+        assert got == plain
+        assert counters.num_accepted_prediction_tokens >= 40, counters
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_its_parameter():
+    """A refusal the client can act on says which parameter to change (the API answers 400
+    with it, not 500): fewer output tokens would fit; a prompt that cannot fit with one
+    output token is the prompt's fault."""
+    eng = make_engine(high_acceptance_model(), 1, num_blocks=8, block_size=8)   # 64 slots
+    reqs = [EngineRequest("long", list(range(2, 42)), SamplingParams(max_tokens=100)),
+            EngineRequest("huge", list(range(2, 72)), SamplingParams(max_tokens=1)),
+            EngineRequest("fits", list(range(2, 42)), SamplingParams(max_tokens=8))]
+    outs = eng.generate(reqs)
+    assert [(outs[r][-1].error_param, outs[r][-1].finish_reason.value) for r in ("long", "huge")] \
+        == [("max_tokens", "error"), ("prompt", "error")]
+    assert "KV blocks" in outs["long"][-1].error
+    assert outs["fits"][-1].error is None and outs["fits"][-1].error_param is None
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_a_window_without_room_is_cut_to_the_blocks_the_step_has(async_on):
+    """Preemptible admission (maxPreemptCount 4) and a pool of 28 blocks of 16 that two
+    requests (400 and 200 tokens) share: the second's predicted windows find no free
+    blocks most steps.  The scheduler does not preempt or wait for a window: the worker
+    cuts it to the step's blocks (MTP's drafts where none is left), and the answers are
+    the ones without a prediction."""
+    model = high_acceptance_model()
+    a, b = prompts(1, seed=21, lo=300, hi=301)[0], prompts(1, seed=22, lo=100, hi=101)[0]
+
+    def run(prediction, **kw):
+        eng = make_engine(model, 1, block_size=16, max_batch_size=2, async_scheduling=async_on,
+                          async_executor="thread", max_preempt_count=4, **kw)
+        outs = eng.generate([EngineRequest("a", a, SamplingParams(max_tokens=100, temperature=0.0,
+                                                                  ignore_eos=True)),
+                             EngineRequest("b", b, SamplingParams(max_tokens=100, temperature=0.0,
+                                                                  ignore_eos=True,
+                                                                  prediction=prediction))])
+        eng.shutdown()
+        return {r: [t for o in v for t in o.token_ids] for r, v in outs.items()}, outs["b"][-1]
+
+    ref, _ = run(None)
+    got, last = run(tuple(ref["b"]), num_blocks=28)
+    assert got == ref and last.error is None
+    assert last.counters.num_accepted_prediction_tokens > 50, last.counters

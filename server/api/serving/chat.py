@@ -253,7 +253,7 @@ async def _complete(plan: ChatPlan, merged: Interleave) -> dict:
         st.text.append(out.text)
         st.logprobs = merge_logprobs(st.logprobs, chat_logprobs(out.logprobs, plan.state.text_of))
         st.last = out
-        failure = engine_failure(out) if out.finished else None
+        failure = engine_failure(out, "messages") if out.finished else None
         if failure:
             raise failure
     body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created,
@@ -305,7 +305,7 @@ async def _stream(plan: ChatPlan, merged: Interleave) -> AsyncIterator[bytes]:
                                      "logprobs": None, "finish_reason": None}], **extra_first))
         st.last = out
         st.token_ids.extend(out.token_ids)
-        failure = engine_failure(out)
+        failure = engine_failure(out, "messages")
         if failure:
             raise failure
         delta = st.parser.feed(out.text)

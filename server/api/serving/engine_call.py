@@ -157,10 +157,15 @@ class EngineCall:
             self._prediction = pred
 
 
-def engine_failure(out: EngineOutput | None) -> APIError | None:
-    """The error to report for a final output that did not finish normally."""
+def engine_failure(out: EngineOutput | None, prompt_param: str = "prompt") -> APIError | None:
+    """The error to report for a final output that did not finish normally: a 400 naming
+    the parameter when the engine refused a request it can never serve as asked (the
+    engine's "prompt" is the route's ``prompt_param``), a 500 for an engine fault."""
     if out is None:
         return None
+    if out.finish_reason == FinishReason.ERROR and out.error_param:
+        param = prompt_param if out.error_param == "prompt" else out.error_param
+        return APIError(400, out.error or "the engine refused the request", param)
     if out.finish_reason == FinishReason.ERROR:
         return APIError(500, f"generation failed: {out.error or 'engine error'}")
     if out.finish_reason == FinishReason.ABORT:

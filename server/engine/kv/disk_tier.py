@@ -107,7 +107,7 @@ class DiskTier:
 
     def _drop_corrupt(self, digest: bytes, why: str) -> None:
         self.num_corrupt += 1
-        log.warning("disk KV tier: %s is damaged (%s); removed (its block will be recomputed)",
+        log.warning("disk KV tier: %s is damaged; removed (%s; its block will be recomputed)",
                     file_name(digest), why)
         _remove(self.path(digest))
 

@@ -21,6 +21,12 @@ committed (``stage``) and held once the wrapped proposer commits that step (``co
 after the tokens, or later when the draft passes run after emit), so every consumer of a
 step's drafts sees one consistent set.  Predicted windows are kept out of the speculation
 policy's acceptance figures (their rows are passed as carrying no MTP draft).
+
+A window never costs KV the request would not hold anyway: ``stage`` stops it before the
+request's ``max_tokens``, and ``fit`` cuts it, before each step, to the slots the
+scheduler gave the step (which gives a window its slots only when they are free,
+scheduler.py); cut to nothing, the step verifies MTP's drafts.  So a prediction never
+makes a request need more blocks than it would without one.
 """
 from __future__ import annotations
 
@@ -213,6 +219,22 @@ class PredictedDrafts:
             staged = self._staged.pop(rid, None)
             if staged:
                 self._held[rid] = staged
+
+    def fit(self, states: list[RequestState], block_size: int, chained: int) -> None:
+        """Cut each held window to the KV slots its request's step has: the fed tokens, the
+        window and the ``chained`` positions MTP's chained passes write past them must lie
+        in its block table.  A window cut to nothing leaves MTP's drafts, which the
+        scheduler always gives room."""
+        for st in states:
+            window = self._held.get(st.request_id)
+            if not window:
+                continue
+            room = len(st.block_table) * block_size - st.num_computed_tokens \
+                - st.num_new_tokens - chained
+            if room <= 0:
+                del self._held[st.request_id]
+            elif len(window) > room:
+                self._held[st.request_id] = window[:room]
 
     def drop(self, request_id: str) -> None:
         self.inner.drop(request_id)

@@ -75,6 +75,7 @@ class Worker:
         self._draft_failures: dict[str, str] = {}     # request id -> why, failed next step
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
+        self.chained = max(0, k - 1)          # positions MTP's chained passes write past a window
         spec = self._allocate_kv(model, cfg, k)
         self.kv_transfer = KVTransfer(
             self.kv_caches, self.device, KVTransfer.host_slots_for(
@@ -156,7 +157,8 @@ class Worker:
         return WorkerInfo(self.num_kv_blocks, self.num_int8_kv_layers, self.kv_transfer.host_slots,
                           self.kv_transfer.bytes_per_block, self.graphs.current(),
                           sp=self.sp, dp=self.dp,
-                          kv_blocks_per_rank=self.num_kv_blocks // (self.sp * self.dp))
+                          kv_blocks_per_rank=self.num_kv_blocks // (self.sp * self.dp),
+                          prediction_draft_tokens=self.proposer.max_tokens)
 
     @property
     def policy(self) -> SpecPolicy | None:
@@ -210,6 +212,7 @@ class Worker:
         out.num_held_requests = len(self.requests)
         if not states:
             return out
+        self.proposer.fit(states, self.runner.block_size, self.chained)
         exports = any(new.export_kv for new in so.new_requests)
         # PD prefill exports read the MTP layer's KV of the prompt: drafted in the step.
         defer = self.draft_after_emit and not exports
