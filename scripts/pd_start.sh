@@ -3,6 +3,9 @@
 # coordinator (conf/pd/*.json), all on loopback.  Clients call the coordinator's port
 # (1025).  Ctrl-C or SIGTERM stops all three.  Creates .venv on first run.
 #   scripts/pd_start.sh [--conf-dir DIR]     (DIR holds prefill.json, decode.json, coordinator.json)
+# The three share the deployment's KV transfer key, DIR/kv-transfer.key (the configs name
+# it): made here on first use, 64 random hex digits readable by this user only.  The
+# instances take their role only from a caller holding it (docs/config.md, PD).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_bootstrap.sh"
 bootstrap_venv ""
@@ -10,6 +13,11 @@ cd "$ROOT"
 CONF=conf/pd
 if [[ "${1:-}" == "--conf-dir" ]]; then CONF="$2"; fi
 PY="$VENV/bin/python"
+KEY="$CONF/kv-transfer.key"
+if [[ ! -e "$KEY" ]]; then
+  (umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$KEY.$$" &&
+   mv -n "$KEY.$$" "$KEY"; rm -f "$KEY.$$")
+fi
 pids=()
 stop() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done

@@ -17,8 +17,9 @@ from server.pd.errors import PDError
 
 
 def api_error(exc: PDError) -> APIError:
-    """The APIError a client sees for ``exc``: its status, message and parameter."""
-    return APIError(exc.status, exc.message, exc.param)
+    """The APIError a client sees for ``exc``: its status, message, parameter and, on a
+    503, when to retry (``Retry-After``)."""
+    return APIError(exc.status, exc.message, exc.param, retry_after=exc.retry_after)
 
 
 def _is_native(request: Request) -> bool:

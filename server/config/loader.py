@@ -356,6 +356,13 @@ def collect_warnings(doc: MindIEConfig, env: Mapping[str, str] | None = None) ->
         if key is not None:
             out += [f"{p}: unknown key, kept and ignored"
                     for p in _unknown_keys(opts, (*mc_path(i).split("."), "models", key))]
+    sv = doc.server
+    if sv.infer_mode == "dmi" and sv.pd_role is None and sv.pd_transfer_key_file is None \
+            and not sv.api_keys and not (env or {}).get("MTP_SERVE_API_KEY"):
+        out.append("ServerConfig.inferMode: \"dmi\" without pdRole, pdTransferKeyFile or apiKeys: "
+                   "no caller can assign this instance a role (the role API takes calls only "
+                   "with the deployment's KV transfer key or an API key), so every business "
+                   "request gets 503")
     return out + ignored_warnings(doc, env)
 
 

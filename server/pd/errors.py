@@ -5,6 +5,12 @@ each with its ``status`` in its own error shape (server/api/errors.py, ``api_err
 signed, not a peer's KV port, the wrong form for its role); ``PDUnavailable`` (503): not now
 (no role yet, the role changed under the request, the exports are full), so the
 coordinator sends it elsewhere; ``PDError`` itself (500): this instance failed.
+
+Every 503 says when to try again (``retry_after``: the ``Retry-After`` header).  That is
+also how the coordinator tells "full, or between roles: later" from "stopping": an
+instance that answers a 503 with ``Retry-After`` stays in rotation (one "exports full"
+answer used to mark the only P down for every client), and its health checks decide
+whether it is down.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ class PDError(Exception):
     """This instance failed the request (500)."""
 
     status = 500
+    retry_after: int | None = None    # seconds, sent as Retry-After
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -30,3 +37,4 @@ class PDUnavailable(PDError):
     """Not now: another instance (or a later try) may serve it (503)."""
 
     status = 503
+    retry_after = 1

@@ -10,11 +10,17 @@ their layout and that each block was computed for its own prompt's tokens (trust
 and hands the agreeing blocks to the engine, which computes only the rest of the prompt
 (D samples the first token itself, with the request's seed, so outputs equal a
 co-located daemon's) and decodes with MTP.  A pull that fails (P gone, timed out, rows
-expired, a layout that is not D's) is counted and D computes the whole prompt instead:
-the answer is the same, only slower.  Requests without params are served co-located.
-A request whose params are for the other role (the role changed under it) gets 503, so
-the coordinator sends it elsewhere.  Refusals are errors.py's ``PDError`` classes; the
-serving layer (server/api/pd_serving.py) answers each with its status.
+expired, a layout that is not D's, rows of other weights) is counted and D computes the
+whole prompt instead: the answer is the same, only slower.  Requests without params are
+served co-located.  A request whose params are for the other role (the role changed under
+it) gets 503, so the coordinator sends it elsewhere.  Refusals are errors.py's ``PDError``
+classes; the serving layer (server/api/pd_serving.py) answers each with its status.
+
+Rows D takes are tagged with the role version they were checked under
+(``EngineRequest.remote_kv_epoch``): a role change (new peers, a new key) purges every
+prefix block loaded from a peer and every block computed on top of one, and rows checked
+under an earlier version are not loaded after it (server/api/pd_routes.py asks the engine,
+kv/block_manager.py keeps the tags).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.config.fingerprint import weights_fingerprint
 from server.config.pd_link import parse_peer, read_key_file
 from server.engine.protocol import EngineRequest
 from server.pd.errors import PDError, PDRefused, PDUnavailable
@@ -31,7 +38,7 @@ from server.pd.kv_client import pull_kv
 from server.pd.kv_exports import KVExports
 from server.pd.roles import RoleState
 from server.pd.trust import TrustError, block_digests, key_id, num_matching, verify_params
-from server.pd.wire import KVRows, TransferError, layout_of
+from server.pd.wire import KVRows, TransferError, layout_fields, layout_of
 
 log = logging.getLogger("server.pd")
 
@@ -51,6 +58,8 @@ class PDSettings:
     # role -> why this instance's layout may not take it (a role the management API assigns
     # later obeys the rule config/parallel.py checks for pdRole)
     refused_roles: dict[str, str] = field(default_factory=dict)
+    model_fingerprint: str = ""       # the weights' (server/config/fingerprint.py)
+    model_path: str = ""              # modelWeightPath, for messages that name the two models
 
 
 def pd_settings(cfg: Any) -> PDSettings | None:
@@ -59,6 +68,7 @@ def pd_settings(cfg: Any) -> PDSettings | None:
         return None
     mc = cfg.model_config
     key = read_key_file(s.pd_transfer_key_file) if s.pd_transfer_key_file else None
+    weights = cfg.model_weight_path
     par, refused = cfg.parallel, {}
     if (par.cp > 1 or par.sp > 1) and par.moe_ep > 1:
         refused["decode"] = (f"cp {par.cp} and sp {par.sp} with moe_ep {par.moe_ep}: with MoE "
@@ -68,7 +78,7 @@ def pd_settings(cfg: Any) -> PDSettings | None:
                       float(mc.kv_trans_timeout if mc.kv_trans_timeout > 0 else 1),
                       float(mc.kv_link_timeout if mc.kv_link_timeout > 0 else 1080),
                       key, s.pd_max_exports, s.pd_max_export_mb << 20, float(s.e2e_timeout),
-                      refused)
+                      refused, weights_fingerprint(weights) if weights else "", str(weights or ""))
 
 
 class PDMetrics:
@@ -102,7 +112,8 @@ class PDInstance:
                                  max_bytes=settings.max_export_bytes,
                                  reserve_ttl_s=settings.request_life_s)
         self.layout = layout_of(runtime.num_kv_layers, runtime.block_size, runtime.kv_block_bytes,
-                                f"{runtime.kv_cache_dtype},mtp={int(runtime.mtp_enabled)}")
+                                f"{runtime.kv_cache_dtype},mtp={int(runtime.mtp_enabled)}",
+                                settings.model_fingerprint)
         self.block_size = runtime.block_size
         self.bytes_per_block = runtime.kv_block_bytes
         self.metrics = PDMetrics(registry)
@@ -131,6 +142,13 @@ class PDInstance:
                                 "/v1/role/decode on its management plane (or set "
                                 "ServerConfig.pdRole)")
 
+    def assign(self, role: str, body: Any, api_version: int = 1) -> int:
+        """Take a role body (roles.py; RoleError when it cannot be taken); the new role
+        version, which the caller hands the engine so that it purges every block loaded
+        from a peer under an earlier one."""
+        self.roles.assign(role, body, api_version)
+        return self.roles.version
+
     async def prepare(self, er: EngineRequest, params: dict | None) -> EngineRequest:
         """Adapt one engine request to this instance's role and the request's params."""
         self.check_role()
@@ -153,6 +171,7 @@ class PDInstance:
         if not isinstance(host, str) or type(port) is not int or not isinstance(rid, str):
             raise PDRefused("kv_transfer_params needs remote_host (string), remote_port "
                             "(integer) and remote_request_id (string)", "kv_transfer_params")
+        epoch = self.roles.version           # what the checks below were made under
         try:
             verify_params(self.roles.key, params)
         except TrustError as exc:
@@ -166,13 +185,16 @@ class PDInstance:
             raise PDRefused(f"kv_transfer_params.remote_port {port} is not the KV port of "
                             f"peer {host} ({', '.join(map(str, sorted(allowed)))})",
                             "kv_transfer_params")
-        return await self._pull(er, host, port, rid)
+        er = await self._pull(er, host, port, rid)
+        return dataclasses.replace(er, remote_kv_epoch=epoch) if er.remote_kv else er
 
     def _reserve_export(self, er: EngineRequest) -> EngineRequest:
         num_blocks = (len(er.prompt_token_ids) - 1) // self.block_size
-        digests = tuple(block_digests(er.prompt_token_ids, self.block_size, num_blocks))
+        digests = tuple(block_digests(self.roles.key, er.prompt_token_ids, self.block_size,
+                                      num_blocks))
         if not self.exports.reserve(er.request_id, num_blocks * self.bytes_per_block, digests):
             self.on_failed("exports_full")
+            # Full, not broken: its Retry-After keeps it in the coordinator's rotation.
             raise PDUnavailable(f"this prefill instance holds {self.exports.num_held} KV "
                                 f"exports ({self.exports.bytes_held / 2**20:.0f} MB) waiting "
                                 "for decode instances, its limit (pdMaxExports, "
@@ -190,13 +212,19 @@ class PDInstance:
             self.on_failed("pull")
             return er
         if rows.layout != self.layout or rows.bytes_per_block != self.bytes_per_block:
-            log.warning("KV rows from %s:%d have layout %s, this instance %s; computing the "
-                        "prompt here", host, port, rows.layout, self.layout)
-            self.on_failed("layout")
+            theirs = layout_fields(rows.layout).get("model")
+            other_model = theirs != self.settings.model_fingerprint
+            log.warning("KV rows from %s:%d %s; computing the prompt here", host, port,
+                        f"were computed by other weights (model {theirs}, this instance "
+                        f"{self.settings.model_fingerprint}: {self.settings.model_path})"
+                        if other_model else
+                        f"have layout {rows.layout}, this instance {self.layout}")
+            self.on_failed("model" if other_model else "layout")
             return er
         self.metrics.transfers.labels("received").inc()
         self.metrics.bytes.labels("received").inc(len(rows.payload))
-        ours = block_digests(er.prompt_token_ids, self.block_size, rows.num_blocks)
+        ours = block_digests(self.roles.key, er.prompt_token_ids, self.block_size,
+                             rows.num_blocks)
         n = num_matching(ours, rows.digests)
         if n < rows.num_blocks:
             log.warning("KV rows from %s:%d: %d of %d blocks were computed for other tokens "
@@ -239,6 +267,9 @@ class PDInstance:
         return {"role": self.roles.role, "peers": sorted(self.roles.peers),
                 "peer_kv_ports": {a: sorted(p) for a, p in sorted(self.roles.kv_ports.items())},
                 "kv_port": self.settings.port, "layout": self.layout,
+                "model_fingerprint": self.settings.model_fingerprint,
+                "model_weight_path": self.settings.model_path,
+                "role_version": self.roles.version,
                 "kv_transfer_key_id": key_id(self.roles.key),
                 "exports_held": ex.num_held, "exports_bytes": ex.bytes_held,
                 "exports_sending_bytes": ex.bytes_sending,

@@ -13,9 +13,11 @@ scale and RoPE rows) laid end to end: the row the host tier and the disk tier ho
              {"status": "error", "error": "..."}    and no payload
 
 ``layout`` names what the rows hold (cache layers, block size, bytes per block, cache
-dtype): D refuses rows whose layout is not its own, and a payload whose digest does not
-match.  ``block_digests`` name the prompt tokens each block was computed for (trust.py):
-D uses only the leading blocks whose digests equal its own prompt's.  The payload is sent
+dtype, and the weights that computed them: server/config/fingerprint.py): D refuses rows
+whose layout is not its own (rows of another checkpoint of the same shape are wrong
+answers with HTTP 200), and a payload whose digest does not match.  ``block_digests``
+name the prompt tokens each block was computed for, keyed with the transfer key
+(trust.py): D uses only the leading blocks whose digests equal its own prompt's.  The payload is sent
 from the rows' own buffer (no copy on P's side).  P reads at most ``MAX_HEADER`` bytes of
 request line and answers anything else with an error header.
 """
@@ -49,8 +51,17 @@ class KVRows:
         return tuple(self.payload[i * b:(i + 1) * b] for i in range(self.num_blocks))
 
 
-def layout_of(num_kv_layers: int, block_size: int, bytes_per_block: int, kv_dtype: str) -> str:
-    return f"v{VERSION};layers={num_kv_layers};block={block_size};bytes={bytes_per_block};kv={kv_dtype}"
+def layout_of(num_kv_layers: int, block_size: int, bytes_per_block: int, kv_dtype: str,
+              model: str) -> str:
+    """``model``: the weights' fingerprint (server/config/fingerprint.py)."""
+    return (f"v{VERSION};layers={num_kv_layers};block={block_size};bytes={bytes_per_block};"
+            f"kv={kv_dtype};model={model}")
+
+
+def layout_fields(layout: str) -> dict[str, str]:
+    """``layout_of``'s fields by name (a peer's layout may be anything: unknown parts are
+    left out)."""
+    return dict(part.split("=", 1) for part in layout.split(";") if "=" in part)
 
 
 def pull_line(request_id: str) -> bytes:

@@ -7,12 +7,21 @@ co-located daemon's; then faults: P gone (a pull fails: D computes the prompt it
 the answer is unchanged; through the coordinator: a clear 503), D killed mid-stream (the
 stream ends with an error event; P's pool is back to its start count).  And hostile
 clients: rows a client offers D (unsigned, another prompt's, or from a fake KV server on
-another port) never reach D's prefix cache, and P's exports stay within their bound.
+another port) never reach D's prefix cache, and P's exports stay within their bound; the
+role-API poisoning of issue 58 (a role naming the attacker's KV server, posted without a
+credential) is refused, rows whose digests were made without the key are not used even
+from a peer, and a role change purges what D loaded from peers.
+
+Every instance reads the deployment's KV transfer key from a file (``pdTransferKeyFile``,
+``_key_file``: one per parent folder) and the coordinator reads P's: role calls are
+signed with it.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -26,10 +35,11 @@ import pytest
 
 from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer
-from server.pd.trust import block_digests, new_key, sign_params
-from server.pd.wire import KVRows
+from server.pd.trust import CALL_HEADER, block_digests, key_id, new_key, sign_call, sign_params
+from server.pd.wire import KVRows, layout_fields
 from server.testing.daemon import (MODEL_NAME, ROOT, Daemon, demo_model_ready, free_port, make_config,
                                    start_all)
+from server.text.tokenizer import Tokenizer
 from tests.daemon.answers import LONG, QUESTIONS, answers, metric
 
 openai = pytest.importorskip("openai")
@@ -54,12 +64,13 @@ def _key_file(folder: Path) -> Path:
 
 def _pd_config(folder, role: str | None = None, peers=("127.0.0.1",), k: int = 1,
                key_file=None, prefix_cache: bool = False, **server_extra):
+    """A PD instance's config; its key file ``key_file``, else the one of ``folder``'s
+    parent (so instances made side by side share it)."""
     server = {"inferMode": "dmi", "interCommPort": free_port(), "interCommTLSEnabled": False,
+              "pdTransferKeyFile": str(key_file or _key_file(Path(folder).parent)),
               **server_extra}
     if role:
         server.update(pdRole=role, pdPeers=list(peers))
-    if key_file is not None:
-        server["pdTransferKeyFile"] = str(key_file)
     return make_config(folder, DEMO, model={"plugin_params": _plugins(k, prefix_cache)},
                        server=server, schedule={"cacheBlockSize": 16})
 
@@ -68,16 +79,28 @@ def _metric(d: Daemon, name: str, label: str = "") -> float:
     return metric(d.metrics, name, label)
 
 
+def _key_of(d: Daemon) -> Path:
+    return Path(json.loads(Path(d.config).read_text())["ServerConfig"]["pdTransferKeyFile"])
+
+
+def _signed_post(d: Daemon, path: str, body: dict, key: bytes) -> httpx.Response:
+    """A management call as the coordinator makes it: signed with the KV transfer key."""
+    content = json.dumps(body).encode()
+    return httpx.post(d.mgmt + path, content=content, timeout=10, headers={
+        CALL_HEADER: sign_call(key, "POST", path, content), "content-type": "application/json"})
+
+
 class Coordinator:
+    """``python -m server.pd`` over ``p`` and ``d``, with P's key file (``key_file``)."""
+
     def __init__(self, folder, p: Daemon, d: Daemon, key_file=None) -> None:
         self.port = free_port()
         cfg = folder / "coordinator.json"
         doc = {"ipAddress": "127.0.0.1", "port": self.port,
                "prefill": [{"business": p.base, "management": p.mgmt}],
                "decode": [{"business": d.base, "management": d.mgmt}],
-               "timeouts": {"connect": 5, "request": 120, "start": 120}}
-        if key_file is not None:
-            doc["kvTransferKeyFile"] = str(key_file)
+               "timeouts": {"connect": 5, "request": 120, "start": 120},
+               "kvTransferKeyFile": str(key_file or _key_of(p))}
         cfg.write_text(json.dumps(doc))
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "server.pd", "--config-file", str(cfg)],
@@ -139,29 +162,36 @@ def pd_set(tmp_path_factory):
 
 
 def test_instance_without_role_refuses_and_role_api_checks_bodies(tmp_path):
+    """Role bodies are checked once the call is authenticated (signed with the key)."""
     d = Daemon(_pd_config(tmp_path), env=ENV).start()
+    key = bytes.fromhex(_key_of(d).read_text())
     try:
         r = httpx.post(d.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi",
                                                           "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and "no role" in r.json()["error"]["message"]
-        assert httpx.post(d.mgmt + "/v1/role/decode", content=b"{not json",
-                          timeout=10).status_code == 422
-        r = httpx.post(d.mgmt + "/v1/role/decode", json={"local": {}, "peers": []}, timeout=10)
+        assert r.headers["retry-after"] == "1"
+        content = b"{not json"
+        assert httpx.post(d.mgmt + "/v1/role/decode", content=content, timeout=10, headers={
+            CALL_HEADER: sign_call(key, "POST", "/v1/role/decode", content)}).status_code == 422
+        r = _signed_post(d, "/v1/role/decode", {"local": {}, "peers": []}, key)
         assert r.status_code == 503 and "Update pd info failed" in r.json()["error"]
-        r = httpx.post(d.mgmt + "/v1/role/flex", json={"local": {}, "peers": [{"host_ip": "127.0.0.1"}]},
-                       timeout=10)
+        r = _signed_post(d, "/v1/role/flex", {"local": {}, "peers": [{"host_ip": "127.0.0.1"}]}, key)
         assert r.status_code == 503 and "flex" in r.json()["error"]
         body = {"local": [{"host_ip": "127.0.0.1", "dp_inst_list": []}],
                 "peers": [[{"host_ip": "127.0.0.3", "dp_inst_list": []}]]}
-        r = httpx.post(d.mgmt + "/v2/role/decode", json=body, timeout=10)
+        assert httpx.post(d.mgmt + "/v2/role/decode", json=body, timeout=10).status_code == 401
+        r = _signed_post(d, "/v2/role/decode", body, key)
         assert r.status_code == 200 and r.json() == {"result": "ok"}
         assert d.status()["pd"]["role"] == "decode" and d.status()["pd"]["peers"] == ["127.0.0.3"]
         # A decode instance pulls only from its peers, whatever a body names.
         r = httpx.post(d.base + "/v1/completions", json={
             "model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "kv_transfer_params": {
                 "remote_host": "127.0.0.9", "remote_port": 1, "remote_request_id": "x"}}, timeout=10)
-        # ... and only what the coordinator signed: this instance holds no key yet.
-        assert r.status_code == 400 and "key" in r.json()["error"]["message"]
+        # ... and only what the coordinator signed.
+        assert r.status_code == 400 and "signed" in r.json()["error"]["message"]
+        # 300 MB pushed P from 612 to 1,303 MB: a management body over 1 MB is refused.
+        r = httpx.post(d.mgmt + "/v1/role/decode", content=b" " * (2 << 20), timeout=10)
+        assert r.status_code == 413
     finally:
         assert d.terminate() == 0
 
@@ -254,7 +284,7 @@ def test_rows_a_client_offers_never_reach_the_decode_cache(pd_set, colocated):
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
         n = (n_prompt - 1) // 16
-        exports.reserve("fake", n * block_bytes, tuple(block_digests([0] * n_prompt, 16, n)))
+        exports.reserve("fake", n * block_bytes, tuple(block_digests(c.key, [0] * n_prompt, 16, n)))
         exports.put("fake", KVRows(n, block_bytes, layout, b"\x7f" * (n * block_bytes)))
         params = sign_params(c.key, {"remote_host": "127.0.0.1",
                                      "remote_port": sock.getsockname()[1],
@@ -270,9 +300,9 @@ def test_rows_a_client_offers_never_reach_the_decode_cache(pd_set, colocated):
             "model": MODEL_NAME, "prompt": LONG, "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     d.wait_kv_free()
-    r = httpx.post(p.mgmt + "/v1/kv/release", timeout=10,       # (1)'s export, never pulled
-                   json={"remote_request_id": unsigned["remote_request_id"]})
-    assert r.json() == {"released": True}
+    release = {"remote_request_id": unsigned["remote_request_id"]}   # (1)'s, never pulled
+    assert httpx.post(p.mgmt + "/v1/kv/release", json=release, timeout=10).status_code == 401
+    assert _signed_post(p, "/v1/kv/release", release, c.key).json() == {"released": True}
 
 
 def test_exports_are_bounded_and_freed_when_decode_refuses(pd_set):
@@ -289,8 +319,9 @@ def test_exports_are_bounded_and_freed_when_decode_refuses(pd_set):
     pd = p.status()["pd"]
     assert pd["exports_held"] <= MAX_EXPORTS and codes.count(503) >= 3
     assert pd["exports_refused"] >= 3
+    assert all(r == 503 for r in codes[-3:])
     for rid in ids:                                  # the coordinator's release call
-        r = httpx.post(p.mgmt + "/v1/kv/release", json={"remote_request_id": rid}, timeout=10)
+        r = _signed_post(p, "/v1/kv/release", {"remote_request_id": rid}, c.key)
         assert r.status_code == 200 and r.json() == {"released": True}
     assert p.status()["pd"]["exports_held"] == 0
     # Through the coordinator: P accepts, D refuses (min_tokens > max_tokens): the export
@@ -302,6 +333,102 @@ def test_exports_are_bounded_and_freed_when_decode_refuses(pd_set):
     while p.status()["pd"]["exports_held"] and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert p.status()["pd"]["exports_held"] == 0
+
+
+FRESH = ("Describe the old clock tower in the town square, who winds it every morning, and "
+         "what the children believe happens inside it when it strikes midnight.")
+
+
+def _plain_digests(tokens: list[int], n: int) -> tuple[str, ...]:
+    """Block digests as they were before issue 58: plain BLAKE2b over the prompt's tokens,
+    which anyone who knows the prompt can compute."""
+    out, parent = [], b""
+    for b in range(n):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[b * 16:(b + 1) * 16 + 1]))
+        parent = h.digest()
+        out.append(parent.hex())
+    return tuple(out)
+
+
+def _cached(d: Daemon, prompt: str) -> int:
+    """Prompt tokens a request for ``prompt`` found in D's prefix cache."""
+    r = httpx.post(d.base + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_role_api_poisoning_is_replayed_end_to_end(pd_set, colocated):
+    """Issue 58's probe against 1 P + 1 D + the coordinator, then its victims.  The
+    attacker runs a KV server answering random rows with the right plain digests of a
+    prompt, posts D a role naming it (with a key of its own), and signs params with that
+    key.  Then, as if it had got that role in anyway (the test holds the key and posts
+    it), D pulls its rows and uses none; the role change purged what D had loaded from P;
+    the coordinator posts its own role back.  A victim's answers equal a plain daemon's."""
+    p, d, c = pd_set
+    ref, _ = colocated
+    want_long = ref[3 * len(QUESTIONS)]
+    want_fresh = _ask_d(p, FRESH, None).json()["choices"][0]["text"]   # P serves it plainly
+    tokens = Tokenizer.from_dir(DEMO).encode(FRESH, add_special_tokens=True)
+    layout = d.status()["pd"]["layout"]
+    block_bytes = int(layout_fields(layout)["bytes"])
+    n = (len(tokens) - 1) // 16
+    exports = KVExports(30)
+    loop = asyncio.new_event_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    server = KVServer(exports)
+    loop.run_until_complete(server.start(sock))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    evil_key = new_key()
+    try:
+        exports.reserve("evil", n * block_bytes, _plain_digests(tokens, n))
+        exports.put("evil", KVRows(n, block_bytes, layout, os.urandom(n * block_bytes)))
+        # (1) The probe's role post: no credential.  It was 200.
+        evil_role = {"local": {"host_ip": "127.0.0.1"},
+                     "peers": [{"server_ip": "127.0.0.1", "kv_port": port}]}
+        r = httpx.post(d.mgmt + "/v1/role/decode", timeout=10,
+                       json={**evil_role, "kv_transfer_key": evil_key.hex()})
+        assert r.status_code == 401, r.text
+        st = d.status()["pd"]
+        assert st["kv_transfer_key_id"] == key_id(c.key)
+        assert port not in st["peer_kv_ports"]["127.0.0.1"]
+        # (2) Params signed with its own key, naming its server: refused, nothing pulled.
+        evil = {"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "evil"}
+        r = _ask_d(d, FRESH, sign_params(evil_key, evil))
+        assert r.status_code == 400 and exports.num_held == 1
+        # (3) D holds OTHER's blocks, loaded from P through the coordinator ...
+        r = httpx.post(c.base + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": OTHER, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and _cached(d, OTHER) > 0
+        # ... until a role change: the attacker's server as D's peer, posted with the key.
+        assert _signed_post(d, "/v1/role/decode", evil_role, c.key).status_code == 200
+        assert _cached(d, OTHER) == 0                   # purged, and what was computed on them
+        mismatch = _metric(d, "kv_transfer_failures_total", 'reason="prompt_mismatch"')
+        remote = _metric(d, "prefix_cache_hit_tokens_total", 'tier="remote"')
+        r = _ask_d(d, FRESH, sign_params(c.key, evil))
+        assert r.status_code == 200 and exports.num_held == 0              # pulled ...
+        assert r.json()["choices"][0]["text"] == want_fresh                # ... not used
+        assert _metric(d, "kv_transfer_failures_total", 'reason="prompt_mismatch"') == mismatch + 1
+        assert _metric(d, "prefix_cache_hit_tokens_total", 'tier="remote"') == remote
+        # (4) The coordinator sees a role it did not post and posts its own again.
+        p_port = p.status()["pd"]["kv_port"]
+        t0 = time.monotonic()
+        while d.status()["pd"]["peer_kv_ports"].get("127.0.0.1") != [p_port]:
+            assert time.monotonic() - t0 < 15, d.status()["pd"]
+            time.sleep(0.1)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    # The victims, directly on D and through the coordinator.
+    for base in (d.base, c.base):
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": LONG, "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_long
+    assert _ask_d(d, FRESH, None).json()["choices"][0]["text"] == want_fresh
+    d.wait_kv_free()
 
 
 def test_dead_decode_instance_ends_the_stream_with_an_error_then_dead_prefill_is_a_503(pd_set):

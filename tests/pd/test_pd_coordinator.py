@@ -4,8 +4,10 @@ then, on the demo model, a real P and D: one outcome per request, KV released wh
 refuses, and a decode instance killed and restarted gets its role back.
 
 Fake instances speak the daemon's contract: management ``GET /v1/status`` with
-``pd.role``, ``pd.kv_port`` and ``pd.kv_transfer_key_id``, ``POST /v1/role/{role}``
-(MindIE's V1 body with ``kv_transfer_key``), ``POST /v1/kv/release``; a fake D refuses
+``pd.role``, ``pd.kv_port``, ``pd.kv_transfer_key_id`` and ``pd.model_fingerprint``,
+``POST /v1/role/{role}`` (MindIE's V1 body, with ``kv_transfer_key`` under an API key) and
+``POST /v1/kv/release``, both taken only with a call signed with the key the instance
+holds (read from its key file, as ``pdTransferKeyFile``) or its API key; a fake D refuses
 params the coordinator did not sign.  By hand, the full-size figures of
 docs/reliability.md: ``PD_HALF_SENT=1000`` (half-sent sockets) and
 ``PD_FUZZ_EXAMPLES=3000`` (hypothesis cases).
@@ -50,12 +52,24 @@ def _doc(**kw) -> dict:
             **kw}
 
 
-def test_config_defaults_and_the_shipped_file():
-    cfg = CoordinatorConfig.from_dict(_doc())
+def _key_file(folder) -> str:
+    path = folder / "kv-transfer.key"
+    path.write_text(trust.new_key().hex())
+    return str(path)
+
+
+def test_config_defaults_and_the_shipped_file(tmp_path):
+    cfg = CoordinatorConfig.from_dict(_doc(apiKey="k"))
     assert (cfg.max_request_bytes, cfg.header_timeout_s, cfg.body_timeout_s,
             cfg.health_interval_s) == (40 * 1024 * 1024, 10, 60, 2)
     assert cfg.kv_transfer_key is None and cfg.assign_roles
-    shipped = CoordinatorConfig.load("conf/pd/coordinator.json")
+    # The shipped set shares one key file (scripts/pd_start.sh makes it on first use).
+    doc = json.loads(open("conf/pd/coordinator.json").read())
+    assert doc["kvTransferKeyFile"] == "conf/pd/kv-transfer.key"
+    for name in ("prefill", "decode"):
+        server = json.loads(open(f"conf/pd/{name}.json").read())["ServerConfig"]
+        assert server["pdTransferKeyFile"] == doc["kvTransferKeyFile"]
+    shipped = CoordinatorConfig.from_dict({**doc, "kvTransferKeyFile": _key_file(tmp_path)})
     assert shipped.max_request_bytes == 40 * 1024 * 1024 and shipped.health_interval_s == 2
 
 
@@ -72,6 +86,7 @@ def test_config_defaults_and_the_shipped_file():
     ({"assignRoles": "yes"}, "assignRoles: 'yes' is not true or false"),
     ({"apiKey": 5}, "apiKey: must be a non-empty string"),
     ({"assignRoles": False}, "assignRoles: false needs kvTransferKeyFile"),
+    ({}, "assignRoles: true needs kvTransferKeyFile or apiKey"),
     ({"kvTransferKeyFile": "/nonexistent/key"}, "cannot read the KV transfer key"),
 ])
 def test_config_errors_name_the_key(extra, message):
@@ -88,8 +103,9 @@ def test_key_file(tmp_path):
     (tmp_path / "short").write_text("abcd")
     with pytest.raises(CoordinatorConfigError, match="64 hex digits"):
         CoordinatorConfig.from_dict(_doc(kvTransferKeyFile=str(tmp_path / "short")))
-    # Without a file: a new key per start.
-    a, b = Coordinator(CoordinatorConfig.from_dict(_doc())), Coordinator(CoordinatorConfig.from_dict(_doc()))
+    # Without a file (the instances take the key with the role, under the API key): a new
+    # key per start.
+    a, b = (Coordinator(CoordinatorConfig.from_dict(_doc(apiKey="k"))) for _ in range(2))
     assert len(a.key) == 32 and a.key != b.key and a.key_id == trust.key_id(a.key)
 
 
@@ -154,13 +170,19 @@ def _oai(status: int, message: str) -> JSONResponse:
 class Fake:
     """A PD instance: business and management on one port."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, file_key: bytes | None = None, api_key: str | None = None,
+                 model: str = "f00d") -> None:
         self.name = name
         self.port, self.kv_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.role: str | None = None
-        self.key: bytes | None = None
+        self.role_version = 0                      # roles taken since it started
+        self.file_key = file_key                   # its pdTransferKeyFile's key
+        self.key: bytes | None = file_key
+        self.api_key = api_key
+        self.model = model                         # its weights' fingerprint
         self.business_status: int | None = None    # answer business requests with this
+        self.retry_after: str | None = None        # ... with this Retry-After
         self.die_mid_stream = False
         self.role_posts: list[dict] = []
         self.releases: list[dict] = []
@@ -181,25 +203,42 @@ class Fake:
         return self
 
     async def stop(self) -> None:
-        """Gone, as after SIGKILL: what it held (its role, its key) is lost."""
+        """Gone, as after SIGKILL: what it held (its role, a key handed over) is lost."""
         self.server.should_exit = True
         await self.server.task
-        self.role = self.key = None
+        self.role, self.key, self.role_version = None, self.file_key, 0
 
     async def status(self, request: Request) -> Response:
         return JSONResponse({"status": "running", "mtp": {"num_speculative_tokens": 1},
                              "pd": {"role": self.role, "kv_port": self.kv_port,
-                                    "kv_transfer_key_id": trust.key_id(self.key)}})
+                                    "kv_transfer_key_id": trust.key_id(self.key),
+                                    "role_version": self.role_version,
+                                    "model_fingerprint": self.model,
+                                    "model_weight_path": f"/models/{self.model}"}})
+
+    async def _authorized(self, request: Request) -> bool:
+        """The daemon's rule (server/api/pd_routes.py): its API key, or a call signed with
+        its key."""
+        raw = await request.body()
+        if self.api_key and request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return True
+        return trust.verify_call(self.key, "POST", request.url.path, raw,
+                                 request.headers.get(trust.CALL_HEADER))
 
     async def assign(self, request: Request) -> Response:
+        if not await self._authorized(request):
+            return _oai(401, "no credential")
         body = await request.json()
         self.role_posts.append(body)
         self.role = request.path_params["role"]
+        self.role_version += 1
         if "kv_transfer_key" in body:
             self.key = trust.parse_key(body["kv_transfer_key"], "body")
         return JSONResponse({"result": "ok"})
 
     async def release(self, request: Request) -> Response:
+        if not await self._authorized(request):
+            return _oai(401, "no credential")
         self.releases.append(await request.json())
         return JSONResponse({"released": True})
 
@@ -207,7 +246,10 @@ class Fake:
         body = orjson.loads(await request.body())
         self.seen.append(body)
         if self.business_status:
-            return _oai(self.business_status, f"{self.name} refuses")
+            r = _oai(self.business_status, f"{self.name} refuses")
+            if self.retry_after is not None:
+                r.headers["Retry-After"] = self.retry_after
+            return r
         if self.role is None:
             return _oai(503, "this PD instance has no role yet")
         params = body.get("kv_transfer_params")
@@ -267,18 +309,32 @@ def lt():
     t.stop()
 
 
-def _make(lt: LoopThread, n_p: int = 1, n_d: int = 1, **extra) -> Set:
+def _make(lt: LoopThread, n_p: int = 1, n_d: int = 1, key_folder=None, models=(),
+          **extra) -> Set:
+    """Fakes holding the key file's key (and the apiKey, if ``extra`` sets one), the
+    coordinator reading the same file; ``models``: fingerprints of P then D (all alike)."""
+    key_file = _key_file(key_folder)
+    key = bytes.fromhex(open(key_file).read())
+    fp = list(models) or ["f00d"] * (n_p + n_d)
+
     async def up() -> Set:
-        ps = [await Fake(f"p{i}").start() for i in range(n_p)]
-        ds = [await Fake(f"d{i}").start() for i in range(n_d)]
+        ps = [await Fake(f"p{i}", key, extra.get("apiKey"), fp[i]).start() for i in range(n_p)]
+        ds = [await Fake(f"d{i}", key, extra.get("apiKey"), fp[n_p + i]).start()
+              for i in range(n_d)]
         cfg = CoordinatorConfig.from_dict({
-            "port": free_port(), "healthInterval": HEALTH_S,
+            "kvTransferKeyFile": key_file, "port": free_port(), "healthInterval": HEALTH_S,
             "clientHeaderTimeout": HEADER_S, "clientBodyTimeout": BODY_S,
             "timeouts": {"connect": 2, "request": 20, "start": 10},
             "prefill": [{"business": f.url, "management": f.url} for f in ps],
             "decode": [{"business": f.url, "management": f.url} for f in ds], **extra})
         coord = Coordinator(cfg)
-        await coord.wait_and_assign()
+        try:
+            await coord.wait_and_assign()
+        except RuntimeError:                       # refused to start: nothing stays up
+            await coord.close()
+            for f in ps + ds:
+                await f.stop()
+            raise
         coord.start_health_loop()
         server = await _serve(server_config(build_app(coord), cfg), cfg.port)
         return Set(lt, ps, ds, coord, server)
@@ -286,12 +342,12 @@ def _make(lt: LoopThread, n_p: int = 1, n_d: int = 1, **extra) -> Set:
 
 
 @pytest.fixture
-def make_set(lt):
+def make_set(lt, tmp_path):
     """A fresh coordinator over fresh fakes, for tests that change the instances."""
     made: list[Set] = []
 
     def make(n_p: int = 1, n_d: int = 1, **extra) -> Set:
-        made.append(_make(lt, n_p, n_d, **extra))
+        made.append(_make(lt, n_p, n_d, tmp_path, **extra))
         return made[-1]
 
     yield make
@@ -300,9 +356,9 @@ def make_set(lt):
 
 
 @pytest.fixture(scope="module")
-def limited(lt):
+def limited(lt, tmp_path_factory):
     """One set for the client-limit tests (they change nothing): maxRequestLength 1 MB."""
-    s = _make(lt, maxRequestLength=1)
+    s = _make(lt, key_folder=tmp_path_factory.mktemp("limited"), maxRequestLength=1)
     yield s
     s.stop()
 
@@ -382,6 +438,42 @@ def test_prefill_503_goes_to_another_prefill_instance(make_set):
         assert r.status_code == 200 and r.json()["params"]["remote_request_id"].startswith("p1-")
 
 
+def test_a_full_prefill_instance_stays_in_rotation(make_set):
+    """P answers "exports full" (503 with Retry-After): that request gets a 503 that says
+    when to retry, and P is not marked down for every other client."""
+    s = make_set()
+    p = s.p[0]
+    p.business_status, p.retry_after = 503, "1"
+    r = httpx.post(s.base + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert "no prefill instance" in _is_oai_error(r, 503)["message"]
+    assert r.headers["retry-after"] == "1"
+    assert s.coord.cfg.prefill[0].up                         # still in rotation
+    p.business_status = None
+    r = httpx.post(s.base + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 200, r.text
+    # A 503 that does not say when (stopping) is down until the health loop sees it well.
+    p.business_status, p.retry_after = 503, None
+    httpx.post(s.base + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert not s.coord.cfg.prefill[0].up
+
+
+def test_instances_on_other_weights_are_not_paired(make_set, lt, tmp_path):
+    """At start the coordinator refuses to pair P and D on two checkpoints, naming both;
+    later, an instance that comes back on other weights gets no role and stays down."""
+    with pytest.raises(RuntimeError) as e:
+        make_set(models=("f00d", "beef"))
+    assert "/models/f00d" in str(e.value) and "/models/beef" in str(e.value)
+    s = make_set()
+    d = s.d[0]
+    s.lt.run(d.stop())
+    d.model = "beef"                              # restarted on another checkpoint
+    s.lt.run(d.start())
+    _wait(lambda: httpx.get(s.base + "/health").status_code == 503, 3)
+    time.sleep(3 * HEALTH_S)
+    assert d.role is None and len(d.role_posts) == 1
+    _is_oai_error(httpx.post(s.base + "/v1/chat/completions", json=CHAT, timeout=10), 503)
+
+
 def test_decode_refusal_is_relayed_and_releases_the_kv(make_set):
     s = make_set()
     s.d[0].business_status = 400
@@ -409,10 +501,36 @@ def test_restarted_instance_gets_its_role_and_key_back(make_set):
 
 
 def test_an_instance_with_another_key_gets_the_role_again(make_set):
-    s = make_set()
+    """Under the API key's authority the coordinator hands its key over with the role."""
+    s = make_set(apiKey="s3cret")
+    assert s.d[0].role_posts[-1]["kv_transfer_key"] == s.coord.key.hex()
     s.d[0].key = trust.new_key()                  # e.g. assigned by another coordinator
     _wait(lambda: s.d[0].key == s.coord.key, 3)
     assert len(s.d[0].role_posts) == 2
+
+
+def test_the_key_travels_only_under_an_api_key_and_calls_are_signed(make_set):
+    """With the key file alone the role body carries no key (the instances read the
+    file); an instance holding another key cannot be given the role, and stays down."""
+    s = make_set()
+    assert all("kv_transfer_key" not in f.role_posts[-1] for f in s.p + s.d)
+    s.d[0].key = trust.new_key()
+    _wait(lambda: httpx.get(s.base + "/health").status_code == 503, 3)
+    assert len(s.d[0].role_posts) == 1 and s.d[0].key != s.coord.key
+
+
+def test_a_role_another_caller_posted_is_replaced(make_set):
+    """Someone holding a credential posts D other peers: the next health check sees D's
+    role version move and posts the coordinator's role again (D then purges)."""
+    s = make_set()
+    d = s.d[0]
+    body = {"local": {}, "peers": [{"server_ip": "127.0.0.1", "kv_port": 9}]}
+    content = json.dumps(body).encode()
+    r = httpx.post(d.url + "/v1/role/decode", content=content, timeout=5, headers={
+        trust.CALL_HEADER: trust.sign_call(d.key, "POST", "/v1/role/decode", content)})
+    assert r.status_code == 200
+    _wait(lambda: len(d.role_posts) == 3, 3)
+    assert d.role_posts[-1] == d.role_posts[0]
 
 
 def test_a_prefill_kv_port_change_reaches_decode(make_set):

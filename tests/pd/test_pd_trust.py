@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
+import os
 import socket
 import struct
+import threading
 from types import SimpleNamespace
 
 import pytest
 
+from server.api.errors import api_error
+from server.config.pd_link import KeyFileError, read_key_file
 from server.engine.protocol import EngineRequest, SamplingParams
+from server.pd.coordinator.config import CoordinatorConfig, CoordinatorConfigError
 from server.pd.errors import PDError
 from server.pd.instance import PDInstance, PDSettings
 from server.pd.kv_exports import KVExports
 from server.pd.kv_server import KVServer
 from server.pd.roles import RoleError, RoleState
-from server.pd.trust import block_digests, key_id, new_key, sign_params
+from server.pd.trust import (block_digests, key_id, new_key, sign_call, sign_params,
+                             verify_call)
 from server.pd.wire import KVRows, MAX_HEADER
 
 BS = 4
@@ -41,6 +48,7 @@ def _listen() -> socket.socket:
 
 
 def _settings(role: str, port: int, key: bytes | None, **kw) -> PDSettings:
+    kw.setdefault("model_fingerprint", "f00d")
     return PDSettings(role, ("127.0.0.1",), "127.0.0.1", port, 2.0, 2.0, key, **kw)
 
 
@@ -57,12 +65,14 @@ PROMPT_B = list(range(10, 18)) + list(range(90, 99))
 class _Pair:
     """P with its KV server on a loopback port, and D with P as its peer."""
 
-    def __init__(self, key: bytes | None = None, d_key: bytes | None = None, **p_kw) -> None:
+    def __init__(self, key: bytes | None = None, d_key: bytes | None = None,
+                 d_model: str = "f00d", **p_kw) -> None:
         self.key = key if key is not None else new_key()
         self.sock = _listen()
         self.kv_port = self.sock.getsockname()[1]
         self.p = PDInstance(_settings("prefill", self.kv_port, self.key, **p_kw), RUNTIME)
-        self.d = PDInstance(_settings("decode", self.kv_port, d_key or self.key), RUNTIME)
+        self.d = PDInstance(_settings("decode", self.kv_port, d_key or self.key,
+                                      model_fingerprint=d_model), RUNTIME)
         self.server = KVServer(self.p.exports)
 
     async def __aenter__(self) -> "_Pair":
@@ -109,7 +119,7 @@ def test_d_pulls_only_from_the_peers_kv_port():
             await fake_server.start(fake)
             try:
                 port = fake.getsockname()[1]
-                digests = tuple(block_digests(PROMPT_B, BS, 4))
+                digests = tuple(block_digests(pair.key, PROMPT_B, BS, 4))
                 fake_exports.reserve("x", 4 * ROW, digests)
                 fake_exports.put("x", KVRows(4, ROW, pair.d.layout, b"\xff" * 4 * ROW))
                 params = sign_params(pair.key, {"remote_host": "127.0.0.1", "remote_port": port,
@@ -265,3 +275,145 @@ def test_status_names_the_key_without_showing_it():
     st = inst.status()
     assert st["kv_transfer_key_id"] == key_id(key) and key.hex() not in json.dumps(st)
     assert dataclasses.replace(_settings("decode", 1, None)).key is None
+
+
+# ---- issue 58: keyed digests, other weights, malformed signatures, key files -------------
+
+def _plain_digests(tokens: list[int], n: int) -> tuple[str, ...]:
+    """The digests as they were before issue 58: BLAKE2b over the tokens, no key (anyone
+    who knows the prompt can compute them)."""
+    out, parent = [], b""
+    for b in range(n):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(b"".join(t.to_bytes(4, "little", signed=True)
+                          for t in tokens[b * BS:(b + 1) * BS + 1]))
+        parent = h.digest()
+        out.append(parent.hex())
+    return tuple(out)
+
+
+def test_rows_with_digests_made_without_the_key_are_not_used():
+    """A KV server D pulls from (its peer's port, as the role API once let anyone name)
+    that answers random rows with the prompt's plain digests, or digests under another
+    key: D loads none of them; with the deployment's key they would pass."""
+    async def run():
+        key = new_key()
+        sock = _listen()
+        port = sock.getsockname()[1]
+        d = PDInstance(_settings("decode", port, key), RUNTIME)
+        exports = KVExports(30)
+        server = KVServer(exports)
+        await server.start(sock)
+        try:
+            for rid, digests, used in [
+                    ("plain", _plain_digests(PROMPT_A, 4), 0),
+                    ("other", tuple(block_digests(new_key(), PROMPT_A, BS, 4)), 0),
+                    ("keyed", tuple(block_digests(key, PROMPT_A, BS, 4)), 4)]:
+                exports.reserve(rid, 4 * ROW, digests)
+                exports.put(rid, KVRows(4, ROW, d.layout, bytes(4 * ROW)))
+                params = sign_params(key, {"remote_host": "127.0.0.1", "remote_port": port,
+                                           "remote_request_id": rid})
+                er = await d.prepare(_request(f"d-{rid}", PROMPT_A), params)
+                assert len(er.remote_kv) == used, rid
+            assert d.metrics.failures.labels("prompt_mismatch")._value.get() == 2
+        finally:
+            await server.close()
+    asyncio.run(run())
+
+
+def test_rows_of_other_weights_are_refused():
+    """P and D on two checkpoints of one shape: the layouts name the weights, D computes
+    the prompt itself (a co-located answer) instead of loading P's rows."""
+    async def run():
+        async with _Pair(d_model="beef") as pair:
+            assert "model=f00d" in pair.p.layout and "model=beef" in pair.d.layout
+            params = await pair.prefill("a", PROMPT_A)
+            er = await pair.d.prepare(_request("d", PROMPT_A), sign_params(pair.key, params))
+            assert er.remote_kv == ()
+            assert pair.d.metrics.failures.labels("model")._value.get() == 1
+            assert pair.d.status()["model_fingerprint"] == "beef"
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("signature", ["é" * 64, "\udcff" * 64, "0" * 63 + "é", ["x"], None])
+def test_a_malformed_signature_is_a_400(signature):
+    """compare_digest raises TypeError on a str with non-ASCII characters: it was a 500."""
+    async def run():
+        async with _Pair() as pair:
+            params = sign_params(pair.key, await pair.prefill("a", PROMPT_A))
+            with pytest.raises(PDError) as e:
+                await pair.d.prepare(_request("d", PROMPT_A), {**params, "signature": signature})
+            assert e.value.status == 400
+    asyncio.run(run())
+
+
+def test_pd_503s_say_when_to_retry():
+    async def run():
+        async with _Pair(max_exports=1) as pair:
+            await pair.prefill("a", PROMPT_A)
+            with pytest.raises(PDError) as full:
+                await pair.prefill("b", PROMPT_A)
+            with pytest.raises(PDError) as flip:
+                await pair.d.prepare(_request("r", PROMPT_A), {"do_remote_decode": True})
+        for e in (full, flip):
+            err = api_error(e.value)
+            assert err.status == 503 and err.retry_after == 1
+        assert api_error(PDError("x")).retry_after is None
+    asyncio.run(run())
+
+
+def test_management_call_signatures():
+    key, body = new_key(), b'{"local": {}}'
+    sig = sign_call(key, "POST", "/v1/role/decode", body, now=1000)
+    assert verify_call(key, "POST", "/v1/role/decode", body, sig, now=1100)
+    for args in [(new_key(), "POST", "/v1/role/decode", body, sig),      # another key
+                 (key, "POST", "/v1/role/prefill", body, sig),           # another path
+                 (key, "POST", "/v1/role/decode", body + b" ", sig),     # another body
+                 (None, "POST", "/v1/role/decode", body, sig),           # no key here
+                 (key, "POST", "/v1/role/decode", body, sig + "é"),
+                 (key, "POST", "/v1/role/decode", body, "é" + sig),
+                 (key, "POST", "/v1/role/decode", body, None)]:
+        assert not verify_call(*args, now=1100), args
+    assert not verify_call(key, "POST", "/v1/role/decode", body, sig, now=1000 + 301)
+
+
+def _blocks_reading(path) -> bool:
+    """Whether ``read_key_file(path)`` hangs (given 5 s), as it did on a FIFO."""
+    done = threading.Event()
+
+    def read():
+        try:
+            read_key_file(path)
+        except KeyFileError:
+            pass
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    hung = not done.wait(5)
+    if hung:                                        # release the stuck reader
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    return hung
+
+
+def test_key_files_that_are_not_small_regular_files_are_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "fifo.key"
+    os.mkfifo(fifo)
+    assert not _blocks_reading(fifo)
+    with pytest.raises(KeyFileError, match="not a regular file"):
+        read_key_file(fifo)
+    with pytest.raises(KeyFileError, match="not a regular file"):
+        read_key_file(tmp_path)
+    big = tmp_path / "big.key"
+    big.write_text("0" * 10_000)
+    with pytest.raises(KeyFileError, match="more than"):
+        read_key_file(big)
+    good = tmp_path / "good.key"
+    good.write_text(new_key().hex() + "\n")
+    link = tmp_path / "link.key"                    # Kubernetes mounts secrets as links
+    link.symlink_to(good)
+    assert read_key_file(link) == read_key_file(good)
+    # The coordinator's config and key file are read the same way.
+    with pytest.raises(CoordinatorConfigError, match="not a regular file"):
+        CoordinatorConfig.load(fifo)
+    with pytest.raises(CoordinatorConfigError, match="not a regular file"):
+        CoordinatorConfig.from_dict({"kvTransferKeyFile": str(fifo), "prefill": [], "decode": []})

@@ -88,7 +88,7 @@ def _add_routes(app: FastAPI, coord: Coordinator) -> None:
                 return relayed(r.content, r.status_code, r.headers)
             except httpx.HTTPError:
                 continue
-        return error(503, "no decode instance answered")
+        return coord.unavailable("no decode instance answered")
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,6 +4,14 @@ Every key is checked at load; a config with errors is refused as a whole, each e
 naming its key (``python -m server.pd`` prints them and exits 2).  Unknown keys are
 errors too: a misspelt limit (``maxRequestLenght``) would otherwise silently leave the
 default in force.
+
+The coordinator needs a credential the instances accept for their role and KV calls
+(server/api/pd_routes.py): the deployment's KV transfer key (``kvTransferKeyFile``, the
+file the instances read as ``pdTransferKeyFile``: the coordinator signs each call with it)
+or an API key the instances hold (``apiKey``: then the coordinator may hand them a key of
+its own with the role).  With neither, no instance would take a role from it, so the
+config is refused.  The config file and the key file are read as small regular files
+(server/config/pd_link.py: a FIFO is refused, not waited on).
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from server.config.pd_link import read_small_file
 from server.pd.trust import read_key_file
 
 MB = 1024 * 1024
@@ -42,6 +51,9 @@ class Instance:
     epoch: int = 0
     kv_port: int | None = None      # a prefill instance's KV port (its /v1/status pd.kv_port)
     last_role_body: dict | None = None
+    # The instance's role version (its /v1/status pd.role_version) after this
+    # coordinator's last post: another value means someone else posted a role since.
+    role_version: int | None = None
 
     @property
     def name(self) -> str:
@@ -76,8 +88,10 @@ class CoordinatorConfig:
     @classmethod
     def load(cls, path: str | Path) -> "CoordinatorConfig":
         try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
+            doc = json.loads(read_small_file(path))
+        except OSError as exc:
+            raise CoordinatorConfigError(f"{path}: {exc.strerror or exc}") from None
+        except (ValueError, RecursionError) as exc:
             raise CoordinatorConfigError(f"{path}: {exc}") from None
         if not isinstance(doc, dict):
             raise CoordinatorConfigError(f"{path}: the config must be a JSON object")
@@ -135,7 +149,7 @@ class CoordinatorConfig:
         body_s = number("clientBodyTimeout", 60, 0.1, 3600, "seconds")
         health_s = number("healthInterval", 2, 0.1, 300, "seconds")
 
-        key_file, key = _key_file(doc, assign, errors)
+        key_file, key = _key_file(doc, assign, api_key, errors)
         if errors:
             raise CoordinatorConfigError(f"{where}: " + "; ".join(errors))
         return cls(ip, port, prefill, decode, assign, timeouts["connect"], timeouts["request"],
@@ -170,8 +184,11 @@ def _scalars(doc: dict, errors: list[str]) -> tuple[Any, Any, bool, str | None]:
     return ip, port, assign, api_key
 
 
-def _key_file(doc: dict, assign: bool, errors: list[str]) -> tuple[str | None, bytes | None]:
-    """(kvTransferKeyFile, the key read from it); without assignRoles it is required."""
+def _key_file(doc: dict, assign: bool, api_key: str | None,
+              errors: list[str]) -> tuple[str | None, bytes | None]:
+    """(kvTransferKeyFile, the key read from it); without assignRoles it is required, and
+    with it either it or apiKey is (the instances take a role only from a caller holding
+    one)."""
     key_file, key = doc.get("kvTransferKeyFile"), None
     if key_file is not None:
         if not isinstance(key_file, str) or not key_file:
@@ -188,4 +205,10 @@ def _key_file(doc: dict, assign: bool, errors: list[str]) -> tuple[str | None, b
                       "role), so they must read the same key from a file, each from its "
                       "own ServerConfig.pdTransferKeyFile, and the coordinator from this "
                       "one; without it D refuses every request's kv_transfer_params")
+    if assign is True and key_file is None and api_key is None:
+        errors.append("assignRoles: true needs kvTransferKeyFile or apiKey: an instance takes "
+                      "its role only from a caller holding the deployment's KV transfer key "
+                      "(the file the instances read as ServerConfig.pdTransferKeyFile) or one "
+                      "of its API keys (ServerConfig.apiKeys); scripts/pd_start.sh makes "
+                      "conf/pd/kv-transfer.key on first use")
     return key_file, key

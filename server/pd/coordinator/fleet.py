@@ -1,17 +1,26 @@
 """The coordinator's instances: their roles, their health and their load.
 
 At start the coordinator waits for every instance's management plane, checks that MTP is
-configured alike on P and D (MindIE's rule), and with ``assignRoles`` posts each its role
-(MindIE's V1 role body, ``role_body``, with the deployment's KV transfer key and, for a
+configured alike on P and D (MindIE's rule) and that every instance serves the same
+weights (their ``pd.model_fingerprint``: rows of other weights are wrong answers), and with
+``assignRoles`` posts each its role (MindIE's V1 role body, ``role_body``, with, for a
 decode instance, its prefill peers' KV ports).
+
+Every call that changes an instance's state (a role, a KV release) is signed with the
+deployment's KV transfer key (``X-MTP-PD-Auth``, server/pd/trust.py ``sign_call``) and
+carries the ``apiKey`` when one is set: an instance takes such calls from nobody else.
+The key itself travels in the role body (``kv_transfer_key``) only when the call is
+authorized by the ``apiKey``; otherwise the instances read it from their own file.
 
 Health: every ``healthInterval`` seconds each instance's management ``GET /v1/status``
 is read.  An instance is down while it cannot be reached, is not running, or does not
-hold the role and the KV transfer key this coordinator gave it; with ``assignRoles`` the
-coordinator then posts the role again (a restarted instance comes back with none) and
-the instance is up once its status shows the role and the key id.  Routing skips
-instances that are down (``candidates``: the live ones, least loaded first); ``/health``
-is 503 while a role has no live instance.
+hold the role and the KV transfer key this coordinator gave it, or its role version says
+another caller posted it a role since ours; with ``assignRoles`` the coordinator then
+posts the role again (a restarted instance comes back with none) and
+the instance is up once its status shows the role and the key id.  An instance that
+serves other weights than the fleet's is down and gets no role, whatever else is well.
+Routing skips instances that are down (``candidates``: the live ones, least loaded
+first); ``/health`` is 503 while a role has no live instance.
 """
 from __future__ import annotations
 
@@ -19,8 +28,10 @@ import asyncio
 import logging
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from server.web.api_keys import ApiKeys
@@ -65,6 +76,7 @@ class Fleet:
         self.auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.api_keys = ApiKeys((cfg.api_key,) if cfg.api_key else ())
         self.mtp_on: bool | None = None
+        self.model: tuple[str, str] | None = None   # (fingerprint, the first instance's path)
         self._health_task: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.in_flight = Gauge("pd_in_flight", "requests in flight per instance", ["instance"],
@@ -84,6 +96,14 @@ class Fleet:
     def _peers(self, inst: Instance) -> list[Instance]:
         return self.cfg.decode if inst.role == "prefill" else self.cfg.prefill
 
+    async def post(self, url: str, body: dict, timeout: float) -> httpx.Response:
+        """A state-changing management call: signed with the key, with the apiKey if set."""
+        content = orjson.dumps(body)
+        headers = {**self.auth, "content-type": "application/json",
+                   trust.CALL_HEADER: trust.sign_call(self.key, "POST", urlsplit(url).path,
+                                                      content)}
+        return await self.client.post(url, content=content, headers=headers, timeout=timeout)
+
     # -- start-up ----------------------------------------------------------------------
     async def wait_and_assign(self) -> None:
         log.info("KV transfer key id %s (%s)", self.key_id,
@@ -101,7 +121,7 @@ class Fleet:
                     raise RuntimeError(f"{inst.name} ({inst.management}) did not come up within "
                                        f"{self.cfg.start_timeout_s:g} s")
                 await asyncio.sleep(0.2)
-        await self._check_mtp()
+        await self._check_alike()
         if self.cfg.assign_roles:
             for inst in self.instances:
                 err = await self._assign(inst)
@@ -132,34 +152,58 @@ class Fleet:
         k = (st.get("mtp") or {}).get("num_speculative_tokens")
         return k if isinstance(k, int) else 0
 
-    async def _check_mtp(self) -> None:
+    @staticmethod
+    def _model_of(st: dict) -> tuple[str | None, str | None]:
+        """(weights fingerprint, weights path) from an instance's status."""
+        pd = st.get("pd") if isinstance(st.get("pd"), dict) else {}
+        fp, path = pd.get("model_fingerprint"), pd.get("model_weight_path")
+        return (fp if isinstance(fp, str) else None, path if isinstance(path, str) else None)
+
+    async def _check_alike(self) -> None:
         """MindIE's rule for MTP under PD: configured on both P and D.  A P without it writes
-        no MTP-layer KV for D to draft from; the instances must agree on k > 0."""
-        ks = {}
+        no MTP-layer KV for D to draft from; the instances must agree on k > 0.  And one
+        checkpoint for all: D would load rows other weights computed (a rolling upgrade, a
+        wrong modelWeightPath) and answer wrongly with HTTP 200."""
+        ks, models = {}, {}
         for inst in self.instances:
             try:
-                ks[inst.name] = self._mtp_k(await self._status(inst, timeout=10))
+                st = await self._status(inst, timeout=10)
             except (httpx.HTTPError, ValueError, RuntimeError, AttributeError) as exc:
                 raise RuntimeError(f"{inst.name} ({inst.management}): cannot read its "
                                    f"/v1/status: {exc}") from None
+            ks[inst.name], models[inst.name] = self._mtp_k(st), self._model_of(st)
         if len({k > 0 for k in ks.values()}) > 1:
             raise RuntimeError("MTP must be configured on both the prefill and the decode "
                                f"instances (num_speculative_tokens: {ks})")
         self.mtp_on = any(k > 0 for k in ks.values())
+        first = self.instances[0].name
+        fp, path = models[first]
+        for name, (other_fp, other_path) in models.items():
+            if other_fp is None or other_fp != fp:
+                raise RuntimeError(f"the instances serve different weights: {first} "
+                                   f"{path} (fingerprint {fp}), {name} {other_path} "
+                                   f"(fingerprint {other_fp}); P and D must load one "
+                                   "checkpoint, or D serves rows of the other as its own")
+        self.model = (fp, path)
 
     async def _assign(self, inst: Instance) -> str | None:
         """POST the role (MindIE's V1 body with our key and KV ports); an error or None."""
-        body = role_body(inst, self._peers(inst), self.key)
+        body = self._role_body(inst)
         try:
-            r = await self.client.post(f"{inst.management}/v1/role/{inst.role}", json=body,
-                                       headers=self.auth, timeout=STATUS_TIMEOUT_S)
+            r = await self.post(f"{inst.management}/v1/role/{inst.role}", body, STATUS_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return f"{inst.name}: role {inst.role} not posted: {exc!r}"
         self.role_posts.labels(inst.name).inc()
         if r.status_code != 200:
             return f"{inst.name}: role {inst.role} refused ({r.status_code}: {r.text[:200]})"
         inst.last_role_body = body
+        inst.role_version = None                # the next status read says which it is
         return None
+
+    def _role_body(self, inst: Instance) -> dict:
+        """The key goes in the body only under the apiKey's authority; a call signed with
+        the key needs no copy of it (and would show it to whoever reads the call)."""
+        return role_body(inst, self._peers(inst), self.key if self.cfg.api_key else None)
 
     # -- health ------------------------------------------------------------------------
     def start_health_loop(self) -> None:
@@ -180,12 +224,17 @@ class Fleet:
         await asyncio.gather(*(self.check(i) for i in self.cfg.decode))
 
     def _problem(self, inst: Instance, st: dict) -> tuple[str | None, bool]:
-        """(what is wrong, whether posting the role again may fix it)."""
+        """(what is wrong, whether posting the role again may fix it); with nothing wrong
+        it notes the role version the instance shows (the one our post gave it)."""
         if st.get("status") != "running":
             return f"its status is {st.get('status')!r} ({st.get('error')})", False
         if self.mtp_on is not None and (self._mtp_k(st) > 0) != self.mtp_on:
             return ("its MTP setting differs from the other instances' (num_speculative_"
                     f"tokens {self._mtp_k(st)})"), False
+        fp, path = self._model_of(st)
+        if self.model is not None and fp != self.model[0]:
+            return (f"it serves other weights: {path} (fingerprint {fp}), the other "
+                    f"instances {self.model[1]} (fingerprint {self.model[0]})"), False
         pd = st.get("pd")
         if not isinstance(pd, dict):
             return "it is not a PD instance (inferMode \"dmi\")", False
@@ -195,8 +244,15 @@ class Fleet:
             return (f"its KV transfer key id is {pd.get('kv_transfer_key_id')!r}, not this "
                     f"coordinator's {self.key_id!r}"), True
         if self.cfg.assign_roles and inst.role == "decode" and \
-                inst.last_role_body != role_body(inst, self._peers(inst), self.key):
+                inst.last_role_body != self._role_body(inst):
             return "a prefill peer's KV port changed", True
+        version = pd.get("role_version")
+        if self.cfg.assign_roles and inst.role_version is not None and \
+                version != inst.role_version:
+            # Someone else's role (other peers, say): ours again, which purges what D
+            # loaded from peers under theirs.
+            return "another caller posted it a role", True
+        inst.role_version = version
         return None, False
 
     async def check(self, inst: Instance) -> None:

@@ -18,7 +18,11 @@ The body is read with the daemon's limits (server/web/body.py: ``clientBodyTimeo
 Failures: a P or D that cannot be reached, or answers 502/503, before it answered is
 marked down (until the health loop sees it well again) and the request goes to another
 one of its role, if any (for D: with the same signed params); otherwise the client gets
-a 503 in the OpenAI error shape.  Whenever D did not take the request (it refused, none
+a 503 in the OpenAI error shape, with ``Retry-After``.  A 503 that carries
+``Retry-After`` is the instance saying "full, or between roles: later" (its exports are
+full, its ``maxLinkNum`` is reached): the request goes to another instance, but this one
+stays in rotation, its health checks decide whether it is down.  Before, one "exports
+full" answer marked the only P down for every client until the next health check.  Whenever D did not take the request (it refused, none
 could, it failed before answering), P is told to drop the exported KV (``POST
 /v1/kv/release``, fire and forget).  D failing mid-stream ends the stream with an error
 event (its partial output cannot be replayed elsewhere without repeating tokens).  Each
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import Any, AsyncIterator
 
 import httpx
@@ -49,9 +54,10 @@ MAX_JSON_DEPTH = 64          # a body nesting deeper is refused (400)
 RELEASE_TIMEOUT_S = 5.0      # a KV release call to P (fire and forget)
 
 
-def error(status: int, message: str, param: str | None = None) -> Response:
+def error(status: int, message: str, param: str | None = None,
+          retry_after: int | None = None) -> Response:
     """An error in the OpenAI shape (every coordinator error is)."""
-    return error_response(status, message, param)
+    return error_response(status, message, param, retry_after=retry_after)
 
 
 def json_depth(value: Any) -> int:
@@ -92,6 +98,24 @@ class Coordinator(Fleet):
                                 "take, by result", ["result"], registry=self.registry)
         for outcome in ("ok", "refused", "failed", "bad_request", "cancelled"):
             self.requests.labels(outcome)
+        # What a 503 of ours says (Retry-After): the next health check may bring one back.
+        self.retry_after_s = max(1, math.ceil(cfg.health_interval_s))
+
+    def unavailable(self, what: str) -> Response:
+        return error(503, what, retry_after=self.retry_after_s)
+
+    def _refused_now(self, inst: Instance, status: int, headers: httpx.Headers,
+                     text: str) -> bool:
+        """Whether an answer means "not this instance, not now" (502, 503): then the request
+        goes to another one.  A 503 with Retry-After leaves the instance in rotation; any
+        other is marked down until the health loop sees it well."""
+        if status not in (502, 503):
+            return False
+        if status == 503 and "retry-after" in headers:
+            log.info("%s is full or between roles: %s", inst.name, text[:200])
+        else:
+            self.mark_down(inst, f"it answered {status}: {text[:200]}")
+        return True
 
     async def prefill(self, path: str, body: dict, headers: dict, size: int = 0
                       ) -> tuple[Response | None, dict | None, Instance | None]:
@@ -113,8 +137,7 @@ class Coordinator(Fleet):
             finally:
                 self._leave(inst)
             if r.status_code != 200:       # the request's own fault (400...) or P's refusal
-                if r.status_code in (502, 503):
-                    self.mark_down(inst, f"it answered {r.status_code}: {r.text[:200]}")
+                if self._refused_now(inst, r.status_code, r.headers, r.text):
                     continue
                 return relayed(r.content, r.status_code, r.headers), None, None
             try:
@@ -124,7 +147,7 @@ class Coordinator(Fleet):
             if not isinstance(params, dict):
                 return error(502, f"{inst.name} answered without kv_transfer_params"), None, None
             return None, params, inst
-        return error(503, "no prefill instance could take the request"), None, None
+        return self.unavailable("no prefill instance could take the request"), None, None
 
     async def decode(self, path: str, body: dict, headers: dict, params: dict,
                      p_inst: Instance, size: int = 0) -> Response:
@@ -158,15 +181,16 @@ class Coordinator(Fleet):
                         return error(502, f"{inst.name} failed while answering")
                     finally:
                         await r.aclose()
-                    if r.status_code in (502, 503):     # role flip, no role yet, overloaded
-                        self.mark_down(inst, f"it answered {r.status_code}: {data[:200]!r}")
+                    # role flip, no role yet, overloaded
+                    if self._refused_now(inst, r.status_code, r.headers,
+                                         data[:200].decode("utf-8", "replace")):
                         continue
                     taken = r.status_code == 200
                     return relayed(data, r.status_code, r.headers)
                 finally:
                     if entered:
                         self._leave(inst)
-            return error(503, "no decode instance could take the request")
+            return self.unavailable("no decode instance could take the request")
         finally:
             if not taken:
                 self.release(p_inst, params)
@@ -182,9 +206,8 @@ class Coordinator(Fleet):
 
     async def _post_release(self, p_inst: Instance, rid: str) -> None:
         try:
-            r = await self.client.post(p_inst.management + "/v1/kv/release",
-                                       json={"remote_request_id": rid}, headers=self.auth,
-                                       timeout=RELEASE_TIMEOUT_S)
+            r = await self.post(p_inst.management + "/v1/kv/release",
+                                {"remote_request_id": rid}, RELEASE_TIMEOUT_S)
         except httpx.HTTPError as exc:
             self.releases.labels("failed").inc()
             log.warning("%s: KV release of %s failed: %r", p_inst.name, rid, exc)
@@ -236,7 +259,7 @@ class Coordinator(Fleet):
             headers["content-type"] = "application/json"
             if not self.candidates(self.cfg.decode):   # don't spend a prefill for nothing
                 count("failed")
-                return error(503, "no decode instance is available")
+                return self.unavailable("no decode instance is available")
             err, params, p_inst = await self.prefill(path, body, headers, size)
             if err is not None:
                 count("failed" if err.status_code >= 500 else "refused")
