@@ -133,6 +133,7 @@ def pytest_collection_finish(session):
     import threading
     if marks is not None:
         marks.mkdir(parents=True, exist_ok=True)
+        (marks / "warmer.pid").write_text(str(os.getpid()))
     for test, *_ in wanted:
         _WARM["done"][test] = threading.Event()
         if marks is not None:
@@ -218,6 +219,16 @@ def warm_compile(request):
     import time
     deadline = time.monotonic() + 900
     while (marks / f"{_mark(test)}.wanted").exists() and time.monotonic() < deadline:
-        if (marks / f"{_mark(test)}.done").exists():
-            return
+        if (marks / f"{_mark(test)}.done").exists() or not _warmer_alive(marks):
+            return                      # made, or its maker died: the test makes what is missing
         time.sleep(0.5)
+
+
+def _warmer_alive(marks) -> bool:
+    """Whether the worker warming the graphs still runs (a worker that crashed never marks
+    its sets done: waiting on it idled the run for the full timeout)."""
+    try:
+        os.kill(int((marks / "warmer.pid").read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
