@@ -156,3 +156,36 @@ def test_image_builds_and_serves_the_three_planes():
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True, timeout=120)
+
+
+def test_the_image_has_the_compilers_the_fast_paths_need():
+    """half_avx2.c is built with cc and the compiled step's C++ with g++, on the machine that
+    serves: an image without them serves on oneDNN and the uncompiled step."""
+    text = DOCKERFILE.replace("\\\n", " ")
+    install = re.search(r"apt-get install [^&\n]*", text).group(0)
+    assert {"gcc", "g++", "libc6-dev"} <= set(install.split())
+    assert "command -v cc && command -v g++" in DOCKERFILE
+
+
+def test_an_offline_build_takes_every_wheel_from_the_wheels_folder():
+    assert re.search(r"^ARG OFFLINE=0$", DOCKERFILE, re.M)
+    assert "COPY wheels/ /opt/wheels/" in DOCKERFILE and "PIP_FIND_LINKS=/opt/wheels" in DOCKERFILE
+    assert DOCKERFILE.count("--no-index") == 2                 # torch, then the project
+    assert (ROOT / "wheels" / "README.md").is_file()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert "wheels" not in ignored and ".cache" in ignored      # bench checkpoints stay out
+
+
+def test_container_check_says_so_and_exits_0_without_an_engine(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool in ("docker", "podman"):                           # clients, no engine behind them
+        (fake / tool).write_text("#!/bin/sh\nexit 1\n")
+        (fake / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    env.pop("CONTAINER_ENGINE", None)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "container_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "no docker or podman engine answers here" in done.stdout
+    assert "scripts/container_check.sh" in (ROOT / "README.md").read_text()
