@@ -41,9 +41,12 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc.status, exc.message, exc.param,
+        resp = error_response(exc.status, exc.message, exc.param,
                               native=_is_native(request), retry_after=exc.retry_after,
                               retry=exc.retry)
+        if exc.status in (408, 413):   # the body was not read to its end: end the connection
+            resp.headers["connection"] = "close"
+        return resp
 
     @app.exception_handler(PDError)
     async def _pd_error(request: Request, exc: PDError) -> Response:

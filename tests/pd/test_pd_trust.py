@@ -5,7 +5,11 @@ D takes kv_transfer_params only as the coordinator signed them, pulls only from 
 peer's KV port, and uses only blocks computed for its own prompt's tokens; P's exports
 are bounded by count and bytes and released when nobody will pull them; the KV port cuts
 readers that stop reading, refuses connections past its cap, and answers a malformed
-request line with an error header instead of an exception.
+request line with an error header instead of an exception.  Issue 58: block digests are
+keyed (rows with digests anyone can compute are not used), rows of other weights are
+refused (the layout names the weights by their content), a malformed signature is a 400
+and not a 500, PD 503s say when to retry, management calls are signed, and key files
+that are not small regular files are refused without waiting.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.api.errors import api_error
+from server.config.fingerprint import weights_fingerprint
 from server.config.pd_link import KeyFileError, read_key_file
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.pd.coordinator.config import CoordinatorConfig, CoordinatorConfigError
@@ -417,3 +422,29 @@ def test_key_files_that_are_not_small_regular_files_are_refused_without_waiting(
         CoordinatorConfig.load(fifo)
     with pytest.raises(CoordinatorConfigError, match="not a regular file"):
         CoordinatorConfig.from_dict({"kvTransferKeyFile": str(fifo), "prefill": [], "decode": []})
+
+
+def _checkpoint(folder, tensors: dict[str, bytes], config: str = '{"model_type": "deepseek_v3"}'):
+    """A safetensors checkpoint of byte tensors (dtype U8) and its config.json."""
+    folder.mkdir()
+    header, data = {}, b""
+    for name, raw in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [len(raw)], "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + data)
+    (folder / "config.json").write_text(config)
+    return folder
+
+
+def test_weights_fingerprint_names_the_content_not_the_path(tmp_path):
+    tensors = {"a": bytes(range(200)), "b": bytes(1000)}
+    a = weights_fingerprint(_checkpoint(tmp_path / "a", tensors))
+    assert a == weights_fingerprint(_checkpoint(tmp_path / "copy", tensors))   # another path
+    retrained = {"a": bytes(range(200)), "b": b"\x01" + bytes(999)}            # same shapes
+    assert weights_fingerprint(_checkpoint(tmp_path / "other", retrained)) != a
+    other_config = _checkpoint(tmp_path / "cfg", tensors, '{"model_type": "x"}')
+    assert weights_fingerprint(other_config) != a
+    (tmp_path / "copy" / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError):
+        weights_fingerprint(tmp_path / "copy")

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from server.config.fingerprint import weights_fingerprint
 from server.engine.config import EngineConfig
 from server.engine.kv.block_file import MAGIC
 from server.engine.kv.block_manager import BlockManager
@@ -46,8 +47,11 @@ def _disk_tier(model_config: Any, cfg: EngineConfig, rt: RuntimeInfo) -> DiskTie
     if not (cfg.disk_cache_dir and rt.host_cache_prefix):
         return None
     # The file format (MAGIC) is part of it: files of an older format live in another
-    # folder and are never opened.
-    ident = repr((model_config, cfg.tokenizer_dir, cfg.block_size, rt.mtp_enabled,
+    # folder and are never opened.  So are the weights' content (the fingerprint PD's
+    # layout carries too): new weights copied over old ones at the same path read none of
+    # the old ones' blocks.
+    weights = weights_fingerprint(cfg.tokenizer_dir) if cfg.tokenizer_dir else None
+    ident = repr((model_config, cfg.tokenizer_dir, weights, cfg.block_size, rt.mtp_enabled,
                   rt.num_kv_layers, rt.num_int8_kv_layers, rt.kv_block_bytes, MAGIC))
     fingerprint = hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
     capacity = disk_tier_blocks(cfg.disk_cache_gb, rt.kv_block_bytes, cfg.block_size)  # as --check
