@@ -36,6 +36,7 @@ class AppConfig:
     engine_process: bool = True             # $MTP_SERVE_ENGINE_PROCESS: the daemon's engine in its own process
     draft_after_emit: bool = True           # $MTP_SERVE_DRAFT_AFTER_EMIT: a step's MTP passes after its tokens go out
     fatal_exit_delay_s: float = 5.0         # $MTP_SERVE_FATAL_EXIT_DELAY: /health 503 this long, then exit 1
+    step_timeout_s: float = 300.0           # $MTP_SERVE_STEP_TIMEOUT: an engine step longer than this is a hang
     prediction_draft_tokens: int = 64       # $MTP_SERVE_PREDICTION_TOKENS: prediction tokens verified per step
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
     api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY

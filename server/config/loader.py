@@ -80,6 +80,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     engine_process = _engine_process(env, issues)
     draft_after_emit = _switch(env, "MTP_SERVE_DRAFT_AFTER_EMIT", True, "1 (on) or 0 (off)", issues)
     fatal_exit_delay = _fatal_exit_delay(env, issues)
+    step_timeout = _step_timeout(env, issues)
     prediction_draft_tokens = _prediction_draft_tokens(env, issues)
     env_keys = _env_api_keys(env, issues)
 
@@ -130,7 +131,7 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
                      async_scheduling=async_on, metrics_enabled=metrics_on, warnings=warnings,
                      compile_mode=compile_mode, compile_wait=compile_wait, kv_pool=kv_pool,
                      engine_process=engine_process, draft_after_emit=draft_after_emit,
-                     fatal_exit_delay_s=fatal_exit_delay,
+                     fatal_exit_delay_s=fatal_exit_delay, step_timeout_s=step_timeout,
                      prediction_draft_tokens=prediction_draft_tokens,
                      api_keys=tuple(dict.fromkeys(doc.server.api_keys + env_keys)),
                      parallel=parallel_layout(doc, env))
@@ -223,17 +224,29 @@ def _engine_process(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
 def _fatal_exit_delay(env: Mapping[str, str], issues: list[ConfigIssue]) -> float:
     """$MTP_SERVE_FATAL_EXIT_DELAY: seconds /health answers 503 after the worker group
     failed, before the daemon exits 1 (default 5: long enough for a probe to see it)."""
-    raw = env.get("MTP_SERVE_FATAL_EXIT_DELAY", "").strip()
+    return _seconds(env, "MTP_SERVE_FATAL_EXIT_DELAY", 5.0, 0, 3600, issues)
+
+
+def _step_timeout(env: Mapping[str, str], issues: list[ConfigIssue]) -> float:
+    """$MTP_SERVE_STEP_TIMEOUT: seconds the engine process may go without finishing a step
+    while it has requests, before the daemon takes it for hung (stopped, or stuck in a
+    kernel) and fails as for a dead rank (default 300: far above any real step)."""
+    return _seconds(env, "MTP_SERVE_STEP_TIMEOUT", 300.0, 1, 86400, issues)
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float, low: float, high: float,
+             issues: list[ConfigIssue]) -> float:
+    raw = env.get(name, "").strip()
     if not raw:
-        return 5.0
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= 3600:
-        issues.append(ConfigIssue("$MTP_SERVE_FATAL_EXIT_DELAY", raw, "seconds, 0 to 3600",
+    if not low <= value <= high:
+        issues.append(ConfigIssue(f"${name}", raw, f"seconds, {low:g} to {high:g}",
                                   "not a number of seconds in range"))
-        return 5.0
+        return default
     return value
 
 

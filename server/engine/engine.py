@@ -142,15 +142,17 @@ class EngineLoop:
                 else:
                     log.error("the worker group failed: %s", fatal)
                 outputs = eng.fail_all(fatal or "internal engine error")
+            if eng.fatal_error is not None and self.on_fatal is not None:
+                # Told before the failed outputs go out: their streams then see the engine
+                # gone (a 503, not a 500: serving/engine_call.py).
+                on_fatal, self.on_fatal = self.on_fatal, None
+                on_fatal(eng.fatal_error)
             self.stats = eng.stats()
             self.deliver(outputs)
             try:
                 eng.finish_step()                  # the drafts, once the tokens are out
             except Exception:                      # noqa: BLE001 - the next step runs them
                 log.exception("finishing the engine step failed")
-            if eng.fatal_error is not None and self.on_fatal is not None:
-                on_fatal, self.on_fatal = self.on_fatal, None
-                on_fatal(eng.fatal_error)
 
 
 class AsyncEngine:

@@ -19,6 +19,14 @@ closes, so it never outlives the daemon.
 
 Switch: ``$MTP_SERVE_ENGINE_PROCESS`` = ``1`` (default) or ``0`` (the engine thread in
 the serving process, as engines built in-process always are); ``AppConfig.engine_process``.
+
+Faults.  An engine process that exits is seen at once (its pipe closes).  One that stops
+(SIGSTOP, a debugger) or hangs inside a step sends nothing more: a watchdog here takes it
+for hung when it holds requests and has sent nothing for ``step_timeout_s``
+(``$MTP_SERVE_STEP_TIMEOUT``; a busy engine sends a message every step), kills it and
+fails as for a dead rank: the streams end with the error, ``fatal_error`` is set
+(``/health`` 503) and ``on_fatal`` tells the daemon, which exits 1.  Before, requests
+waited ``tokenTimeout`` while ``/health`` said 200.
 """
 from __future__ import annotations
 
@@ -177,7 +185,8 @@ class EngineLaunch:
             code = self.proc.exitcode
             why = "timed out" if code is None else f"exited with code {code}"
             raise EngineProcessError(f"the engine process {why} before its engine was ready")
-        return EngineProcess(self.app_config, self.proc, self.requests, self.results, msg[1], msg[2])
+        return EngineProcess(self.app_config, self.proc, self.requests, self.results, msg[1], msg[2],
+                             step_timeout_s=getattr(self.app_config, "step_timeout_s", None))
 
     def abandon(self) -> None:
         """The daemon stops before using the engine: end the process now."""
@@ -197,7 +206,9 @@ class EngineProcess:
     """AsyncEngine's interface over an engine running in a child process (module doc)."""
 
     def __init__(self, app_config: Any, proc: Any, requests: Any, results: Any,
-                 runtime: RuntimeInfo, stats: EngineStats) -> None:
+                 runtime: RuntimeInfo, stats: EngineStats,
+                 step_timeout_s: float | None = None) -> None:
+        """``step_timeout_s``: the watchdog's bound (module docstring); None: no watchdog."""
         self._app_config = app_config
         self._proc = proc
         self._requests = requests
@@ -213,6 +224,8 @@ class EngineProcess:
         self._sink: Any = None
         self._grammars: Any = None
         self._reader: threading.Thread | None = None
+        self._step_timeout_s = step_timeout_s
+        self._heard = time.monotonic()         # the last message from the engine process
         self.on_fatal: Any = None
 
     @classmethod
@@ -227,6 +240,9 @@ class EngineProcess:
             self._reader = threading.Thread(target=self._read, args=(loop,), name="engine-results",
                                             daemon=True)
             self._reader.start()
+            if self._step_timeout_s is not None:
+                threading.Thread(target=self._watch, args=(loop, self._step_timeout_s),
+                                 name="engine-watchdog", daemon=True).start()
 
     async def submit(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream the request's outputs; the last has finished=True.  Leaving early aborts."""
@@ -236,8 +252,10 @@ class EngineProcess:
         def start(q: asyncio.Queue) -> None:
             if self._fatal is not None:        # as the engine thread fails it after a fatal error
                 q.put_nowait(self._failed(req.request_id))
-            else:
-                self._send(("add", req))
+                return
+            if len(self._streams) == 1:        # idle until now: the watchdog counts from here
+                self._heard = time.monotonic()
+            self._send(("add", req))
         async with contextlib.aclosing(self._streams.open(req, start, self.abort)) as outputs:
             async for out in outputs:
                 yield out
@@ -318,6 +336,7 @@ class EngineProcess:
             except Exception:                    # noqa: BLE001 - one message that does not load
                 log.exception("a message from the engine process could not be read")
                 continue
+            self._heard = time.monotonic()
             if msg[0] == "closed":
                 break
             try:
@@ -331,6 +350,24 @@ class EngineProcess:
             self._set_fatal("the engine process exited unexpectedly"
                             + (f" (exit code {code})" if code is not None else ""))
             self._call(loop, self._fail_streams)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, bound_s: float) -> None:
+        """The watchdog thread: an engine process that holds requests and has sent nothing
+        for ``bound_s`` is hung (module docstring).  Idle, it sends nothing and owes nothing."""
+        while not self._closed.wait(min(1.0, bound_s / 4)):
+            if self._closing or self._fatal is not None:
+                return
+            silent = time.monotonic() - self._heard
+            if silent <= bound_s or not len(self._streams):
+                continue
+            self._set_fatal(f"the engine process (pid {self._proc.pid}) finished no step in "
+                            f"{silent:.0f} s with requests in flight (hung or stopped; "
+                            f"$MTP_SERVE_STEP_TIMEOUT is {bound_s:g} s)")
+            log.error("%s; killing it", self._fatal)
+            self._call(loop, self._fail_streams)
+            with contextlib.suppress(Exception):
+                self._proc.kill()              # SIGKILL ends a stopped process too
+            return
 
     def _handle(self, loop: asyncio.AbstractEventLoop, msg: tuple) -> None:
         kind = msg[0]

@@ -19,6 +19,9 @@ class OutputStreams:
     def ids(self) -> list[str]:
         return list(self._queues)
 
+    def __len__(self) -> int:            # safe from another thread (a watchdog's)
+        return len(self._queues)
+
     async def open(self, req: EngineRequest, start: Any, abort: Any) -> AsyncIterator[EngineOutput]:
         """Register ``req``, ``start(q)`` it, then yield its outputs (an exception put
         in the queue is raised) until the finished one; leaving early calls ``abort``."""

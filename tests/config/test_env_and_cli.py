@@ -28,7 +28,8 @@ ENV_CASES = [
     ("empty-ip-ignored", {"MIES_CONTAINER_IP": ""}, {"server.ip_address": "127.0.0.1"}),
     ("compile-defaults", {}, {"compile_mode": "auto", "compile_wait": False, "engine_process": True,
                               "draft_after_emit": True, "fatal_exit_delay_s": 5.0,
-                              "prediction_draft_tokens": 64}),
+                              "step_timeout_s": 300.0, "prediction_draft_tokens": 64}),
+    ("step-timeout", {"MTP_SERVE_STEP_TIMEOUT": "2.5"}, {"step_timeout_s": 2.5}),
     ("prediction-tokens", {"MTP_SERVE_PREDICTION_TOKENS": "8"}, {"prediction_draft_tokens": 8}),
     ("prediction-tokens-off", {"MTP_SERVE_PREDICTION_TOKENS": "0"}, {"prediction_draft_tokens": 0}),
     ("prediction-tokens-max", {"MTP_SERVE_PREDICTION_TOKENS": " 64 "},
@@ -84,7 +85,8 @@ def test_bad_monitor_mode(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["MTP_SERVE_COMPILE", "MTP_SERVE_COMPILE_WAIT", "MTP_SERVE_ENGINE_PROCESS",
-                                  "MTP_SERVE_DRAFT_AFTER_EMIT", "MTP_SERVE_FATAL_EXIT_DELAY"])
+                                  "MTP_SERVE_DRAFT_AFTER_EMIT", "MTP_SERVE_FATAL_EXIT_DELAY",
+                                  "MTP_SERVE_STEP_TIMEOUT"])
 def test_bad_compile_switch_is_blamed(name, tmp_path):
     write_weights(tmp_path / "tiny-model")
     with pytest.raises(ConfigError) as info:

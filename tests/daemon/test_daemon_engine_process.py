@@ -4,9 +4,10 @@ default) against the engine on a thread of the serving process ($MTP_SERVE_ENGIN
 Same answers (greedy and seeded, streamed and not, tools and reasoning) and the same
 counters (drafts, accepted drafts, requests, tokens) either way, on the demo model with MTP k=2; /v1/status names the
 process that runs the engine; a drain stops it with the daemon; and an engine process
-killed mid-stream ends the stream with an error, turns /health to 503 and makes the
-daemon exit 1 without leaving a process behind; a daemon killed outright takes the engine
-process with it.  The serving process never loads torch.
+killed mid-stream, or stopped (SIGSTOP: the step watchdog, $MTP_SERVE_STEP_TIMEOUT),
+ends the stream with an error, turns /health to 503 (requests meanwhile get 503) and
+makes the daemon exit 1 without leaving a process behind; a daemon killed outright takes
+the engine process with it.  The serving process never loads torch.
 """
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
 
 
 @pytest.fixture
-def k2_daemon(tmp_path):
-    """A demo-model daemon (MTP k=2, engine process) and its engine process's pid."""
-    d = Daemon(make_config(tmp_path, DEMO, model=K2), env=ENV).start()
+def k2_daemon(tmp_path, request):
+    """A demo-model daemon (MTP k=2, engine process) and its engine process's pid
+    (``request.param``: more environment)."""
+    d = Daemon(make_config(tmp_path, DEMO, model=K2),
+               env={**ENV, **getattr(request, "param", {})}).start()
     try:
         yield d, d.status()["runtime"]["engine_pid"]
     finally:
@@ -67,28 +70,36 @@ def test_engine_process_answers_like_the_engine_thread_and_stops_with_a_drain(de
     assert _wait_gone(pid), "the engine process outlived the daemon"
 
 
-def test_a_killed_engine_process_fails_the_stream_and_the_daemon(k2_daemon):
+@pytest.mark.parametrize("k2_daemon,how", [({}, "kill"), ({"MTP_SERVE_STEP_TIMEOUT": "2"}, "stop")],
+                         indirect=["k2_daemon"])
+def test_a_killed_or_stopped_engine_process_fails_the_stream_and_the_daemon(k2_daemon, how):
+    """Killed: seen at once (its pipe closes).  Stopped (issue 58): before, the stream
+    waited tokenTimeout with /health 200; now the watchdog takes it for hung after the
+    step bound (2 s here), kills it and fails as for a dead rank.  A request arriving
+    before the daemon exits gets 503, as /health says (before: 500)."""
     d, pid = k2_daemon
     client = openai.OpenAI(base_url=d.base + "/v1", api_key="none", timeout=60, max_retries=0)
     stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", stream=True,
                                        max_tokens=400, temperature=0,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(Exception) as err:
         for _chunk in stream:
             pass
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < (30 if how == "kill" else 10)
     assert "engine process" in str(err.value)
     assert httpx.get(d.base + "/health", timeout=5).status_code == 503
     st = d.status()
-    assert st["status"] == "unhealthy" and "engine process exited" in st["error"]
+    assert st["status"] == "unhealthy"
+    assert ("engine process exited" if how == "kill" else "hung or stopped") in st["error"]
     r = httpx.post(d.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi",
                                                      "max_tokens": 4}, timeout=10)
-    assert r.status_code == 500 and "engine process" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "engine process" in r.json()["error"]["message"]
     assert d.proc.wait(30) == 1
     assert "worker group failed" in d.output()
+    assert _wait_gone(pid), "the engine process outlived the daemon"
 
 
 def test_the_engine_process_does_not_outlive_a_killed_daemon(k2_daemon):

@@ -84,6 +84,9 @@ def test_tp2_daemon_answers_like_one_process_then_survives_a_dead_rank(tmp_path,
         assert httpx.get(d.base + "/health", timeout=5).status_code == 503
         st = d.status()
         assert st["status"] == "unhealthy" and "rank" in st["error"]
+        r = httpx.post(d.base + "/v1/completions", timeout=10, json={      # was 500 (issue 58)
+            "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4})
+        assert r.status_code == 503 and "rank" in r.json()["error"]["message"], r.text
         assert d.proc.wait(30) == 1
         assert "worker group failed" in d.output()
         deadline = time.monotonic() + 15

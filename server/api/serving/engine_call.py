@@ -3,6 +3,11 @@
 A pump task copies the engine's stream into a queue so that waiting can time out or
 notice a disconnect without cancelling the engine's own generator; on any early exit we
 call ``engine.abort`` once, which frees the request's KV at the next step boundary.
+
+A request failed because the engine is gone for good (a rank or the engine process died
+or hung: ``engine.fatal_error``) is a 503, as ``/health`` says by then: the daemon exits
+a few seconds later and a client should go elsewhere.  Before, the requests that arrived
+in those seconds got 500.
 """
 from __future__ import annotations
 
@@ -26,6 +31,11 @@ class ClientDisconnected(Exception):
 class RequestTimeout(APIError):
     def __init__(self, message: str) -> None:
         super().__init__(504, message, retry=False)
+
+
+def engine_gone(fatal: str) -> APIError:
+    """The refusal of a request the failed engine could not serve (module docstring)."""
+    return APIError(503, f"the engine failed ({fatal}); this server is stopping", retry=False)
 
 
 class EngineCall:
@@ -127,6 +137,9 @@ class EngineCall:
                 if item.finished:
                     self.finished = True
                     ok = item.finish_reason not in (FinishReason.ERROR, FinishReason.ABORT)
+                    fatal = self.engine.fatal_error
+                    if item.finish_reason == FinishReason.ERROR and fatal and not item.error_param:
+                        raise engine_gone(fatal)
                 yield item
                 if self.finished:
                     break
