@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import secrets
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from server.pd.trust import CALL_HEADER, sign_call
 from server.testing.daemon import DEMO_MODEL, MODEL_NAME, Daemon, free_port, make_config
 
 WORDS = "the fox jumps over a lazy dog while cats sleep in warm sun by the river "
@@ -36,7 +39,8 @@ def tree_rss_mb(pid: int) -> float:
     return total
 
 
-async def flood(d: Daemon, seconds: float, concurrency: int, chars: int) -> dict:
+async def flood(d: Daemon, key: bytes, seconds: float, concurrency: int, chars: int) -> dict:
+    """(``key``: the instance's KV transfer key, which its release calls need.)"""
     stop = time.monotonic() + seconds
     codes: dict[int, int] = {}
     peak = {"rss_mb": tree_rss_mb(d.proc.pid), "exports_bytes": 0}
@@ -63,7 +67,9 @@ async def flood(d: Daemon, seconds: float, concurrency: int, chars: int) -> dict
         await asyncio.gather(watch(), *(client(i) for i in range(concurrency)))
         pd = (await c.get(d.mgmt + "/v1/status")).json()["pd"]
         for rid in held:                       # what the coordinator does when D refuses
-            await c.post(d.mgmt + "/v1/kv/release", json={"remote_request_id": rid})
+            content = json.dumps({"remote_request_id": rid}).encode()
+            await c.post(d.mgmt + "/v1/kv/release", content=content, headers={
+                CALL_HEADER: sign_call(key, "POST", "/v1/kv/release", content)})
     return {"codes": codes, "pd": pd, "peak": peak}
 
 
@@ -80,12 +86,15 @@ def main() -> None:
     if args.cap_mb:
         server["pdMaxExportMb"] = args.cap_mb
     folder = Path(tempfile.mkdtemp(prefix="pd-flood-"))
+    key = secrets.token_bytes(32)
+    (folder / "kv-transfer.key").write_text(key.hex())
+    server["pdTransferKeyFile"] = str(folder / "kv-transfer.key")
     cfg = make_config(folder, DEMO_MODEL, server=server, schedule={"cacheBlockSize": 16},
                       deploy={"maxSeqLen": 4096, "maxInputTokenLen": 4000})
     d = Daemon(cfg, env={"MTP_SERVE_COMPILE": "0"}).start()
     try:
         idle = tree_rss_mb(d.proc.pid)
-        out = asyncio.run(flood(d, args.seconds, args.concurrency, args.chars))
+        out = asyncio.run(flood(d, key, args.seconds, args.concurrency, args.chars))
         time.sleep(args.settle)
         after = tree_rss_mb(d.proc.pid)
         pd, peak = out["pd"], out["peak"]
