@@ -76,11 +76,25 @@ def test_the_environment_is_parsed_once_and_refused_outside_its_set():
     with pytest.raises(settings.KernelSettingError) as e:
         settings.parse({"MTP_SERVE_INT8_BACKEND": "vnni", "MTP_SERVE_HALF_BACKEND": "amx",
                         "MTP_SERVE_HALF_KERNEL": "yes"})
-    for part in ("$MTP_SERVE_INT8_BACKEND='vnni'; allowed: auto, int_mm, int8pack, avx2, float",
+    for part in ("$MTP_SERVE_INT8_BACKEND='vnni'; not a backend; allowed: auto, int_mm, int8pack, avx2, float",
                  "$MTP_SERVE_HALF_BACKEND='amx'", "$MTP_SERVE_HALF_KERNEL='yes'"):
         assert part in str(e.value)
-    with pytest.raises(settings.KernelSettingError, match="HALF_KERNEL=0 forbids"):
+    with pytest.raises(settings.KernelSettingError, match="HALF_KERNEL='0'; forbids"):
         settings.parse({"MTP_SERVE_HALF_KERNEL": "0", "MTP_SERVE_HALF_BACKEND": "avx2"})
+
+
+def test_check_refuses_a_bad_value_before_anything_loads():
+    """``--check`` and the start read the environment through the config loader: a bad
+    kernel variable is a config issue at its own path, with the others."""
+    from server.config.errors import ConfigError
+    from server.config.loader import parse_config
+    from tests.config.cfgkit import minimal
+    with pytest.raises(ConfigError) as e:
+        parse_config(minimal(), check_files=False,
+                     env={"MTP_SERVE_INT8_BACKEND": "vnni", "MTP_SERVE_HALF_KERNEL": "2"})
+    paths = [i.path for i in e.value.issues]
+    assert "$MTP_SERVE_INT8_BACKEND" in paths and "$MTP_SERVE_HALF_KERNEL" in paths
+    parse_config(minimal(), check_files=False, env={"MTP_SERVE_INT8_BACKEND": "int8pack"})
 
 
 def test_a_bad_value_stops_the_load_with_its_name(tmp_path, monkeypatch):

@@ -160,3 +160,36 @@ def test_a_compiled_graph_calls_it_and_loads_from_disk(tmp_path):
     assert (hit, hit_again) == (False, True)
     assert torch.equal(got, again)
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_checkpoint_layers_of_two_models_run_in_one_process_compiled(quantized, tmp_path):
+    """What ``benchmarks.engine_step --against`` does with a bf16 model and its W8A8 copy
+    (both compiled, one process), on the demo model's layers as loaded from disk: int8pack
+    layers whose weights safetensors placed off a 64-byte boundary took a general
+    protection fault in a compiled graph on AVX-512 (aligned loads).  Loaded, every weight
+    is aligned, and each graph computes what its layer computes uncompiled."""
+    from server.engine.worker import compile_step
+    from server.model import kernels
+    int8, _ = load_checkpoint(quantized["ct"], dtype=torch.bfloat16, int8_backend="int8pack")
+    half, _ = load_checkpoint(DEMO, dtype=torch.bfloat16)
+    assert list(kernels.misaligned(int8)) == [] and list(kernels.misaligned(half)) == []
+    q = int8.model.layers[0].self_attn.q_a_proj
+    f = half.model.layers[0].self_attn.q_a_proj
+    assert isinstance(q, quant.QuantLinear) and q.backend == "int8pack" and quant.packs("int8pack", q.in_features)
+
+    def fn(q, f, x):                                # modules as arguments, as static_decode's
+        return q(x).float().sum(-1) + f(x).float().sum(-1)
+
+    x = torch.randn(5, q.in_features).to(torch.bfloat16)
+    calls = []
+    real = torch._weight_int8pack_mm
+    with torch.inference_mode():
+        want = fn(q, f, x)
+        graph, _ = compile_step._load_or_compile(fn, (q, f, x), tmp_path / "g.bin", torch.device("cpu"),
+                                                 static=True)
+        got = graph(q, f, x)
+        with pytest.MonkeyPatch.context() as mp:    # eager: the operator itself ran
+            mp.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+            fn(q, f, x)
+    assert calls
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02)

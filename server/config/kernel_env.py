@@ -1,0 +1,77 @@
+"""The CPU kernels' environment variables: parsed and checked here, torch-free, so that
+``--check`` and the start refuse a bad value before anything loads
+(server/model/kernels/settings.py reads them for the loader).
+
+An operator forces a product backend the same way a test does: ``MTP_SERVE_INT8_BACKEND``
+for int8 weights, ``MTP_SERVE_HALF_BACKEND`` for 16-bit ones (docs/config.md).  "auto"
+leaves the choice to capability and measurement (server/model/kernels/choice.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+INT8_ENV = "MTP_SERVE_INT8_BACKEND"
+HALF_ENV = "MTP_SERVE_HALF_BACKEND"
+KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use half_avx2.c
+KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
+
+# int_mm: torch._int_mm (oneDNN, VNNI/AMX); int8pack: torch._weight_int8pack_mm (16-bit
+# models); avx2: half_avx2.c's int8 product; float: the exact float32 path.
+INT8_BACKENDS = ("int_mm", "int8pack", "avx2", "float")
+# onednn: torch's own F.linear; avx2: half_avx2.c (and float32 GEMMs for many rows);
+# float32: float32 GEMMs and fused reductions without the kernel.
+HALF_BACKENDS = ("onednn", "avx2", "float32")
+
+
+class KernelSettingError(ValueError):
+    """An environment variable of the kernels holds a value outside its allowed set."""
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    int8_backend: str = "auto"
+    half_backend: str = "auto"
+    half_kernel: bool = True
+    kernel_cache: Path = Path.home() / ".cache" / "mtp-serve" / "kernels"
+
+
+@dataclass(frozen=True)
+class Problem:
+    variable: str
+    value: str
+    allowed: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"${self.variable}={self.value!r}; {self.message}; allowed: {self.allowed}"
+
+
+def problems(env: Mapping[str, str]) -> list[Problem]:
+    """Every kernel variable of ``env`` outside its allowed set, and every contradiction."""
+    out = []
+    for name, allowed in ((INT8_ENV, INT8_BACKENDS), (HALF_ENV, HALF_BACKENDS)):
+        raw = env.get(name, "").strip().lower()
+        if raw and raw not in ("auto",) + allowed:
+            out.append(Problem(name, raw, "auto, " + ", ".join(allowed), "not a backend"))
+    kernel = env.get(KERNEL_ENV, "1").strip()
+    if kernel not in ("0", "1"):
+        out.append(Problem(KERNEL_ENV, kernel, "1 (build half_avx2.c), 0 (never)", "not a switch"))
+    for name in (INT8_ENV, HALF_ENV):
+        if kernel == "0" and env.get(name, "").strip().lower() == "avx2":
+            out.append(Problem(KERNEL_ENV, kernel, f"1, or another ${name}",
+                               f"forbids the kernel that ${name}=avx2 asks for"))
+    return out
+
+
+def parse(env: Mapping[str, str]) -> KernelSettings:
+    """``KernelSettings`` from an environment; KernelSettingError naming every bad value."""
+    found = problems(env)
+    if found:
+        raise KernelSettingError("; ".join(map(str, found)))
+    cache = env.get(KERNEL_CACHE_ENV, "").strip()
+    return KernelSettings(env.get(INT8_ENV, "").strip().lower() or "auto",
+                          env.get(HALF_ENV, "").strip().lower() or "auto",
+                          env.get(KERNEL_ENV, "1").strip() != "0",
+                          Path(cache) if cache else KernelSettings.kernel_cache)
