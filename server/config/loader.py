@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
+from server.config import kernel_env
 from server.config.app import AppConfig
 from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
 from server.config.ignored import ignored_warnings
@@ -82,6 +83,8 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     fatal_exit_delay = _fatal_exit_delay(env, issues)
     step_timeout = _step_timeout(env, issues)
     prediction_draft_tokens = _prediction_draft_tokens(env, issues)
+    issues += [ConfigIssue(f"${p.variable}", p.value, p.allowed, p.message)
+               for p in kernel_env.problems(env)]
     env_keys = _env_api_keys(env, issues)
 
     doc, field_issues, dropped = _validate_with_repair(raw, where)
