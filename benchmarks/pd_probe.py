@@ -84,7 +84,8 @@ def big_bodies(d: Daemon) -> None:
 
     t0 = time.monotonic()
     try:
-        answer = str(httpx.post(d.mgmt + "/v1/role/decode", content=chunks(), timeout=60).status_code)
+        r = httpx.post(d.mgmt + "/v1/role/decode", content=chunks(), timeout=60)
+        answer = str(r.status_code)
     except httpx.TransportError as exc:
         answer = f"connection closed ({type(exc).__name__})"
     print(f"300 MB chunked: {answer} after {(time.monotonic() - t0) * 1000:.0f} ms, the client "
@@ -113,12 +114,13 @@ async def through_the_coordinator(c: Daemon, p: Daemon, clients: int) -> None:
               f"{ {k: codes.count(k) for k in sorted(set(codes))} }, Retry-After on the 503s "
               f"{sorted({r.headers.get('retry-after') for r in answers if r.status_code == 503})}; "
               f"right after: /health {after[0]}, a request {after[1]}")
-        hogs = await asyncio.gather(*(ask(p.base, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True}) for _ in range(clients)))
+        hogs = [r.status_code for r in await asyncio.gather(*(ask(
+            p.base, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            for _ in range(clients)))]
         users = [(await ask(c.base)).status_code for _ in range(5)]
         health = (await client.get(c.base + "/health")).status_code
         print(f"{clients} clients holding P's exports: "
-              f"{ {k: [r.status_code for r in hogs].count(k) for k in {r.status_code for r in hogs}} }; "
+              f"{ {k: hogs.count(k) for k in sorted(set(hogs))} }; "
               f"then 5 coordinator users {users}; coordinator /health {health}")
 
 

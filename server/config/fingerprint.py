@@ -33,7 +33,8 @@ def weights_fingerprint(weights: str | os.PathLike[str]) -> str:
     OSError or ValueError when a weight file cannot be read."""
     folder = Path(weights)
     h = hashlib.blake2b(b"mtp-serve weights v1", digest_size=8)
-    for name in ("config.json", *sorted(p.name for p in folder.glob("quant_model_description*.json"))):
+    described = sorted(p.name for p in folder.glob("quant_model_description*.json"))
+    for name in ("config.json", *described):
         path = folder / name
         if path.is_file():
             h.update(b"\0file\0" + name.encode() + b"\0" + path.read_bytes())
@@ -62,6 +63,7 @@ def _tensor_file(path: Path, h: "hashlib._Hash") -> None:
             starts = sorted({int(t["data_offsets"][0]) for k, t in tensors.items()
                              if k != "__metadata__"})
         except (KeyError, TypeError, IndexError, ValueError):
-            raise ValueError(f"{path}: a tensor in the safetensors header has no data_offsets") from None
+            raise ValueError(f"{path}: a tensor in the safetensors header has no "
+                             "data_offsets") from None
         for start in starts:
             h.update(os.pread(fd, SAMPLE_BYTES, 8 + n + start))

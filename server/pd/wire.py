@@ -17,8 +17,8 @@ dtype, and the weights that computed them: server/config/fingerprint.py): D refu
 whose layout is not its own (rows of another checkpoint of the same shape are wrong
 answers with HTTP 200), and a payload whose digest does not match.  ``block_digests``
 name the prompt tokens each block was computed for, keyed with the transfer key
-(trust.py): D uses only the leading blocks whose digests equal its own prompt's.  The payload is sent
-from the rows' own buffer (no copy on P's side).  P reads at most ``MAX_HEADER`` bytes of
+(trust.py): D uses only the leading blocks whose digests equal its own prompt's.  The
+payload is sent from the rows' own buffer (no copy on P's side).  P reads at most ``MAX_HEADER`` bytes of
 request line and answers anything else with an error header.
 """
 from __future__ import annotations

@@ -175,7 +175,8 @@ def test_instance_without_role_refuses_and_role_api_checks_bodies(tmp_path):
             CALL_HEADER: sign_call(key, "POST", "/v1/role/decode", content)}).status_code == 422
         r = _signed_post(d, "/v1/role/decode", {"local": {}, "peers": []}, key)
         assert r.status_code == 503 and "Update pd info failed" in r.json()["error"]
-        r = _signed_post(d, "/v1/role/flex", {"local": {}, "peers": [{"host_ip": "127.0.0.1"}]}, key)
+        flex = {"local": {}, "peers": [{"host_ip": "127.0.0.1"}]}
+        r = _signed_post(d, "/v1/role/flex", flex, key)
         assert r.status_code == 503 and "flex" in r.json()["error"]
         body = {"local": [{"host_ip": "127.0.0.1", "dp_inst_list": []}],
                 "peers": [[{"host_ip": "127.0.0.3", "dp_inst_list": []}]]}
@@ -345,7 +346,8 @@ def _plain_digests(tokens: list[int], n: int) -> tuple[str, ...]:
     out, parent = [], b""
     for b in range(n):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[b * 16:(b + 1) * 16 + 1]))
+        chunk = tokens[b * 16:(b + 1) * 16 + 1]
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in chunk))
         parent = h.digest()
         out.append(parent.hex())
     return tuple(out)

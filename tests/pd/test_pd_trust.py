@@ -429,7 +429,8 @@ def _checkpoint(folder, tensors: dict[str, bytes], config: str = '{"model_type":
     folder.mkdir()
     header, data = {}, b""
     for name, raw in tensors.items():
-        header[name] = {"dtype": "U8", "shape": [len(raw)], "data_offsets": [len(data), len(data) + len(raw)]}
+        header[name] = {"dtype": "U8", "shape": [len(raw)],
+                        "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     head = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + data)
