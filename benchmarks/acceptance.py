@@ -16,7 +16,7 @@ from benchmarks import harness
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.testing.daemon import DEMO_MODEL as DEMO
 from server.text.tokenizer import Tokenizer
 TOPICS = ["the weather in Paris", "Tokyo", "the moon", "prime numbers", "Rome", "baking bread",

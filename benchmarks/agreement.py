@@ -27,7 +27,7 @@ from benchmarks import harness
 from server.engine.config import EngineConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.text.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).with_name("prompts.json")

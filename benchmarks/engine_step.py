@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     if args.model is not None:
-        from server.model.loader import load_checkpoint
+        from server.model.loading import load_checkpoint
         model, _info = load_checkpoint(args.model, dtype=dtype, device=device)
         cfg = model.config
         args.size, args.alpha = f"checkpoint {args.model.name}", None
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     models = {mode: model for mode, _ in modes}
     if args.against is not None:
-        from server.model.loader import load_checkpoint
+        from server.model.loading import load_checkpoint
         models["alt"], _info = load_checkpoint(args.against, device=device)
         modes = modes + (("alt", 0),)
         print(f"# alt: {args.against.name}, MTP off", flush=True)

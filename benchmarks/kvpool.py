@@ -161,7 +161,7 @@ def preemption(weights: Path, threads: int) -> dict:
     from server.engine.config import EngineConfig
     from server.engine.core import LLMEngine
     from server.engine.protocol import EngineRequest, SamplingParams
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     torch.set_num_threads(threads)
     model, _ = load_checkpoint(weights)
     rng = random.Random(5)

@@ -70,7 +70,7 @@ def reference_loglikelihoods(pairs: list[tuple[str, str]]) -> list[float]:
     from server.engine.config import EngineConfig
     from server.engine.core import LLMEngine
     from server.engine.protocol import EngineRequest, SamplingParams
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     tok = AutoTokenizer.from_pretrained(WEIGHTS)
     model, _ = load_checkpoint(WEIGHTS)
     eng = LLMEngine(model.eval(), EngineConfig(num_speculative_tokens=0, num_blocks=256,

@@ -254,7 +254,7 @@ def _calibrate_bf16(src: Path, prefixes: list[str], samples: int, seed: int = 12
     """training.quantize.calibrate's (min, max) of each listed linear's input, on the
     model in its stored dtype instead of float32."""
     import torch
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.text.tokenizer import Tokenizer
     from training.quantize import calibration_ids
     model, _ = load_checkpoint(src)
@@ -287,7 +287,7 @@ def quantize_streaming(src: Path, dst: Path, scheme: str, calib_samples: int = 1
     from safetensors.torch import save_file
     from server.model.config import DeepseekConfig
     from server.model.deepseek_v3 import DeepseekV3ForCausalLM
-    from server.model.loader import _tensor_index
+    from server.model.loading.files import tensor_index as _tensor_index
     from server.model.meta import meta_device
     from training.quantize import (COPY, compressed_tensors_config, dynamic_w4a8, dynamic_w8a8,
                                    static_w8a8)

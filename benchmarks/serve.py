@@ -142,7 +142,7 @@ def prefill_forward_seconds(weights: Path, num_tokens: int, reps: int = 5) -> fl
     """Median wall time of one no-cache forward over `num_tokens` tokens with our model,
     in the checkpoint's dtype (as the daemon serves it)."""
     import torch
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     model, _ = load_checkpoint(weights, dtype=checkpoint_dtype(weights))
     ids = torch.randint(0, model.config.vocab_size, (1, num_tokens))
     times = []

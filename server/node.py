@@ -21,7 +21,7 @@ log = logging.getLogger("server.node")
 def run_node(cfg: Any) -> int:
     from server.engine.config import engine_config_from_app
     from server.engine.executor.parallel import start_node_ranks
-    from server.model.loader import inspect_checkpoint
+    from server.model.loading import inspect_checkpoint
     ecfg = engine_config_from_app(cfg)
     summary = inspect_checkpoint(cfg.model_weight_path)
     k = ecfg.num_speculative_tokens if summary.has_mtp else 0

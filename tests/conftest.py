@@ -159,8 +159,8 @@ def _warm_job(plan: tuple | None, q: int) -> tuple:
     """(model, its cache folder, the graphs missing there, max query length, C++ wrapper?,
     threads) of one graph set."""
     from server.engine.worker import compile_step
-    from server.model.loader import load_checkpoint
-    from server.model.parallel import ParallelPlan
+    from server.model.loading import load_checkpoint
+    from server.model.parallel.plan import ParallelPlan
     from server.testing.daemon import DEMO_MODEL
     device = torch.device("cpu")
     model, _ = load_checkpoint(DEMO_MODEL, plan=ParallelPlan(*plan) if plan else None)

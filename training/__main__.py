@@ -51,7 +51,7 @@ def cpu_name() -> str:
 
 
 def run_eval(out: Path, s: spec.TrainSettings, n: int, n_copy: int = 40) -> evaluate.EvalResult:
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
 
     model, _info = load_checkpoint(out, dtype=torch.float32)
     res = evaluate.evaluate(model, out, seed=s.eval_seed, n_tool=n, n_think=n, n_plain=n, n_copy=n_copy)

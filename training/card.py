@@ -154,7 +154,7 @@ together), writes this folder and runs the evaluation.
 | context | {cfg['max_position_embeddings']} positions (trained on rows of {s.seq_len}) |
 | parameters | {n_params / 1e6:.2f} M unique (the MTP layer's embed_tokens / shared_head.head are copies of the main ones, as in the official release) |
 
-Loads with the daemon's `server.model.loader.load_checkpoint` (main model + MTP layer) and with
+Loads with the daemon's `server.model.load_checkpoint` (main model + MTP layer) and with
 `transformers`' `DeepseekV3ForCausalLM` (which ignores the MTP layer); their logits agree
 (tests/demo/test_demo_model.py).
 

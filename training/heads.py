@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
 
     ap = argparse.ArgumentParser(prog="python -m training.heads", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path, nargs="?", default=ROOT / "models" / "deepseek-v3-tiny-mtp")

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from server.model.loader import _tensor_index, load_checkpoint
-from server.model.quant import pack_int4_rows
+from server.model.loading import load_checkpoint, tensor_index as _tensor_index
+from server.model.quant.int4 import pack_int4_rows
 
 COPY = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 

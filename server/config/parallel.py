@@ -19,7 +19,7 @@ MindIE's layout rules for DeepSeek-V3/R1 (keys of ``ModelConfig[0]``), checked b
 
 Rank groups (``ParallelLayout.groups``): tp, moe_tp and sp groups are runs of contiguous
 ranks (0..n-1, n..2n-1, ...); dp, cp and moe_ep groups are strided: group j holds
-j, j + s, j + 2s, ... with s = worldSize / size.  (server/model/parallel.py places expert
+j, j + s, j + 2s, ... with s = worldSize / size.  (server/model/parallel/plan.py places expert
 groups the same way: rank r is in expert group r // moe_tp, slice r % moe_tp.)
 
 One node's ranks run on the devices of ``npuDeviceIds[0]``, one per rank; with
@@ -33,7 +33,7 @@ run (today dp above 1 together with sp above 1), or sp or dp above 1 next to a f
 that moves whole KV blocks of one device pool (``unserved_with_striped_kv``: the host/disk
 KV tier, swap preemption; a striped pool has each block on one rank, a dp pool each
 request's blocks in one group).  PD disaggregation's KV transfer is served beside them:
-it reads and writes blocks by global id over the stripes (engine/kv/striped_transfer.py).  cp above 1 is served (server/model/context_parallel.py)
+it reads and writes blocks by global id over the stripes (engine/kv/striped_transfer.py).  cp above 1 is served (server/model/parallel/context.py)
 and always comes with sp above 1, so those refusals cover it too.  Those are not rule violations: ``--check``
 reports them apart, and the daemon refuses to start on them.
 """
@@ -120,11 +120,11 @@ def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> 
                           master_port=int(env.get("MASTER_PORT", b.multi_nodes_infer_port)))
 
 
-# What the engine runs today (server/model/parallel.py): attention tensor parallel over
-# the tp ranks of each of dp attention data parallel groups (server/model/data_parallel.py),
+# What the engine runs today (server/model/parallel/plan.py): attention tensor parallel over
+# the tp ranks of each of dp attention data parallel groups (server/model/parallel/data.py),
 # dense layers over all ranks, experts over moe_ep groups of moe_tp ranks, the latent KV
-# striped over the tp ranks with sp = tp (server/model/sequence_parallel.py) when dp is 1,
-# a step's tokens split over cp ranks (server/model/context_parallel.py).  One entry per
+# striped over the tp ranks with sp = tp (server/model/parallel/sequence.py) when dp is 1,
+# a step's tokens split over cp ranks (server/model/parallel/context.py).  One entry per
 # kind of parallelism the engine does not run (none today): serving one of them later
 # removes its entry.
 _UNSERVED: dict[str, tuple[str, str]] = {}

@@ -32,7 +32,7 @@ from typing import Any
 # What a worker process or a rank imports anyway: loaded once, in the fork server.
 # ``server`` first: its warning filter must be in place before torch imports.
 FORKSERVER_PRELOAD = ["server", "torch", "server.engine.executor.parallel",
-                      "server.engine.worker.worker", "server.model.loader"]
+                      "server.engine.worker.worker", "server.model.loading"]
 START_ENV = "MTP_SERVE_CHILD_START"      # "spawn" forces the old way (a fresh interpreter each)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3          # mallopt(3) parameters
 

@@ -42,10 +42,10 @@ def build_engine(app_config: Any, model: Any = None, tokenizer: Any = None, *,
         cfg = dataclasses.replace(cfg, device=device)
     if model is None and cfg.parallel.world_size > 1:
         # The ranks load their own shards; this process needs only the shapes.
-        from server.model.loader import inspect_checkpoint
+        from server.model.loading import inspect_checkpoint
         model = inspect_checkpoint(app_config.model_weight_path)
     elif model is None:
-        from server.model.loader import load_checkpoint
+        from server.model.loading import load_checkpoint
         model, _info = load_checkpoint(app_config.model_weight_path,
                                        dtype=torch_dtype(cfg.dtype),
                                        device=cfg.device)

@@ -12,10 +12,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from server.model.attention import DEFAULT_ABSORB_MAX_QUERY_LEN, MLA, AttentionPlan, build_plan
 from server.model.batch import BatchMetadata, DecodeMetadata
 from server.model.config import DeepseekConfig
-from server.model.layers import MLP, MoE, RMSNorm, RotaryEmbedding
+from server.model.kernels.products import UsesProducts
+from server.model.layers.attention import (
+    DEFAULT_ABSORB_MAX_QUERY_LEN,
+    MLA,
+    AttentionPlan,
+    build_plan,
+)
+from server.model.layers.linear import Embedding, Linear
+from server.model.layers.mlp import MLP
+from server.model.layers.moe import MoE
+from server.model.layers.norm import RMSNorm
+from server.model.layers.rotary import RotaryEmbedding
 from server.model.static_decode import StaticDecoder
 
 
@@ -41,7 +51,7 @@ class SharedHead(nn.Module):
     def __init__(self, cfg: DeepseekConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
 
 class MTPLayer(DecoderLayer):
@@ -51,7 +61,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(cfg, layer_idx, rope)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
     def combine(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
@@ -63,7 +73,7 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: DeepseekConfig, num_mtp_layers: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         n = cfg.num_hidden_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, i, rope) for i in range(n)]
             + [MTPLayer(cfg, n + j, rope) for j in range(num_mtp_layers)]
@@ -71,7 +81,7 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(nn.Module, UsesProducts):
     """Paged-cache DeepSeek-V3; see docs/interfaces.md (server.model) for the contract."""
 
     parallel_plan = None      # this rank's ParallelPlan when the model is a shard (loader.py)
@@ -84,7 +94,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.num_mtp_layers = num_mtp_layers
         self.rope = RotaryEmbedding(config)
         self.model = DeepseekV3Model(config, num_mtp_layers, self.rope)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Longest query (tokens per sequence in a step) that still uses the absorbed MLA form.

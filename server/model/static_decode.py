@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.model import bf16_cpu, quant
 from server.model.batch import DecodeMetadata
 
 
@@ -54,7 +53,7 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     visible = keys[None, None, :] <= pos[:, :, None]                # [B, Q, S]
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
     bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
-    o = bf16_cpu.latent_attention(q, ctx, bias, attn.scale, kvr).reshape(b * q_len, nh, kvr)
+    o = attn.products.latent_attention(q, ctx, bias, attn.scale, kvr).reshape(b * q_len, nh, kvr)
     return attn.o_proj(attn._value_out(o))
 
 
@@ -65,10 +64,10 @@ def dense_moe(moe, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     weights, idx = moe.gate(x)
     t = x.shape[0]
     scale = moe.local_scale(weights, idx)                           # [T, local experts]
-    g, u = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    g, u = moe.products.linear(x, w_gate_up).chunk(2, dim=-1)
     act = F.silu(g) * u
     routed = act[:, :num_routed].reshape(t, scale.shape[1], -1) * scale[:, :, None].to(act.dtype)
-    return moe.combine(F.linear(torch.cat([routed.flatten(1), act[:, num_routed:]], dim=1), w_down))
+    return moe.combine(moe.products.linear(torch.cat([routed.flatten(1), act[:, num_routed:]], dim=1), w_down))
 
 
 # Most multiply-adds a token may spend on unchosen experts, over all layers, for the
@@ -82,24 +81,10 @@ GATHER_MAX_PER_EXPERT = 1
 def gathered_moe(moe, x: torch.Tensor, *stacks: torch.Tensor) -> torch.Tensor:
     """Each token through its top-k experts only, their weights read by index.
 
-    x [T, H]; ``stacks``: layers.MoE.expert_stacks(), float (w_gate_up [E, 2I, H], w_down
-    [E, H, I]) or int8 (quant.gathered_int8_experts).  Written as products and sums, not
-    matmuls of gathered copies, so a compiled graph reads each chosen expert's rows in
-    place; accumulation in float32."""
+    x [T, H]; ``stacks``: layers.MoE.expert_stacks(), as the MoE's expert form lays them
+    out and computes them (layers/experts.py: float or int8), accumulated in float32."""
     weights, idx = moe.gate(x)                                      # [T, k]
-    if len(stacks) == 4:
-        out = quant.gathered_int8_experts(x, weights, idx, *stacks,
-                                          backend=moe.experts[0].gate_proj.backend).to(x.dtype)
-    else:
-        w_gate_up, w_down = stacks
-        # Stored, not inlined into the reductions: Inductor would recompute the norm
-        # and the SiLU for every output row (quant.materialized).
-        xf = quant.materialized(x.float())
-        gu = (w_gate_up[idx].float() * xf[:, None, None, :]).sum(-1)    # [T, k, 2I]
-        g, u = gu.chunk(2, dim=-1)
-        act = quant.materialized(F.silu(g) * u)                         # [T, k, I]
-        y = (w_down[idx].float() * act[:, :, None, :]).sum(-1)          # [T, k, H]
-        out = (y * weights[:, :, None].float()).sum(1).to(x.dtype)      # [T, H]
+    out = moe.expert_form.gathered(moe, x, weights, idx, *stacks)
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x)
     return out
@@ -226,8 +211,7 @@ class StaticDecoder:
         would convert every weight it reads to float32 on every call (the 0.5b model's
         4 / 64 / 203-token prompts, its experts then dense: 736 / 1025 / 1839 ms, on the
         varlen path 127 / 731 / 754)."""
-        w = next(self.model.parameters())
-        return not bf16_cpu.pays(w.dtype, w.device.type)
+        return self.model.products.takes_prompts
 
     @property
     def dense_moe_waste(self) -> float:
@@ -420,5 +404,5 @@ def supports_static_decode(model, caches: list) -> bool:
     read as whole ones (StripedLatentCache is no LatentCache).  Float and int8
     (QuantLinear) layers both run here: int8 layers as modules inside the graphs (their
     GEMMs are torch._int_mm or exact float ones), int8 experts gathered or routed."""
-    from server.model.latent_cache import LatentCache
+    from server.model.layers.latent_cache import LatentCache
     return all(isinstance(c, (torch.Tensor, LatentCache)) for c in caches)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from server.model.config import TORCH_DTYPES, DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
-from server.model.fp8 import quantize_fp8
+from server.model.quant.fp8 import quantize_fp8
 from server.model.meta import meta_device
 
 # Linear weights the official FP8 release stores in float8 (embedding, heads, router, norms,

@@ -215,7 +215,7 @@ def _engine_prompt_logprobs(ids: list[int], top: int):
     from server.engine.config import EngineConfig
     from server.engine.core import LLMEngine
     from server.engine.protocol import EngineRequest, SamplingParams
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     model, _ = load_checkpoint(DEMO_MODEL)
     eng = LLMEngine(model.eval(), EngineConfig(num_speculative_tokens=0, num_blocks=64,
                                                max_seq_len=512, max_queue_delay_us=0),
@@ -261,7 +261,7 @@ def test_constrained_output_through_the_daemon_equals_the_engine_with_mtp_off(cl
     from server.engine.config import EngineConfig
     from server.engine.core import LLMEngine
     from server.engine.protocol import EngineRequest, SamplingParams
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(DEMO_MODEL)
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}

@@ -68,7 +68,7 @@ def test_layer_with_attention_is_the_decoder_layer():
 
 
 def test_training_moves_only_the_new_attention_and_the_head_and_the_export_keeps_the_mtp_head(tmp_path):
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
 
     model, hf = _stage2()
     new, hf2 = copy_layers.extend(model, hf, 2, seed=5)

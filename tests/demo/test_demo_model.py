@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.text.tokenizer import Tokenizer
 from training import corpus, evaluate, render
 

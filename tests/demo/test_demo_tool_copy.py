@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.text.tokenizer import Tokenizer
 from server.text.tool_calls import DeepSeekV3ToolParser
 from tests.engine.helpers import make_engine, run_tokens

@@ -9,7 +9,7 @@ import torch
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineOutput, EngineRequest, SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.testing.daemon import free_port  # noqa: F401  (tests import it from here)
 from server.testing.high_acceptance import make_high_acceptance
 from server.testing.tiny_checkpoint import make_tiny_checkpoint

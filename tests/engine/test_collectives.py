@@ -1,4 +1,4 @@
-"""Shared-memory collectives (server/model/collectives.py) between real rank processes,
+"""Shared-memory collectives (server/distributed/collectives.py) between real rank processes,
 against what torch.distributed (gloo) computes for the same inputs: sums, max, min,
 gathers, all-to-all and the step broadcast, for tensors larger than a slot too (they go
 through in pieces) and messages larger than one (they go through gloo); a rank that dies
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from server.model import collectives
+from server.distributed import collectives
 from server.testing.daemon import free_port
 from tests.engine.helpers import run_rank_processes
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from server.engine.protocol import SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.testing.daemon import DEMO_MODEL
 from tests.engine.helpers import make_engine, prompts, requests, run_staggered
 
@@ -306,7 +306,7 @@ def test_a_compile_child_traces_the_tensor_dtypes_the_serving_model_has(tmp_path
     were traced on a model cast to bf16 whole, and answered token 0 at every position
     once adopted (nothing checks dtypes at call time)."""
     from server.engine.worker.compile_child import empty_model, tensor_dtypes
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
     dtypes = tensor_dtypes(model)

@@ -20,9 +20,9 @@ from server.engine.config import EngineError, ParallelConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import SamplingParams
 from server.engine.worker.metadata import build_metadata
-from server.model.attention import build_plan
-from server.model.context_parallel import ContextParallelPlanner, zigzag_chunks
-from server.model.loader import inspect_checkpoint, load_checkpoint
+from server.model.layers.attention import build_plan
+from server.model.parallel.context import ContextParallelPlanner, zigzag_chunks
+from server.model.loading import inspect_checkpoint, load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import free_port, prompts, requests, run_rank_processes, run_tokens
 from tests.engine.test_parallel import BASE, DEMO
@@ -96,10 +96,10 @@ def _rank_forward(rank: int, port: int, path: str, out: str, broken: bool) -> No
     both steps' hidden states.  ``broken``: the KV exchange keeps this rank's rows only."""
     import torch.distributed as dist
 
-    from server.model import context_parallel as cpm
-    from server.model.latent_cache import LatentCache
-    from server.model.parallel import ParallelPlan
-    from server.model.sequence_parallel import StripedLatentCache, StripeIndex
+    from server.model.parallel import context as cpm
+    from server.model.layers.latent_cache import LatentCache
+    from server.model.parallel.plan import ParallelPlan
+    from server.model.parallel.sequence import StripedLatentCache, StripeIndex
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=4)
@@ -222,8 +222,8 @@ def test_what_cp_cannot_serve_is_refused_before_any_rank_starts(tiny_path, par, 
 def test_int8_attention_cut_over_tp_is_refused_with_cp(quantized):
     """An int8 o_proj sums integers over its group; with cp the world's ranks hold
     different tokens, so the cut is refused at load, naming the layer."""
-    from server.model.loader import CheckpointError
-    from server.model.parallel import ParallelPlan
+    from server.model.loading import CheckpointError
+    from server.model.parallel.plan import ParallelPlan
     with pytest.raises(CheckpointError, match=r"an int8 attention layer cut over tp 2 ranks "
                                               r"with cp 2 .*serve int8 attention with cp 1"):
         load_checkpoint(str(quantized["w8a8"]), plan=ParallelPlan(4, 0, 1, 4, sp=2, cp=2))

@@ -22,9 +22,9 @@ from server.engine.protocol import FinishReason, SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.worker.metadata import build_metadata
-from server.model.data_parallel import sub_batch
-from server.model.loader import CheckpointError, inspect_checkpoint, load_checkpoint
-from server.model.parallel import ParallelPlan
+from server.model.parallel.data import sub_batch
+from server.model.loading import CheckpointError, inspect_checkpoint, load_checkpoint
+from server.model.parallel.plan import ParallelPlan
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import free_port, prompts, requests, run_tokens
 from tests.engine.test_parallel import BASE, DEMO, _requests, _single

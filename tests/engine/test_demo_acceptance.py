@@ -38,7 +38,7 @@ def card_figure() -> float | None:
 def demo():
     from training import corpus, render
     from training.spec import TrainSettings
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.text.tokenizer import Tokenizer
 
     model, _ = load_checkpoint(DEMO)

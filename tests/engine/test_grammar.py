@@ -53,7 +53,7 @@ QUESTIONS = ["What is the weather in Paris?", "Tell me about Tokyo.", "What is 1
 
 @functools.lru_cache(maxsize=None)
 def demo():
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     model, _ = load_checkpoint(DEMO)
     return model.eval(), Tokenizer.from_dir(DEMO)
 
@@ -203,7 +203,7 @@ def test_constrained_sampling_distribution_is_unchanged_by_mtp(tmp_path):
     import llguidance
     from scipy.stats import chi2_contingency
 
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.testing.high_acceptance import make_high_acceptance
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / "ckpt", seed=2)

@@ -13,11 +13,12 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from server.engine.protocol import SamplingParams
-from server.model import bf16_cpu, kernels, layers
-from server.model.loader import load_checkpoint
+from server.model import kernels
+from server.model.kernels import native, select
+from server.model.kernels.products import UsesProducts
+from server.model.loading import load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import _TMP, make_engine, prompts, requests, run_tokens
 
@@ -25,13 +26,12 @@ BACKENDS = ("onednn", "avx2", "float32")
 
 
 def runnable() -> list[str]:
-    return [b for b in BACKENDS if b != "avx2" or bf16_cpu.half_kernel() is not None]
+    return [b for b in BACKENDS if b != "avx2" or native.half_kernel() is not None]
 
 
 def _forget_choices() -> None:
     kernels.kernel_settings.cache_clear()
-    for f in (bf16_cpu.chosen_backend, bf16_cpu.pays, layers.column_major_pays):
-        f.cache_clear()
+    select.half_backend_name.cache_clear()
 
 
 @pytest.fixture
@@ -65,18 +65,20 @@ def test_a_forced_16_bit_backend_sums_within_bf16_and_keeps_mtp_lossless(forced,
     if backend not in runnable():
         pytest.skip(f"{backend} cannot run on this CPU / build")
     forced(backend)
-    assert bf16_cpu.chosen_backend() == backend
+    assert select.half_backend_name() == backend
     model, _ = load_checkpoint(_checkpoint(), dtype=torch.bfloat16)
+    assert model.products.name == ("torch" if backend == "onednn" else backend)
+    assert {m.products for m in model.modules() if isinstance(m, UsesProducts)} == {model.products}
     assert list(kernels.misaligned(model)) == []
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     for rows in (1, 3, 17, 80):
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
         want = x.double() @ w.double().t()
-        got = F.linear(x, w).double()
+        got = model.products.linear(x, w).double()
         assert ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all(), (backend, rows)
         if rows < 80:                              # each row its own (eager products)
-            assert torch.equal(F.linear(x[:1], w), got[:1].to(torch.bfloat16))
+            assert torch.equal(model.products.linear(x[:1], w), got[:1].to(torch.bfloat16))
     model = model.eval()
     off, k1 = _tokens(model, 0), _tokens(model, 1)
     assert k1 == off

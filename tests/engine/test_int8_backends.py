@@ -26,10 +26,11 @@ import torch
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import SamplingParams
-from server.model import bf16_cpu, kernels, quant
+from server.model import kernels, quant
+from server.model.kernels import native
 from server.model.kernels import int8pack
-from server.model.loader import inspect_checkpoint, load_checkpoint
-from server.model.parallel import ParallelPlan
+from server.model.loading import inspect_checkpoint, load_checkpoint
+from server.model.parallel.plan import ParallelPlan
 from tests.engine.helpers import prompts, requests, run_tokens
 from tests.engine.test_parallel import parallel_config
 
@@ -41,7 +42,7 @@ BASE = EngineConfig(block_size=8, num_blocks=256, max_queue_delay_us=0, max_batc
 
 def runnable() -> list[str]:
     """The int8 backends this CPU and build can run."""
-    kernel = bf16_cpu.half_kernel() is not None
+    kernel = native.half_kernel() is not None
     return list(kernels.int8_candidates(kernels.cpu_caps(), half=True, kernel=kernel))
 
 
@@ -115,9 +116,9 @@ def test_a_forced_backend_loads_aligned_and_serves_the_exact_tokens(quantized, f
     assert {m.backend for m in layers} == {backend}
     assert_aligned(model)
     calls = []
-    real = torch._weight_int8pack_mm
+    real = int8pack.int8pack_mm
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+        mp.setattr(int8pack, "int8pack_mm", lambda *a: calls.append(1) or real(*a))
         got = run_tokens(LLMEngine(model.eval(), BASE, eos_token_ids=set()), _requests())
     assert bool(calls) is (backend == "int8pack")
     if backend != "int8pack":

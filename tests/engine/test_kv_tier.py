@@ -12,7 +12,7 @@ from server.engine.kv.host_pool import HostKVPool
 from server.engine.kv.host_tier import HostTier
 from server.engine.protocol import SamplingParams
 from server.engine.sequence import Sequence
-from server.model.latent_cache import Int8LatentCache, LatentCache
+from server.model.layers.latent_cache import Int8LatentCache, LatentCache
 from tests.engine.helpers import make_engine, prompts, requests, run_tokens, tiny_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -92,7 +92,7 @@ def test_greedy_with_penalties_counts_accepted_drafts_as_context():
 @pytest.mark.parametrize("variant", [{"yarn": True}, {"q_lora_rank": None}, {"fp8": True}])
 def test_mtp_greedy_identical_on_checkpoint_variants(variant, tmp_path):
     """YaRN RoPE with long prompts (positions past the original context), no q-LoRA, FP8."""
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=1, **variant))
     model.eval()

@@ -17,8 +17,8 @@ import torch
 from server.engine.config import EngineConfig, ParallelConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import SamplingParams
-from server.model.loader import CheckpointError, inspect_checkpoint, load_checkpoint
-from server.model.parallel import ParallelPlan
+from server.model.loading import CheckpointError, inspect_checkpoint, load_checkpoint
+from server.model.parallel.plan import ParallelPlan
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import free_port, prompts, requests, run_tokens
 

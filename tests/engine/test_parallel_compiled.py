@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from server.engine.engine import LLMEngine
-from server.model.loader import inspect_checkpoint
+from server.model.loading import inspect_checkpoint
 from tests.engine.helpers import run_tokens
 from tests.engine.test_parallel import BASE, DEMO, _requests, _single, parallel_config
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import make_engine
 

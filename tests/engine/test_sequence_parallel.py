@@ -17,10 +17,9 @@ from server.engine.config import EngineError
 from server.engine.engine import LLMEngine
 from server.engine.kv.cache import rank_blocks
 from server.engine.protocol import SamplingParams
-from server.model.latent_cache import Int8LatentCache, LatentCache
-from server.model.loader import inspect_checkpoint, load_checkpoint
-from server.model.sequence_parallel import (StripedLatentCache, StripeIndex, merge_partials,
-                                            partial_attention)
+from server.model.layers.latent_cache import Int8LatentCache, LatentCache
+from server.model.loading import inspect_checkpoint, load_checkpoint
+from server.model.parallel.sequence import StripedLatentCache, StripeIndex, merge_partials, partial_attention
 from server.model.static_decode import supports_static_decode
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import prompts, requests, run_tokens

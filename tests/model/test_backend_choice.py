@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.model import bf16_cpu, kernels, layers, quant
-from server.model.kernels import choice, cpu, settings
+from server.model.kernels import half_cpu, native
+import server.model.quant.int8 as int8
+from server.model import kernels, quant
+from server.model.kernels import choice, cpu, select, settings
+from server.model.kernels.products import Products
 
 CLASSES = cpu.EXAMPLES
 
@@ -41,11 +44,11 @@ def test_the_int8_candidates_per_cpu_class(name):
 def test_the_measured_int8_choice_measures_only_what_the_class_can_run(name, monkeypatch):
     """The stubbed probe reaches the measurement: every candidate it allows is timed, the
     fastest is taken, and the choice is kept per kind of model."""
-    monkeypatch.setattr(quant, "cpu_caps", lambda: CLASSES[name])
-    monkeypatch.setattr(quant, "_int8_kernel", lambda: object())
-    monkeypatch.setattr(quant, "_FASTEST", {})
+    monkeypatch.setattr(int8, "cpu_caps", lambda: CLASSES[name])
+    monkeypatch.setattr(int8, "_int8_kernel", lambda: object())
+    monkeypatch.setattr(int8, "_FASTEST", {})
     timed = []
-    monkeypatch.setattr(quant, "_measure_int8_backends",
+    monkeypatch.setattr(int8, "_measure_int8_backends",
                         lambda backends: timed.append(backends) or backends[-1])
     assert quant.fastest_int8_backend("cpu", torch.bfloat16) == "int8pack"
     assert quant.fastest_int8_backend("cpu", torch.float32) == "avx2"
@@ -98,7 +101,7 @@ def test_check_refuses_a_bad_value_before_anything_loads():
 
 
 def test_a_bad_value_stops_the_load_with_its_name(tmp_path, monkeypatch):
-    from server.model.loader import CheckpointError, load_checkpoint
+    from server.model.loading import CheckpointError, load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / "tiny")
     monkeypatch.setenv(kernels.INT8_ENV, "fast")
@@ -111,23 +114,23 @@ def test_a_bad_value_stops_the_load_with_its_name(tmp_path, monkeypatch):
         kernels.kernel_settings.cache_clear()
 
 
-def test_the_forced_16_bit_backend_decides_the_forms_and_the_heads_layout(monkeypatch):
-    """Forcing "avx2" on a CPU that multiplies bf16 natively takes the kernel's forms and
-    row-major heads (the kernel reads rows); forcing "onednn" takes neither."""
-    if bf16_cpu.half_kernel() is None:
+def test_the_forced_16_bit_backend_decides_the_products_and_the_heads_layout(monkeypatch):
+    """Forcing "avx2" on a CPU that multiplies bf16 natively takes the kernel's products and
+    row-major heads (the kernel reads rows); forcing "onednn" takes torch's own."""
+    if native.half_kernel() is None:
         pytest.skip("half_avx2.c cannot run here")
     try:
-        for forced, pays in (("avx2", True), ("float32", True), ("onednn", False)):
+        for forced, kind in (("avx2", half_cpu.HalfCpuProducts), ("float32", half_cpu.HalfCpuProducts),
+                             ("onednn", Products)):
             monkeypatch.setenv(kernels.HALF_ENV, forced)
             kernels.kernel_settings.cache_clear()
-            for f in (bf16_cpu.chosen_backend, bf16_cpu.pays, layers.column_major_pays):
-                f.cache_clear()
-            assert bf16_cpu.chosen_backend() == forced
-            assert bf16_cpu.pays(torch.bfloat16, "cpu") is pays
-            assert layers.column_major_pays(torch.bfloat16) is (not pays)
-            assert (bf16_cpu._half_kernel() is not None) is (forced == "avx2")
+            select.half_backend_name.cache_clear()
+            assert select.half_backend_name() == forced
+            p = select.model_products(torch.bfloat16, "cpu")
+            assert type(p) is kind and p.name == ("torch" if forced == "onednn" else forced)
+            assert p.column_major(torch.bfloat16) is (forced == "onednn" and kernels.cpu_caps().native_bf16)
+            assert (p.kernel is not None) is (forced == "avx2") if kind is not Products else True
     finally:
         monkeypatch.undo()
         kernels.kernel_settings.cache_clear()
-        for f in (bf16_cpu.chosen_backend, bf16_cpu.pays, layers.column_major_pays):
-            f.cache_clear()
+        select.half_backend_name.cache_clear()

@@ -1,4 +1,4 @@
-"""The "avx2" int8 backend (server/model/quant.py, half_avx2.c): the exact integer sums
+"""The "avx2" int8 backend (server/model/quant/int8.py, half_avx2.c): the exact integer sums
 ``torch._int_mm`` gives, read a byte a weight, eager and as operators of a compiled graph;
 the gathered experts' rows through it; a W8A8 model on it serves what the exact float
 path serves."""
@@ -10,15 +10,17 @@ import shutil
 import pytest
 import torch
 
-from server.model import bf16_cpu, quant
-from server.model.loader import load_checkpoint
+import server.model.quant.int8 as int8
+from server.model import quant
+from server.model.kernels import half_cpu, native
+from server.model.loading import load_checkpoint
 
 
 @pytest.fixture(autouse=True)
 def kernel():
     if platform.machine() != "x86_64" or not torch.cpu._is_avx2_supported() or not shutil.which("cc"):
         pytest.skip("half_avx2.c needs an x86 CPU with AVX2 and a C compiler")
-    assert bf16_cpu.half_kernel() is not None, "AVX2 and cc are here: the kernel must build"
+    assert native.half_kernel() is not None, "AVX2 and cc are here: the kernel must build"
 
 
 def _exact(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -53,11 +55,11 @@ def test_gathered_rows_read_their_own_experts():
 
 
 def test_the_fastest_backend_is_chosen_among_the_exact_ones_with_it():
-    quant._FASTEST.clear()
+    int8._FASTEST.clear()
     try:
         assert quant.fastest_int8_backend("cpu", torch.float32) in quant.EXACT_BACKENDS
     finally:
-        quant._FASTEST.clear()
+        int8._FASTEST.clear()
 
 
 @pytest.mark.demo

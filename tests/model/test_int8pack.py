@@ -1,4 +1,4 @@
-"""The "int8pack" int8 backend (server/model/quant.py): 16-bit models on CPUs without fast
+"""The "int8pack" int8 backend (server/model/quant/int8.py): 16-bit models on CPUs without fast
 int8 products take torch._weight_int8pack_mm with the quantized activations as bf16.
 
 Checked against the exact backends: each integer sum comes back as the exact one rounded
@@ -17,8 +17,10 @@ import torch
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
+import server.model.quant.linear as qlinear
 from server.model import quant
-from server.model.loader import CheckpointError, load_checkpoint
+from server.model.kernels import gemm, int8pack
+from server.model.loading import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
@@ -46,7 +48,7 @@ def test_prompts_rows_take_the_exact_sums_in_blocks(monkeypatch):
     """From INT8PACK_MAX_ROWS rows (prompts) the exact float path runs instead (the kernel
     is compute-bound there); it converts the weight a block of rows at a time, the weight
     on the left up to 128 rows, and its sums are the exact ones either way."""
-    monkeypatch.setattr(quant, "BLOCK_BYTES", 4 * 1536 * 96)                   # 96-row blocks
+    monkeypatch.setattr(gemm, "BLOCK_BYTES", 4 * 1536 * 96)                   # 96-row blocks
     g = torch.Generator().manual_seed(2)
     for k in (1536, 512):                                   # two float32 parts / one
         w = torch.randint(-127, 128, (1000, k), dtype=torch.int8, generator=g)
@@ -72,10 +74,10 @@ def test_float32_models_never_take_it():
 
 def test_row_parallel_layers_keep_the_exact_sums(monkeypatch):
     layer = quant.QuantLinear(64, 32, "w8a8_dynamic", backend="int8pack", row_parallel=True)
-    monkeypatch.setattr(quant.collectives, "all_reduce", lambda t, op="sum": t)
+    monkeypatch.setattr(qlinear.collectives, "all_reduce", lambda t, op="sum": t)
     seen = []
     real = quant.int8_matmul
-    monkeypatch.setattr(quant, "int8_matmul", lambda x, w, b: seen.append(b) or real(x, w, b))
+    monkeypatch.setattr(qlinear, "int8_matmul", lambda x, w, b: seen.append(b) or real(x, w, b))
     layer(torch.randn(2, 64, dtype=torch.bfloat16))
     assert seen == ["float"]
 
@@ -98,8 +100,8 @@ def test_gathered_experts_compute_what_the_routed_ones_do(inter):
 
 def test_a_bf16_w8a8_model_agrees_with_the_exact_path_and_mtp_stays_lossless(quantized, monkeypatch):
     calls = []
-    real = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+    real = int8pack.int8pack_mm
+    monkeypatch.setattr(int8pack, "int8pack_mm", lambda *a: calls.append(1) or real(*a))
     with pytest.raises(CheckpointError, match="int8pack"):
         load_checkpoint(quantized["ct"], int8_backend="int8pack")          # float32
     models = {b: load_checkpoint(quantized["ct"], dtype=torch.bfloat16, int8_backend=b)[0].eval()
@@ -182,14 +184,14 @@ def test_checkpoint_layers_of_two_models_run_in_one_process_compiled(quantized, 
 
     x = torch.randn(5, q.in_features).to(torch.bfloat16)
     calls = []
-    real = torch._weight_int8pack_mm
+    real = int8pack.int8pack_mm
     with torch.inference_mode():
         want = fn(q, f, x)
         graph, _ = compile_step._load_or_compile(fn, (q, f, x), tmp_path / "g.bin", torch.device("cpu"),
                                                  static=True)
         got = graph(q, f, x)
         with pytest.MonkeyPatch.context() as mp:    # eager: the operator itself ran
-            mp.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+            mp.setattr(int8pack, "int8pack_mm", lambda *a: calls.append(1) or real(*a))
             fn(q, f, x)
     assert calls
     torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02)

@@ -16,8 +16,8 @@ from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.kv.cache import KVCacheSpec, num_blocks_for
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.latent_cache import Int8LatentCache, LatentCache
-from server.model.loader import load_checkpoint
+from server.model.layers.latent_cache import Int8LatentCache, LatentCache
+from server.model.loading import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from server.model.fp8 import quantize_fp8
-from server.model.loader import CheckpointError, load_checkpoint
+from server.model.quant.fp8 import quantize_fp8
+from server.model.loading import CheckpointError, load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 
@@ -110,17 +110,16 @@ def test_bf16_heads_stay_row_major_without_native_bf16(tiny, monkeypatch):
     """Column-major bf16 products leave oneDNN's fast path on a CPU without AVX512_BF16 /
     AMX (30x slower, layers.column_major): there a bf16 head stays row-major; float32 and
     a native-bf16 CPU keep the column-major head."""
-    from server.model import bf16_cpu, layers
+    from server.model.kernels.products import Products
+    from server.model.loading import install
     for native in (False, True):
-        monkeypatch.setattr(bf16_cpu, "chosen_backend", lambda native=native: "onednn" if native else "avx2")
-        layers.column_major_pays.cache_clear()
+        monkeypatch.setattr(install, "model_products", lambda dtype, device, native=native: Products(native))
         model, _ = load_checkpoint(tiny, dtype=torch.bfloat16)
         head = model.lm_head.weight
         assert head.is_contiguous() is (not native)
         assert torch.equal(head.float(), load_file(str(tiny / "model.safetensors"))["lm_head.weight"]
                            .to(torch.bfloat16).float())
-    layers.column_major_pays.cache_clear()
-    assert layers.column_major_pays(torch.float32)
+    assert Products(False).column_major(torch.float32)
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny, tmp_path, caplog):
@@ -134,7 +133,7 @@ def test_sharded_checkpoint_loads_like_single_file(tiny, tmp_path, caplog):
         save_file({k: tensors[k] for k in part}, str(sharded / fname))
         weight_map.update({k: fname for k in part})
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    with caplog.at_level(logging.INFO, logger="server.model.loader"):
+    with caplog.at_level(logging.INFO, logger="server.model.loading"):
         model, info = load_checkpoint(sharded)
     assert "loaded shard 2/2" in caplog.text
     single, _ = load_checkpoint(tiny)
@@ -150,7 +149,7 @@ def test_checkpoint_without_mtp_weights_loads_with_mtp_unavailable(tiny, tmp_pat
     tensors = load_file(str(no_mtp / "model.safetensors"))
     save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.2.")},
               str(no_mtp / "model.safetensors"))
-    with caplog.at_level(logging.WARNING, logger="server.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="server.model.loading"):
         model, info = load_checkpoint(no_mtp)
     assert not info.has_mtp and info.num_mtp_layers == 0
     assert not model.has_mtp and model.num_kv_layers == 2 and model.kv_cache_dim == 32 + 8

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from server.model.config import DeepseekConfig, UnsupportedConfigError
-from server.model.layers import MoE
+from server.model.layers.moe import MoE
 from server.testing.tiny_checkpoint import tiny_config
 
 
@@ -118,7 +118,7 @@ def test_config_parsing_and_refusals():
 
 
 def test_bfloat16_paged_decode_tracks_float32(tmp_path, driver_cls):
-    from server.model.loader import load_checkpoint
+    from server.model.loading import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path, seed=8, yarn=True, dtype="bfloat16")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")

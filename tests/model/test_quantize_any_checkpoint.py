@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.model.loader import load_checkpoint
-from server.model.quant import QuantLinear
+from server.model.loading import load_checkpoint
+from server.model.quant.linear import QuantLinear
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 

@@ -18,15 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+import server.model.quant.int8 as int8
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import CheckpointError, load_checkpoint
-from server.model.quant import QuantLinear, pack_int4_rows, unpack_int4_rows
+from server.model.loading import CheckpointError, load_checkpoint
+from server.model.quant.int4 import pack_int4_rows, unpack_int4_rows
+from server.model.layers.linear import Linear
+from server.model.quant.linear import QuantLinear
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "deepseek-v3-tiny-mtp"
@@ -96,7 +100,7 @@ def test_w8a8_mixed_agrees_with_float_and_stays_int8(quantized):
     assert len(layers) == 160 and all(m.weight.dtype == torch.int8 for m in layers)
     assert {m.scheme for m in layers} == {"w8a8_static", "w8a8_dynamic"}
     # what the recipe keeps float stayed float
-    assert type(q.lm_head) is nn.Linear and q.lm_head.weight.dtype == torch.float32
+    assert type(q.lm_head) is Linear and q.lm_head.weight.dtype == torch.float32
     assert q.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float32
     assert q.model.layers[1].mlp.gate.weight.dtype == torch.float32
     ref, _ = load_checkpoint(DEMO)
@@ -118,8 +122,8 @@ def test_w4a8_and_compressed_tensors_agree(quantized, name, floor):
 
 def test_int_mm_backend_computes_the_same_integers(quantized, monkeypatch):
     calls = []
-    real = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(1) or real(a, b))
+    real = int8.int_mm
+    monkeypatch.setattr(int8, "int_mm", lambda a, b: calls.append(1) or real(a, b))
     prompts, conts = heldout()
     ids = torch.tensor([prompts[0] + conts[0]])
     with torch.inference_mode():
@@ -146,9 +150,9 @@ def test_gathered_int8_experts_equal_the_routed_ones(quantized, name, monkeypatc
         per_module = [moe(x) for x in xs]           # one QuantLinear per projection
         stacks = moe.expert_stacks()
         # Routed with the stacks: gate and up as one int8 product, the same bits.
-        from server.model import quant
-        fused, real = [], quant.int8_expert
-        monkeypatch.setattr(quant, "int8_expert", lambda *a: fused.append(1) or real(*a))
+        from server.model.layers import experts
+        fused, real = [], experts.int8_expert
+        monkeypatch.setattr(experts, "int8_expert", lambda *a: fused.append(1) or real(*a))
         assert all(torch.equal(moe(x), want) for x, want in zip(xs, per_module))
         assert fused
         assert [t.dtype for t in stacks] == [torch.int8, torch.float32] * 2

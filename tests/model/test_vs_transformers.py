@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")

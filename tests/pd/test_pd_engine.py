@@ -12,7 +12,7 @@ import pytest
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import load_checkpoint
+from server.model.loading import load_checkpoint
 from tests.engine.helpers import prompts, run_tokens
 
 pytestmark = pytest.mark.demo

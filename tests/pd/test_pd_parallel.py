@@ -23,7 +23,7 @@ import torch
 from server.engine.config import ParallelConfig
 from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
-from server.model.loader import inspect_checkpoint, load_checkpoint
+from server.model.loading import inspect_checkpoint, load_checkpoint
 from tests.engine.helpers import free_port, prompts, run_tokens
 from tests.engine.test_parallel import BASE, DEMO
 
@@ -146,8 +146,8 @@ def _rank_rows(rank: int, port: int, out: str, broken: bool) -> None:
     import torch.distributed as dist
 
     from server.engine.kv.striped_transfer import StripedRows, StripePlace
-    from server.model.latent_cache import LatentCache
-    from server.model.sequence_parallel import StripedLatentCache, StripeIndex
+    from server.model.layers.latent_cache import LatentCache
+    from server.model.parallel.sequence import StripedLatentCache, StripeIndex
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=4)

@@ -15,6 +15,7 @@ import uuid
 from typing import Any, Callable, TypeVar
 
 P = TypeVar("P")
+T = TypeVar("T")
 
 from server.api.openai.protocol import SamplingFields, ignored_fields, parse_request
 from server.api.settings import ApiSettings

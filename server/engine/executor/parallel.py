@@ -56,13 +56,13 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
     try:
         group = RankGroup.join(par, rank, "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
         from server.engine.worker.worker import Worker
-        from server.model.loader import load_checkpoint
-        from server.model.parallel import ParallelPlan
+        from server.model.loading import load_checkpoint
+        from server.model.parallel.plan import ParallelPlan
         plan = ParallelPlan(par.world_size, rank, par.moe_tp, par.moe_ep, par.sp, par.dp, par.cp)
         model, _ = load_checkpoint(model_path, dtype=torch_dtype(cfg.dtype), device=device,
                                    plan=plan)
         if plan.cp > 1:                          # its sp and cp process groups
-            from server.model.context_parallel import join_groups
+            from server.model.parallel.context import join_groups
             join_groups(model, plan.world_size, plan.tp, group.store, par.timeout_s)
         group.ready()
         # The static step compiles as on one process (tp/ep: its collectives are operators

@@ -1,4 +1,4 @@
-"""KV pool: one paged latent cache per cache layer (server/model/latent_cache.py), float
+"""KV pool: one paged latent cache per cache layer (server/model/layers/latent_cache.py), float
 ([num_blocks, block_size, kv_cache_dim] in the model dtype) or int8 (``kv_cache_dtype``
 "int8": int8 latent + per-token scale, RoPE part in the model dtype).
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from server.engine.kv.layout import kv_block_bytes, kv_bytes_per_token
-from server.model.latent_cache import Int8LatentCache, LatentCache
-from server.model.sequence_parallel import StripedLatentCache, StripeIndex
+from server.model.layers.latent_cache import Int8LatentCache, LatentCache
+from server.model.parallel.sequence import StripedLatentCache, StripeIndex
 
 log = logging.getLogger("server.engine")
 

@@ -3,7 +3,7 @@
 One block is, for every cache layer (the main decoder layers and the MTP layer(s) the
 weights hold), ``block_size`` tokens of the MLA cache row: ``kv_cache_dim`` values
 (latent + RoPE key) in the model dtype, or for an int8 layer the int8 latent, a float32
-scale and the RoPE part in the model dtype (server/model/latent_cache.py).  The worker's
+scale and the RoPE part in the model dtype (server/model/layers/latent_cache.py).  The worker's
 pool (kv_cache.KVCacheSpec) and ``python -m server --check`` (server/config/kv_pool.py)
 both size from here, so a disk tier the check accepts is one start-up accepts too.
 """

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from server.engine.kv.block_rows import BlockRows
-from server.model import collectives
+from server.distributed import collectives
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from server.model.kernels.products import use_products
+from server.model.kernels.select import products_named
 from server.model.meta import meta_device
-from server.model.quant import QuantLinear
+from server.model.quant.linear import QuantLinear
 
 _ROOT = Path(__file__).resolve().parents[3]        # where ``server`` imports from
 
@@ -37,7 +39,7 @@ def spawn_compile_child(model, block_size: int, device: torch.device, folder: Pa
     ``cpp_wrapper`` and ``threads`` (default: this process's) are what ``folder``'s key was
     made from (compile_step.cache_dir): the child compiles with them whatever its inherited
     environment says, so the graphs in a folder are always the ones its key names."""
-    spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model),
+    spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model), "products": model.products.name,
             "threads": threads or torch.get_num_threads(), "block_size": block_size,
             "device": str(device), "folder": str(folder), "max_query_len": max_query_len,
             "files": files, "plan": model.parallel_plan, "cpp_wrapper": cpp_wrapper}
@@ -60,14 +62,14 @@ def int8_layers(model) -> dict[str, dict]:
 
 
 def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device,
-                int8: dict[str, dict] | None = None, plan=None):
+                int8: dict[str, dict] | None = None, plan=None, products: str = "torch"):
     """The model a compile child traces: never read, so shapes and dtypes are what count,
     each tensor's as the serving model has it (a graph traced with a bf16 router would
     read the serving model's float32 one wrong, and nothing checks it at call time), and
     its int8 layers (``int8_layers``) where the serving model has them; cut as the rank's
     shard under ``plan``."""
     from server.model.deepseek_v3 import DeepseekV3ForCausalLM
-    from server.model.parallel import shard_model
+    from server.model.parallel.plan import shard_model
 
     with meta_device():
         model = DeepseekV3ForCausalLM(config)
@@ -81,6 +83,7 @@ def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device,
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if name in dtypes and t.dtype != dtypes[name]:
             t.data = torch.empty_like(t, dtype=dtypes[name])
+    use_products([model], products_named(products, device))
     return model
 
 
@@ -95,16 +98,16 @@ def _child(spec_file: Path) -> int:
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
     torch.set_num_threads(1)
-    # Kernels for the serving process's threads, though this child traces on one.
-    import torch._inductor.config as inductor_config
-    inductor_config.cpp.threads = spec["threads"]
     device = torch.device(spec["device"])
-    model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"], spec.get("plan"))
+    model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"], spec.get("plan"),
+                        spec.get("products", "torch"))
     folder = Path(spec["folder"])
     from server.engine.worker.compile_step import CPP_WRAPPER_ENV, _prepare
     os.environ[CPP_WRAPPER_ENV] = "1" if spec["cpp_wrapper"] else "0"
     t0 = time.perf_counter()
-    _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"])
+    # Kernels for the serving process's threads, though this child traces on one.
+    _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"],
+             threads=spec["threads"])
     print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 

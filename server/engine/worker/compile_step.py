@@ -47,20 +47,24 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from server.engine.worker.compile_child import int8_layers, spawn_compile_child, tensor_dtypes
-from server.model import bf16_cpu, static_decode
+from server.engine.worker.compile_child import (
+    int8_layers,
+    spawn_compile_child,
+    tensor_dtypes,
+)
+from server.model import static_decode
 from server.model.batch import DecodeMetadata
+from server.model.kernels.products import Products, products_for
 
 log = logging.getLogger("server.engine")
 
 CACHE_ENV = "MTP_SERVE_COMPILE_CACHE"
 CPP_WRAPPER_ENV = "MTP_SERVE_COMPILE_CPP_WRAPPER"
-_MODEL_SOURCES = ("static_decode.py", "attention.py", "layers.py", "deepseek_v3.py", "batch.py",
-                  "bf16_cpu.py", "quant.py", "half_avx2.c")
 
 
 def should_compile(mode: str, device: torch.device, static_ok: bool) -> bool:
@@ -69,29 +73,38 @@ def should_compile(mode: str, device: torch.device, static_ok: bool) -> bool:
     return mode == "on" or device.type == "cpu"
 
 
-def _configure() -> None:
+@contextlib.contextmanager
+def compile_settings(threads: int | None = None) -> Iterator[None]:
+    """Torch's compile settings a graph of the static step is made under, for the trace and
+    the compile only (config patches, nothing assigned for the process).  ``threads``: the
+    serving process's, which Inductor's CPU kernels are made for (a compile child traces
+    on one)."""
     import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
-    # Duck sizing would assume equal sizes are one symbol (batch 2 == 2 tokens).
-    fx_config.use_duck_shape = False
-    # Module floats (softmax scale, norm eps) are constants of the model: without this a
-    # capture restarts once to turn them into tensors, which aot_compile cannot do.
-    dynamo_config.specialize_float = True
+    inductor: dict[str, object] = {}
     # Inductor proves each vector ISA the CPU reports by compiling and loading a test
     # library (about 12 s per process with a cold cache: every first start, in every
     # compile child).  Trust the CPU's flags instead; a compiler that cannot build for
     # them fails the compile, which leaves the step serving uncompiled.
     # $TORCHINDUCTOR_VEC_ISA_OK, where set, decides.
     if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
-        import torch._inductor.config as inductor_config
-        inductor_config.cpp.vec_isa_ok = True
+        inductor["cpp.vec_isa_ok"] = True
+    if threads is not None:
+        inductor["cpp.threads"] = threads
+    # Duck sizing would assume equal sizes are one symbol (batch 2 == 2 tokens).  Module
+    # floats (softmax scale, norm eps) are constants of the model: without specialising
+    # them a capture restarts once to turn them into tensors, which aot_compile cannot do.
+    with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True), \
+            inductor_config.patch(inductor):
+        yield
 
 
 def cache_dir(model, device: torch.device) -> Path:
     """Artifacts are valid for one torch build, device type, dtype of every tensor, model
     shape and model code."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mtp-serve" / "compiled")
-    here = Path(static_decode.__file__).parent
+    model_code = Path(static_decode.__file__).parent             # server/model, every part
     h = hashlib.sha256()
     h.update(f"{torch.__version__}|{device.type}|{next(model.parameters()).dtype}".encode())
     h.update(repr(sorted((n, str(d)) for n, d in tensor_dtypes(model).items())).encode())
@@ -102,11 +115,12 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"threads {torch.get_num_threads()}".encode())
     h.update(repr(sorted(int8_layers(model).items())).encode())
     h.update(_plan_key(model.parallel_plan).encode())
-    bf16 = _bf16_reductions(model, device)
-    backend = bf16_cpu.chosen_backend() if bf16 else "native"   # "avx2": batch graphs call half_avx2.c
-    h.update(f"bf16_cpu {bf16} {backend} cpp_wrapper {cpp_wrapper(device)}".encode())
-    for name in _MODEL_SOURCES:
-        h.update((here / name).read_bytes())
+    # The forms a graph takes are its products' (kernels/products.py): "avx2" batch graphs
+    # call half_avx2.c, "float32" ones reduce in float32, torch's call its own.
+    h.update(f"products {model.products.name} cpp_wrapper {cpp_wrapper(device)}".encode())
+    for source in sorted(model_code.rglob("*")):
+        if source.suffix in (".py", ".c"):
+            h.update(source.relative_to(model_code).as_posix().encode() + source.read_bytes())
     return root / h.hexdigest()[:24]
 
 
@@ -182,21 +196,17 @@ def cpp_wrapper(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get(CPP_WRAPPER_ENV, "1") != "0"
 
 
-def _bf16_reductions(model, device: torch.device) -> bool:
-    return bf16_cpu.pays(next(model.parameters()).dtype, device.type)
-
-
-def _bf16_window(lone: bool, static: bool) -> str:
-    """The ``bf16_cpu.traced`` window of a graph: a lone sequence's window, a batch's, or
-    the lone prompt window (sizes symbolic)."""
+def _window(lone: bool, static: bool) -> str:
+    """The products' window of a graph (kernels/products.py): a lone sequence's window, a
+    batch's, or the lone prompt window (sizes symbolic)."""
     return ("lone" if lone else "batch") if static else "prompt"
 
 
 def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: bool = False,
-                     window: str | None = None) -> tuple[object, bool]:
+                     products: Products | None = None, threads: int | None = None) -> tuple[object, bool]:
     """(compiled function, loaded from disk?).  ``static``: sizes are constants except
-    those ``_example`` marked dynamic.  ``window``: traced under ``bf16_cpu.traced(window)``
-    (model/bf16_cpu.py: 16-bit products on a CPU without 16-bit instructions)."""
+    those ``_example`` marked dynamic.  ``products``: the form the modules among ``args``
+    multiply with while the graph is traced (their products' ``window``), theirs again after."""
     if path.is_file():
         try:
             with open(path, "rb") as f:
@@ -204,7 +214,9 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: 
         except Exception as exc:                     # noqa: BLE001 - a stale or broken file
             log.warning("compiled artifact %s did not load (%s); compiling again", path, exc)
     options = {"cpp_wrapper": True} if cpp_wrapper(device) else {}
-    with bf16_cpu.traced(window) if window else contextlib.nullcontext():
+    modules = [a for a in args if isinstance(a, torch.nn.Module)]
+    with products_for(modules, products) if products is not None else contextlib.nullcontext(), \
+            compile_settings(threads):
         compiled = torch.compile(fn, dynamic=not static, fullgraph=True, options=options).aot_compile((args, {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written aside, then renamed: another process making the same graph (two compiles of
@@ -212,16 +224,18 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: 
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
     compiled.save_compiled_function(str(part))
     os.replace(part, path)
+    # Its modules multiply with their own products again, not the window's form it was
+    # traced with: the guards on them would fail every call (and _prepare skips guards).
+    compiled.disable_guard_check()
     return compiled, False
 
 
 def _prepare(model, block_size: int, device: torch.device, folder: Path, max_query_len: int,
-             only: list[str] | None = None) -> tuple[dict, int]:
+             only: list[str] | None = None, threads: int | None = None) -> tuple[dict, int]:
     """The graphs of ``graph_plan`` (those named in ``only``, if given), loaded from
-    ``folder`` or compiled into it: ({(kind, window, lone): graph}, number loaded from disk)."""
-    _configure()
+    ``folder`` or compiled into it (for ``threads``, default this process's): ({(kind,
+    window, lone): graph}, number loaded from disk)."""
     graphs, loaded = {}, 0
-    bf16 = _bf16_reductions(model, device)
     with torch.inference_mode():
         for kind, index, window, lone in graph_plan(model, max_query_len):
             path = folder / _file(kind, window, lone)
@@ -232,7 +246,7 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
             args = _example(model, index, q, lone, block_size, device, static, kind)
             fn, hit = _load_or_compile(model.static_decoder.function(kind, static and not lone),
                                        args, path, device, static,
-                                       _bf16_window(lone, static) if bf16 else None)
+                                       model.products.window(_window(lone, static)), threads)
             # Guards were checked when the graph was made; the calls the decoder makes
             # differ only in sizes the graph keeps symbolic (one-block tables are padded),
             # so skip re-checking ~30 weights per call.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from server.engine.config import ParallelConfig
-from server.model import collectives
+from server.distributed import collectives
 
 log = logging.getLogger("server.engine")
 

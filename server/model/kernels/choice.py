@@ -7,7 +7,12 @@ every CPU class makes is tested on any machine: tests/model/test_backend_choice.
 from __future__ import annotations
 
 from server.model.kernels.cpu import CpuCaps
-from server.model.kernels.settings import HALF_BACKENDS, HALF_ENV, INT8_BACKENDS, INT8_ENV
+from server.model.kernels.settings import (
+    HALF_BACKENDS,
+    HALF_ENV,
+    INT8_BACKENDS,
+    INT8_ENV,
+)
 
 
 class BackendUnavailable(ValueError):

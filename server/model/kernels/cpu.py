@@ -33,7 +33,7 @@ class CpuCaps:
     @property
     def native_bf16(self) -> bool:
         """oneDNN multiplies 16-bit floats natively (AVX512_BF16 or AMX); without it, it
-        converts the weight to float32 for every row it multiplies (bf16_cpu.py)."""
+        converts the weight to float32 for every row it multiplies (half_cpu.py)."""
         return self.avx512_bf16 or self.amx_bf16
 
     @property

@@ -5,9 +5,17 @@ from __future__ import annotations
 import functools
 import os
 
-from server.config.kernel_env import (HALF_BACKENDS, HALF_ENV, INT8_BACKENDS, INT8_ENV,
-                                      KERNEL_CACHE_ENV, KERNEL_ENV, KernelSettingError,
-                                      KernelSettings, parse)
+from server.config.kernel_env import (
+    HALF_BACKENDS,
+    HALF_ENV,
+    INT8_BACKENDS,
+    INT8_ENV,
+    KERNEL_CACHE_ENV,
+    KERNEL_ENV,
+    KernelSettingError,
+    KernelSettings,
+    parse,
+)
 
 __all__ = ["HALF_BACKENDS", "HALF_ENV", "INT8_BACKENDS", "INT8_ENV", "KERNEL_CACHE_ENV",
            "KERNEL_ENV", "KernelSettingError", "KernelSettings", "kernel_settings", "parse"]

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from server.model.attention import MLA, AttentionPlan, _pad, _unpad
-from server.model.collectives import all_gather_cat, all_to_all
-from server.model.latent_cache import Int8LatentCache, LatentCache
+from server.distributed.collectives import all_gather_cat, all_to_all
+from server.model.layers.attention import MLA, AttentionPlan, _pad, _unpad
+from server.model.layers.latent_cache import Int8LatentCache, LatentCache
 
 
 class StripedLatentCache:

@@ -1,151 +1,24 @@
-"""Reusable DeepSeek layers: RMSNorm, rotary embedding (with YaRN), dense MLP, routed MoE.
+"""The routed mixture of experts: the router (MoEGate) and the experts it picks (MoE).
 
-Parameter names mirror the Hugging Face checkpoint (``gate_proj``, ``experts.N.up_proj``,
-``gate.e_score_correction_bias``...) so loading is a name-for-name copy.
-"""
+Parameter names mirror the Hugging Face checkpoint (``experts.N.up_proj``,
+``gate.e_score_correction_bias``...) so loading is a name-for-name copy."""
 from __future__ import annotations
-
-import functools
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model import bf16_cpu, quant
-from server.model.config import DeepseekConfig, yarn_get_mscale
-
+from server.model import quant
+from server.model.config import DeepseekConfig
+from server.model.kernels.products import UsesProducts
+from server.model.layers.experts import FloatExperts, Int8Experts
+from server.model.layers.linear import Linear, column_major
+from server.model.layers.mlp import MLP
 
 # Run every expert densely when the step's dense work (tokens x all experts' MACs) is at
 # most this: below it per-op dispatch, not arithmetic, dominates on CPU (demo model: up to
 # ~85 tokens; DeepSeek-V3's 256 large experts: never).
 DENSE_MOE_MAX_MACS = 1 << 24
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel, same maths as below (bitwise equal in float32, measured);
-            # saves ~4 op dispatches per norm, which dominate on small batches.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32, scale in the input dtype (as the reference implementations do).
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
-def column_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same [out, in] matrix stored as [in, out] (strides (1, out)) on a CPU;
-    unchanged on other devices.  Why: MKL's matmul for a decode window's few rows then
-    streams contiguous output rows instead of taking one dot product per output.  For wide
-    weights (the demo model's vocabulary head [2048, 128], stacked MoE gate/up
-    [1280, 128]) the 1-row product went from 34 to 21 us and 21 to 14 us, the 2-row one
-    from 58 to 42 and 48 to 36 us.  Narrow ones (the MoE's [128, 640] down) are faster
-    row-major: not for those.
-
-    Float32 only, or 16-bit floats where the CPU multiplies them natively (AVX512_BF16 or
-    AMX): without it (an AVX2 EPYC) a bf16 product with a column-major weight falls off
-    oneDNN's fast path, 30x slower than row-major (the 0.5b model's [32000, 1536] head:
-    180 ms against 10.9 ms for one row; row-major streams at the GEMV limit)."""
-    if weight.device.type != "cpu" or not column_major_pays(weight.dtype):
-        return weight
-    return weight.t().contiguous().t()
-
-
-@functools.lru_cache(maxsize=None)
-def column_major_pays(dtype: torch.dtype) -> bool:
-    """Whether ``column_major`` helps a CPU product in ``dtype`` on this machine: float32,
-    or 16-bit weights where oneDNN's own product serves them (bf16_cpu.chosen_backend:
-    a CPU with AVX512_BF16 or AMX; our kernel reads row-major weights)."""
-    if dtype == torch.float32:
-        return True
-    return dtype in (torch.bfloat16, torch.float16) and bf16_cpu.chosen_backend() == "onednn"
-
-
-def _yarn_inv_freq(cfg: DeepseekConfig, dim: int) -> tuple[torch.Tensor, float]:
-    """YaRN frequencies: interpolate low frequencies by ``factor``, keep high ones, ramp between."""
-    y = cfg.rope_scaling
-    assert y is not None
-    base = cfg.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
-    extrapolation = 1.0 / pos_freqs
-    interpolation = 1.0 / (y.factor * pos_freqs)
-
-    def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(y.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
-            2 * math.log(base)
-        )
-
-    low = max(math.floor(correction_dim(y.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
-    inv_freq = interpolation * (1 - keep) + extrapolation * keep
-    # cos/sin amplitude correction (1.0 when mscale == mscale_all_dim, as in DeepSeek-V3).
-    attention_factor = yarn_get_mscale(y.factor, y.mscale) / yarn_get_mscale(y.factor, y.mscale_all_dim)
-    return inv_freq, attention_factor
-
-
-class RotaryEmbedding:
-    """cos/sin for the rope part of q and k; not a module so ``.to(dtype)`` never touches it.
-
-    DeepSeek checkpoints store the rope dims as interleaved pairs (x0, x1), (x2, x3), ...
-    (``rope_interleave``, default true). The rotated output is written de-interleaved,
-    [even dims rotated | odd dims rotated], exactly as transformers does; q and k get the
-    same permutation, so q.k (and therefore attention) equals the interleaved original.
-    """
-
-    def __init__(self, cfg: DeepseekConfig) -> None:
-        dim = cfg.qk_rope_head_dim
-        if cfg.rope_scaling is None:
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
-            self.attention_factor = 1.0
-        else:
-            inv_freq, self.attention_factor = _yarn_inv_freq(cfg, dim)
-        self.interleave = cfg.rope_interleave
-        self._inv_freq = {torch.device("cpu"): inv_freq}
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] int -> cos, sin [..., rope_dim // 2] float32."""
-        inv = self._inv_freq.get(positions.device)
-        if inv is None:
-            inv = self._inv_freq[torch.device("cpu")].to(positions.device)
-            self._inv_freq[positions.device] = inv
-        freqs = positions.float()[..., None] * inv
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., heads, rope_dim] (cos/sin broadcast over heads as [..., 1, rope_dim // 2])."""
-        dtype = x.dtype
-        xf = x.float()
-        if self.interleave:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        else:
-            half = xf.shape[-1] // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEGate(nn.Module):
@@ -171,7 +44,8 @@ class MoEGate(nn.Module):
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.scale_after_norm = cfg.scale_after_norm
         self.weight = nn.Parameter(torch.empty(n, cfg.hidden_size, dtype=torch.float32))
-        nn.init.normal_(self.weight, std=cfg.hidden_size ** -0.5)  # usable when built without a checkpoint
+        if not self.weight.is_meta:                # usable when built without a checkpoint
+            nn.init.normal_(self.weight, std=cfg.hidden_size ** -0.5)
         if self.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
         else:
@@ -206,7 +80,7 @@ class MoEGate(nn.Module):
         return weights, idx
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, UsesProducts):
     """Routed experts plus shared experts; only the chosen experts run.
 
     Assignments (token, slot) are sorted by expert so each active expert runs once on a
@@ -247,7 +121,7 @@ class MoE(nn.Module):
         # training and autograd paths keep the per-expert dispatch below.
         # Int8 experts (QuantLinear) keep the per-expert dispatch: their scales are per
         # expert and output channel, which one stacked down-projection cannot carry.
-        if torch.is_inference_mode_enabled() and isinstance(self.experts[0].gate_proj, nn.Linear) \
+        if torch.is_inference_mode_enabled() and isinstance(self.experts[0].gate_proj, Linear) \
                 and x.shape[0] * self._macs_per_token_dense <= DENSE_MOE_MAX_MACS:
             return self._dense(x, weights, idx).reshape(shape)
         k = idx.shape[1]
@@ -263,12 +137,12 @@ class MoE(nn.Module):
         if mine.numel():
             xs = x.index_select(0, token_of)
             local = counts[first:first + num_local]
-            stacks = self._current_stacks()
-            ys = bf16_cpu.kernel_experts(xs, local, *stacks) if stacks and len(stacks) == 2 else None
+            form, stacks = self.expert_form, self._current_stacks() or ()
+            ys = form.routed(self, xs, local, stacks)
             if ys is None:
                 outs = []
                 start = 0
-                run = self._expert_runner()
+                run = form.runner(self, stacks)
                 for j, n in enumerate(local):
                     if n:
                         outs.append(run(j, xs[start:start + n]))
@@ -283,18 +157,10 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return self.combine(out).reshape(shape)
 
-    def _expert_runner(self):
-        """(local expert j, its rows) -> its output.  Int8 experts with stacks
-        (``expert_stacks``, built at start for the gathered MoE) run gate and up as one
-        int8 product (quant.int8_expert: one activation quantization and one GEMM where
-        two QuantLinears take two of each; the same numbers)."""
-        stacks = self._current_stacks()
-        if stacks is not None and len(stacks) == 4:
-            gate_up, gate_up_scale, down, down_scale = stacks
-            backend = self.experts[0].gate_proj.backend
-            return lambda j, rows: quant.int8_expert(rows, gate_up[j], gate_up_scale[j], down[j],
-                                                     down_scale[j], backend)
-        return lambda j, rows: self.experts[j](rows)
+    @property
+    def expert_form(self) -> type[FloatExperts] | type[Int8Experts]:
+        """How these experts compute (layers/experts.py): float, or int8 of the dynamic scheme."""
+        return FloatExperts if isinstance(self.experts[0].gate_proj, Linear) else Int8Experts
 
     @property
     def _macs_per_token_dense(self) -> int:
@@ -312,12 +178,12 @@ class MoE(nn.Module):
         w_gate_up, w_down, sizes = self._stacked()
         T = x.shape[0]
         scale = self.local_scale(weights, idx)               # [T, local experts]
-        gu = F.linear(x, w_gate_up)                          # [T, 2 * (E*I + Is)]
+        gu = self.products.linear(x, w_gate_up)                          # [T, 2 * (E*I + Is)]
         g, u = gu.chunk(2, dim=-1)
         act = F.silu(g) * u                                  # [T, E*I + Is]
         routed = act[:, :sizes[0]].view(T, len(self.experts), -1)
         routed.mul_(scale[:, :, None].to(act.dtype))         # weight before the (linear) down proj
-        return self.combine(F.linear(act, w_down))           # [T, H]
+        return self.combine(self.products.linear(act, w_down))           # [T, H]
 
     @property
     def can_gather(self) -> bool:
@@ -326,7 +192,7 @@ class MoE(nn.Module):
         if self.expert_offset != 0 or not isinstance(self.combine, nn.Identity):
             return False
         parts = [p for m in self.experts for p in (m.gate_proj, m.up_proj, m.down_proj)]
-        return all(type(p) is nn.Linear for p in parts) or all(quant.gatherable(p) for p in parts)
+        return all(type(p) is Linear for p in parts) or all(quant.gatherable(p) for p in parts)
 
     def expert_stacks(self) -> tuple[torch.Tensor, ...]:
         """The routed experts' weights stacked for the gathered MoE: float experts
@@ -336,7 +202,7 @@ class MoE(nn.Module):
         built again if an expert's weight was replaced since."""
         if (current := self._current_stacks()) is not None:
             return current
-        names = ("weight",) if type(self.experts[0].gate_proj) is nn.Linear else ("weight", "weight_scale")
+        names = self.expert_form.names
         # Plain tensors even when first asked inside inference mode: the dense stack keys
         # its cache on the weights' version counters, which inference tensors lack.
         with torch.inference_mode(False), torch.no_grad():
@@ -380,6 +246,6 @@ class MoE(nn.Module):
                 up = torch.cat([m.up_proj.weight for m in mlps])
                 down = torch.cat([m.down_proj.weight for m in mlps], dim=1)
             routed = sum(m.gate_proj.out_features for m in self.experts)
-            self._stack = (column_major(torch.cat([gate, up])), down, (routed, gate.shape[0] - routed))
+            self._stack = (column_major(torch.cat([gate, up]), self.products), down, (routed, gate.shape[0] - routed))
             self._stack_key = key
         return self._stack

@@ -53,11 +53,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from server.model import collectives
-from server.model.attention import AttentionPlan, build_plan
+from server.distributed import collectives
 from server.model.batch import BatchMetadata
-from server.model.latent_cache import as_cache
-from server.model.sequence_parallel import SequenceParallelMLA
+from server.model.layers.attention import AttentionPlan, build_plan
+from server.model.layers.latent_cache import as_cache
+from server.model.parallel.sequence import SequenceParallelMLA
 
 
 def zigzag_chunks(num_tokens: int, size: int, index: int = 0) -> list[list[tuple[int, int]]]:

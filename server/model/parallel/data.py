@@ -37,9 +37,9 @@ from itertools import accumulate
 
 import torch
 
-from server.model import collectives
-from server.model.attention import MLA, AttentionPlan, build_plan
+from server.distributed import collectives
 from server.model.batch import BatchMetadata
+from server.model.layers.attention import MLA, AttentionPlan, build_plan
 
 
 @dataclass(slots=True)

@@ -22,11 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model import bf16_cpu
 from server.model.batch import BatchMetadata
 from server.model.config import DeepseekConfig
-from server.model.latent_cache import CacheLike, as_cache
-from server.model.layers import RMSNorm, RotaryEmbedding
+from server.model.kernels.products import UsesProducts
+from server.model.layers.latent_cache import CacheLike, as_cache
+from server.model.layers.linear import Linear
+from server.model.layers.norm import RMSNorm
+from server.model.layers.rotary import RotaryEmbedding
 
 # Steps whose longest query is at most this many tokens use the absorbed form.
 DEFAULT_ABSORB_MAX_QUERY_LEN = 16
@@ -104,7 +106,7 @@ def build_plan(
     )
 
 
-class MLA(nn.Module):
+class MLA(nn.Module, UsesProducts):
     def __init__(self, cfg: DeepseekConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -117,15 +119,15 @@ class MLA(nn.Module):
         self.rope = rope
         h, qk = cfg.hidden_size, cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
+            self.q_proj = Linear(h, self.num_heads * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=False)
 
     # -- shared pieces -------------------------------------------------------------------
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -219,13 +221,13 @@ class MLA(nn.Module):
         """Fold W_UK into the query: [T, nH, dn], [T, nH, dr] -> [T, nH, kvr + dr]."""
         nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uk = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, :dn]   # [nH, dn, kvr]
-        return torch.cat([bf16_cpu.latent_query(q_nope, w_uk), q_pe], dim=-1)
+        return torch.cat([self.products.latent_query(q_nope, w_uk), q_pe], dim=-1)
 
     def _value_out(self, o: torch.Tensor) -> torch.Tensor:
         """Unfold W_UV: latent-space outputs [T, nH, kvr] -> [T, nH * dv]."""
         nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uv = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, dn:]   # [nH, dv, kvr]
-        return bf16_cpu.latent_value(o, w_uv).flatten(1)
+        return self.products.latent_value(o, w_uv).flatten(1)
 
     def _attend_absorbed(self, q_nope, q_pe, ctx, plan: AttentionPlan) -> torch.Tensor:
         """Attend in latent space; all heads share one key/value row per token (MQA)."""
@@ -235,7 +237,7 @@ class MLA(nn.Module):
         # Heads become extra query rows: [B, Lq * nH, D] against keys [B, S, D].  Three
         # plain kernels: on CPU this is ~2x faster than SDPA's math path at these sizes.
         q = q.view(b, mq * nh, -1)
-        o = bf16_cpu.latent_attention(q, ctx, plan.head_bias, self.scale, kvr)  # [B, Lq*nH, kvr]
+        o = self.products.latent_attention(q, ctx, plan.head_bias, self.scale, kvr)  # [B, Lq*nH, kvr]
         return self._value_out(_unpad(o.view(b * mq, nh, kvr), plan.pad_index))
 
 

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from server.model.parallel import ParallelPlan, TensorSlice
-from server.model.quant_loader import QuantSpec
+from server.model.parallel.plan import ParallelPlan, TensorSlice
+from server.model.quant.formats import QuantSpec
 
 # Companions with one value per output row of their layer.
 PER_ROW = frozenset({"weight_scale", "weight_offset", "scale_bias", "deq_scale", "quant_bias", "bias"})

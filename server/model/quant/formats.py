@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from server.model.meta import meta_device
-from server.model.quant import QuantLinear, unpack_int4_rows
+from server.model.quant.int4 import unpack_int4_rows
+from server.model.quant.linear import QuantLinear
 
 DESCRIPTION = "quant_model_description.json"
 SUPPORTED = {"W8A8": "w8a8_static", "W8A8_DYNAMIC": "w8a8_dynamic", "W4A8_DYNAMIC": "w8a8_dynamic"}

@@ -43,11 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model import collectives
-from server.model.context_parallel import make_context_parallel
-from server.model.data_parallel import make_data_parallel
+from server.distributed import collectives
+from server.model.kernels.products import UsesProducts
+from server.model.layers.linear import Linear
 from server.model.meta import meta_device
-from server.model.sequence_parallel import make_sequence_parallel
+from server.model.parallel.context import make_context_parallel
+from server.model.parallel.data import make_data_parallel
+from server.model.parallel.sequence import make_sequence_parallel
 
 
 class ShardError(ValueError):
@@ -133,11 +135,11 @@ class AllReduce(nn.Module):
         return collectives.all_reduce(x)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer holding a slice of the input features; output summed over ranks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return collectives.all_reduce(F.linear(x, self.weight))
+        return collectives.all_reduce(self.products.linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -155,7 +157,7 @@ class VocabParallelEmbedding(nn.Module):
         return collectives.all_reduce(out * mine[..., None].to(out.dtype))
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(nn.Module, UsesProducts):
     """This rank's vocabulary slice of the logits, all-gathered into the full row."""
 
     def __init__(self, rows: int, dim: int, world_size: int) -> None:
@@ -164,7 +166,7 @@ class VocabParallelHead(nn.Module):
         self.world_size = world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return collectives.all_gather_cat(F.linear(x, self.weight), self.world_size, dim=-1)
+        return collectives.all_gather_cat(self.products.linear(x, self.weight), self.world_size, dim=-1)
 
 
 # -- sharding --------------------------------------------------------------------------
@@ -175,7 +177,7 @@ def _split(total: int, ways: int, index: int, what: str) -> tuple[int, int]:
     return index * size, (index + 1) * size
 
 
-def _meta_linear(cls: type[nn.Linear], in_f: int, out_f: int) -> nn.Linear:
+def _meta_linear(cls: type[Linear], in_f: int, out_f: int) -> Linear:
     with meta_device():
         return cls(in_f, out_f, bias=False)
 
@@ -239,24 +241,24 @@ def _shard_attention(attn: nn.Module, prefix: str, h0: int, h1: int, plan: Paral
     qk, dv, heads = attn.nope_dim + attn.rope_dim, attn.v_dim, h1 - h0
     q_name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
     q = getattr(attn, q_name)
-    setattr(attn, q_name, _meta_linear(nn.Linear, q.in_features, heads * qk))
+    setattr(attn, q_name, _meta_linear(Linear, q.in_features, heads * qk))
     rows(f"{prefix}.{q_name}.weight", h0 * qk, h1 * qk)
     kvb = attn.kv_b_proj
-    attn.kv_b_proj = _meta_linear(nn.Linear, kvb.in_features, heads * (attn.nope_dim + dv))
+    attn.kv_b_proj = _meta_linear(Linear, kvb.in_features, heads * (attn.nope_dim + dv))
     rows(f"{prefix}.kv_b_proj.weight", h0 * (attn.nope_dim + dv), h1 * (attn.nope_dim + dv))
-    o_cls = RowParallelLinear if plan.dp == 1 and plan.cp == 1 else nn.Linear
+    o_cls = RowParallelLinear if plan.dp == 1 and plan.cp == 1 else Linear
     attn.o_proj = _meta_linear(o_cls, heads * dv, hidden)
     cols(f"{prefix}.o_proj.weight", h0 * dv, h1 * dv)
     attn.num_heads = heads
 
 
 def _shard_mlp(mlp: nn.Module, prefix: str, a: int, b: int, rows, cols,
-               down_cls: type[nn.Linear] = nn.Linear, source: str | None = None) -> None:
+               down_cls: type[Linear] = Linear, source: str | None = None) -> None:
     """Keep intermediate slice [a, b) of a SwiGLU MLP (``source``: its checkpoint prefix)."""
     src = source or prefix
     h = mlp.gate_proj.in_features
-    mlp.gate_proj = _meta_linear(nn.Linear, h, b - a)
-    mlp.up_proj = _meta_linear(nn.Linear, h, b - a)
+    mlp.gate_proj = _meta_linear(Linear, h, b - a)
+    mlp.up_proj = _meta_linear(Linear, h, b - a)
     mlp.down_proj = _meta_linear(down_cls, b - a, h)
     rows(f"{prefix}.gate_proj.weight", a, b, f"{src}.gate_proj.weight")
     rows(f"{prefix}.up_proj.weight", a, b, f"{src}.up_proj.weight")

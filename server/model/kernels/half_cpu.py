@@ -1,0 +1,252 @@
+"""16-bit float products on a CPU without 16-bit float instructions (AVX2 only: no
+AVX512_BF16, no AMX).
+
+Why: there oneDNN's bf16 product converts the weight to float32 for every row it
+multiplies, so it costs a single-row product per row (2 threads, AMD EPYC):
+
+* a decode window's rows: the 0.5b model's [32000, 1536] head took 5.1 / 9.5 / 14.3 ms for
+  1 / 2 / 3 rows, the absorbed attention's W_UK bmm 0.43 / 0.82 / 1.28 ms, so a k=1 step
+  cost 2.7x a plain step and MTP was slower than none;
+* a prompt's rows: [8192, 1536] at 200 rows 237 ms, where converting the weight to float32
+  once and running a float32 GEMM takes 62 ms ([1536, 3072]: 87 against 13 ms).
+
+So ``HalfCpuProducts`` (a model's products, kernels/products.py), in the graphs of the
+compiled step (``window``, by the kind of window; ``HalfCpuWindow``):
+
+* ``"lone"`` (a lone sequence's window, a constant 1..MAX_ROWS rows): each ``F.linear`` is
+  one float32 reduction per row over the weight converted once (``rows_linear``); Inductor
+  fuses the rows into one kernel that loads each weight vector once for all of them.  The
+  head at 2 / 3 rows: 6.9 / 9.8 ms; a [1536 -> 3072 -> 1536] MLP at 2 rows 1.1 ms against
+  2.8.  One row takes the same form (as fast as oneDNN's), so a window of k+1 rows
+  computes each row exactly as a plain step does and MTP stays lossless in bf16 too.
+* ``"batch"`` (two sequences or more, their number symbolic): each ``F.linear`` calls
+  half_avx2.c as an operator (``batch_linear``), or without it is one float32 reduction
+  per output column and row, the rows inner: the 0.5b model's batch-16 step took 810 ms
+  with oneDNN's rows, 251 ms with the reductions, 140 with the kernel.
+* ``"lone"`` and ``"batch"``: W_UK / W_UV as reductions over a head's cached weights
+  (``latent_query``, ``latent_value``): 0.07 against 0.82 ms at 2 rows; the attention's
+  two products over the context in float32 (``latent_attention``).
+* ``"prompt"`` (a lone prompt, any length): linears and those bmms in float32.
+
+Outside graphs, a product of a 16-bit weight (the routed experts of batch windows, the
+heads, prompts) runs through ``half_avx2.c`` up to KERNEL_ROWS rows (``kernel_linear``): it converts each weight vector in registers once
+for all rows, so the weight is read once (the 0.5b model's [6144, 1536] at 4 / 16 rows:
+0.56 / 2.1 ms against 3.2 / 4.3 for a converted float32 GEMM and 3.6 / 14.3 for oneDNN's),
+and each row's sums do not depend on the others, so MTP's windows stay lossless against
+plain steps.  Past KERNEL_ROWS rows, or without the kernel (backend "float32": no C compiler, no AVX2 /
+FMA / F16C, ``MTP_SERVE_HALF_KERNEL=0``, or forced), FLOAT32_ROWS rows or more run in
+float32 (``float32_linear``), fewer through oneDNN.
+Float32 models never take any of it, so the lossless float32 checks are untouched; bf16
+outputs are bf16 rounding apart from oneDNN's (float32 sums in another order).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from server.model.kernels.gemm import converted_mm, kernel_operator, materialized
+from server.model.kernels.native import half_kernel
+from server.model.kernels.products import Products
+
+MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
+# Outside graphs, from here float32 GEMMs (float32_linear) beat oneDNN's bf16 rows, which
+# read the weight once per row (4 rows, the 0.5b model's shapes: [512, 1536] 0.22 against
+# 0.30 ms, [6144, 1536] 2.5 against 3.6, the head 14 against 19; at 3 rows oneDNN's).
+FLOAT32_ROWS = 4
+KERNEL_ROWS = 64    # eager, up to here half_avx2.c (kernel_linear); past it MKL's GEMMs
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class HalfCpuProducts(Products):
+    """16-bit weights on a CPU: half_avx2.c where ``kernel`` (backend "avx2"), float32
+    GEMMs and fused reductions without it ("float32").  Weights of other dtypes take
+    torch's own products."""
+
+    takes_prompts = False          # a prompt graph would convert every weight on each call
+
+    def __init__(self, kernel: ctypes.CDLL | None) -> None:
+        super().__init__(native_half=False)
+        # A flag, not the library: a compiled graph saves the objects it was traced with.
+        self.uses_kernel = kernel is not None
+        self.name = "avx2" if self.uses_kernel else "float32"
+
+    @property
+    def kernel(self) -> ctypes.CDLL | None:
+        return half_kernel() if self.uses_kernel else None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.dtype not in _HALF or weight.device.type != "cpu" or weight.dim() != 2 or x.dim() < 2:
+            return F.linear(x, weight, bias)
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows <= KERNEL_ROWS and (out := kernel_linear(self.kernel, x, weight, bias)) is not None:
+            return out
+        if rows >= FLOAT32_ROWS:
+            return float32_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def experts(self, xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor | None:
+        return kernel_experts(self.kernel, xs, counts, gate_up, down)
+
+    def window(self, window: str) -> Products:
+        super().window(window)
+        return HalfCpuWindow(self.kernel, window)
+
+
+class HalfCpuWindow(HalfCpuProducts):
+    """The forms a compiled graph of one window takes (module docstring).  Called outside a
+    trace (another thread serving the model while a graph of it is traced) it computes as
+    ``HalfCpuProducts`` does: the forms are for Inductor, slow uncompiled."""
+
+    def __init__(self, kernel: ctypes.CDLL | None, window: str) -> None:
+        super().__init__(kernel)
+        self.kind = window
+        self.name = f"{self.name}:{window}"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return super().linear(x, weight, bias)
+        if weight.dtype not in _HALF or weight.device.type != "cpu" or weight.dim() != 2:
+            return F.linear(x, weight, bias)
+        if self.kind == "lone" and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            return rows_linear(x, weight, bias)
+        if self.kind == "prompt":
+            return float32_linear(x, weight, bias)
+        if self.kind == "batch" and x.dim() == 2:
+            return batch_linear(x, weight, bias, self.uses_kernel)
+        return F.linear(x, weight, bias)
+
+    def experts(self, xs, counts, gate_up, down):
+        return None if torch.compiler.is_compiling() else super().experts(xs, counts, gate_up, down)
+
+    def latent_query(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """In a window, a reduction over dn: a head's W_UK (the 0.5b model: 12 x 128 x 384,
+        1.2 MB) stays in cache across rows, so any row count takes it; in a prompt, a
+        float32 bmm."""
+        if not torch.compiler.is_compiling():
+            return super().latent_query(q_nope, w_uk)
+        if self.kind == "prompt":
+            return torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1).to(q_nope.dtype)
+        return (materialized(q_nope.float())[..., None] * w_uk.float()).sum(2).to(q_nope.dtype)
+
+    def latent_value(self, o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """A reduction over kvr (a window) or a float32 bmm (a prompt)."""
+        if not torch.compiler.is_compiling():
+            return super().latent_value(o, w_uv)
+        if self.kind == "prompt":
+            return torch.bmm(o.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1).to(o.dtype)
+        return (materialized(o.float())[:, :, None, :] * w_uv.float()).sum(-1).to(o.dtype)
+
+    def latent_attention(self, q, ctx, bias, scale, kvr):
+        """In float32: oneDNN's bf16 bmm took 355 us a layer for the 0.5b model's 12 heads
+        over 272 rows (the two products, 14% of a decode step), a float32 one a few; the
+        scores and the softmax keep float32's precision too."""
+        if not torch.compiler.is_compiling():
+            return super().latent_attention(q, ctx, bias, scale, kvr)
+        return super().latent_attention(q.float(), ctx.float(), bias, scale, kvr).to(q.dtype)
+
+    def window(self, window: str) -> Products:
+        return HalfCpuProducts(self.kernel).window(window)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-d ``x`` of a few rows, as one float32 reduction
+    per row over the converted weight (for Inductor to fuse; slow uncompiled)."""
+    w = weight.float()
+    xf = materialized(x.float())        # not recomputed for every output column
+    out = torch.stack([(w * xf[i]).sum(-1) for i in range(x.shape[0])]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: bool = True) -> torch.Tensor:
+    """``F.linear`` for a batch window's rows (their number symbolic): half_avx2.c as an
+    operator of the graph (``half_mm``: [6144, 1536] at 16 rows 2.1 ms); without the
+    kernel, one float32 reduction per output column and row, the rows inner, so that each
+    weight row is read from memory once for all of them ([8192, 1536] at 16 rows: 10.3 ms
+    against oneDNN's 19.1)."""
+    if kernel and weight.is_contiguous():
+        out = torch.ops.mtp_serve.half_mm(x.reshape(-1, x.shape[-1]).float(), weight)
+        out = out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    else:
+        out = (weight.float()[:, None, :] * materialized(x.float())[None, :, :]).sum(-1).t().to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through float32 GEMMs over the converted weight, for many rows; eager,
+    by blocks of the weight (``gemm.converted_mm``)."""
+    b = None if bias is None else bias.float()
+    if torch.compiler.is_compiling():
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    n, k = weight.shape
+    out = converted_mm(x.reshape(-1, k).float(), weight)
+    return (out if b is None else out + b).to(x.dtype).view(*x.shape[:-1], n)
+
+
+def kernel_linear(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear`` through half_avx2.c (module docstring), eager; None where it does not
+    apply (no kernel, a weight that is not a row-major 16-bit CPU matrix)."""
+    if (lib is None or weight.dtype not in _HALF or weight.device.type != "cpu"
+            or weight.dim() != 2 or not weight.is_contiguous()):
+        return None
+    n, k = weight.shape
+    out = _kernel_mm(lib, x.reshape(-1, k).float(), weight)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def kernel_experts(lib: ctypes.CDLL | None, xs: torch.Tensor, counts: list[int],
+                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+    """A routed MoE's experts over their rows in one half_avx2.c call (``experts`` there):
+    xs [A, H], expert e's rows the e-th ``counts[e]`` of them; gate_up [E, 2I, H], down
+    [E, H, I] (MoE.expert_stacks) -> float32 [A, H].  None where it does not apply (no
+    kernel, an expert with more than KERNEL_ROWS rows: a prompt's, for MKL's GEMMs)."""
+    if (lib is None or torch.compiler.is_compiling()
+            or gate_up.dtype not in _HALF or gate_up.device.type != "cpu"
+            or not (gate_up.is_contiguous() and down.is_contiguous())
+            or max(counts, default=0) > KERNEL_ROWS):
+        return None
+    e, i2, h = gate_up.shape
+    xf = xs.float().contiguous()
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+    gu = torch.empty(xf.shape[0], i2, dtype=torch.float32)
+    out = torch.empty(xf.shape[0], h, dtype=torch.float32)
+    fn = lib.half_experts_bf16 if gate_up.dtype == torch.bfloat16 else lib.half_experts_f16
+    fn(xf.data_ptr(), h, i2 // 2, offsets.data_ptr(), e, gate_up.data_ptr(), down.data_ptr(),
+       gu.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def half_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] . weight [N, K]^T -> float32 [M, N] through half_avx2.c, as one
+    operator a compiled graph calls (Inductor cannot trace ctypes; gemm.py's fragment
+    says why not ``custom_op``).  Where a graph built with it is loaded without the
+    kernel, the converted float32 product."""
+    lib = half_kernel()
+    if lib is None or not weight.is_contiguous():
+        return converted_mm(x, weight)
+    return _kernel_mm(lib, x, weight)
+
+
+kernel_operator("half_mm(Tensor x, Tensor weight) -> Tensor", half_mm,
+                lambda x, weight: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
+
+
+def _kernel_mm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's call itself (eager callers skip the operator's dispatch: the routed
+    experts make hundreds of these a step)."""
+    n, k = weight.shape
+    xf = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    fn = lib.half_mm_bf16 if weight.dtype == torch.bfloat16 else lib.half_mm_f16
+    fn(xf.data_ptr(), xf.shape[0], k, xf.stride(0), weight.data_ptr(), n, out.data_ptr(), n,
+       torch.get_num_threads())
+    return out

@@ -1,0 +1,103 @@
+"""Products as an object a model holds: torch's own here, a backend per CPU elsewhere.
+
+Why an object: the 16-bit path for CPUs without bf16 instructions once rebound
+``torch.nn.functional.linear`` for the whole process, so every ``F.linear`` anywhere, ours
+or a library's, went through our dispatch.  Now each layer that multiplies by a weight
+asks the ``products`` it was given at load (``use_products``), as a quantized layer asks
+its int8 backend: the linear layers (layers/linear.py), MLA's absorbed-attention products
+(layers/attention.py), the routed experts (layers/moe.py) and the vocabulary heads.
+
+A compiled graph of a window of the static step takes the form ``products.window(w)``
+gives ("lone", "batch" or "prompt"; compile_step.py swaps it in while it traces, and the
+graph keeps it): a backend that has no such forms returns itself.  Adding a backend is a
+subclass in a file of its own and one line where choice.py makes the choice.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WINDOWS = ("lone", "batch", "prompt")
+
+
+class Products:
+    """Torch's own products: oneDNN / MKL on a CPU, cuBLAS on CUDA."""
+
+    name = "torch"
+    takes_prompts = True           # a lone prompt may run through a compiled prompt graph
+
+    def __init__(self, native_half: bool = True) -> None:
+        # Whether the device multiplies 16-bit floats natively (the CPU's AVX512_BF16 / AMX;
+        # always on CUDA): there a column-major 16-bit weight stays on the fast path.
+        self.native_half = native_half
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def latent_query(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """The absorbed attention's W_UK product: [T, nH, dn] x [nH, dn, kvr] -> [T, nH, kvr]."""
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    def latent_value(self, o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """The W_UV product: [T, nH, kvr] x [nH, dv, kvr] -> [T, nH, dv]."""
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def latent_attention(self, q: torch.Tensor, ctx: torch.Tensor, bias: torch.Tensor,
+                         scale: float, kvr: int) -> torch.Tensor:
+        """softmax(q . ctx^T * scale + bias) . ctx[..., :kvr]: the absorbed attention over a
+        context of latent rows (q [B, R, D], ctx [B, S, D], bias [B, R, S]) -> [B, R, kvr]."""
+        scores = torch.baddbmm(bias.to(q.dtype), q, ctx.transpose(1, 2), alpha=scale)
+        return torch.bmm(scores.softmax(-1), ctx[:, :, :kvr])
+
+    def experts(self, xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor | None:
+        """A routed MoE's float experts over their rows in one call (xs [A, H], expert e's rows
+        the e-th ``counts[e]``; gate_up [E, 2I, H], down [E, H, I]) -> float32 [A, H], or
+        None where this backend has no such call (the MoE then runs expert by expert)."""
+        return None
+
+    def column_major(self, dtype: torch.dtype) -> bool:
+        """Whether a weight of ``dtype`` multiplies faster held column-major (layers/linear.py)."""
+        return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and self.native_half)
+
+    def window(self, window: str) -> Products:
+        """The form a compiled graph of ``window`` (WINDOWS) takes."""
+        if window not in WINDOWS:
+            raise ValueError(f"window {window!r}; allowed: {', '.join(WINDOWS)}")
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class UsesProducts:
+    """A module that multiplies through the ``products`` it is given (``use_products``)."""
+
+    products: Products = Products()
+
+
+def use_products(modules: Iterable[nn.Module], products: Products) -> None:
+    """Give every module under ``modules`` that multiplies (UsesProducts) ``products``."""
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, UsesProducts):
+                m.products = products
+
+
+@contextlib.contextmanager
+def products_for(modules: Iterable[nn.Module], products: Products) -> Iterator[None]:
+    """``use_products`` for the context, each module's own products back after it (what a
+    graph is traced with: compile_step.py)."""
+    modules = list(modules)
+    before = [(m, m.products) for root in modules for m in root.modules() if isinstance(m, UsesProducts)]
+    use_products(modules, products)
+    try:
+        yield
+    finally:
+        for m, p in before:
+            m.products = p
