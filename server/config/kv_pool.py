@@ -20,10 +20,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from server.config.checkpoint.kv_block import checkpoint_kv_block_bytes
 from server.config.errors import ConfigIssue, issues_from_validation
 from server.config.sections import MindIEConfig
-from server.engine.kv.block_file import file_overhead
-from server.engine.kv.layout import checkpoint_kv_block_bytes, disk_tier_blocks, min_disk_gb
+from server.kvblock.file import file_overhead
+from server.kvblock.size import disk_tier_blocks, min_disk_gb
 
 KP = "BackendConfig.kvPoolConfig"
 

@@ -35,15 +35,14 @@ worker, then the worker side):
     child.py           what every child process of the engine does first
     messages.py        SchedulerOutput / ModelRunnerOutput / WorkerInfo (plain, picklable; no torch)
 
-    kv/                the KV pool and where blocks go besides it
+    kv/                the KV pool and where blocks go besides it (a block's key, size and
+                       file: server/kvblock)
       block_manager.py   block allocation, ref counts, MTP-aware prefix cache (no torch)
       dp_blocks.py       one block pool per attention data parallel group (no torch)
       host_tier.py       host tier bookkeeping: hash -> slot, swap slots (no torch)
       peer_blocks.py     blocks derived from a PD peer's rows, purged on a role change (no torch)
       disk_tier.py       disk tier: verified reads, write plans (no torch)
-      block_file.py      one block on disk: checksummed, written atomically (no torch)
       tiers.py           the tiers built for one engine (disk fingerprint) and their figures
-      layout.py          bytes per token and per block, disk capacity (no torch; --check too)
       cache.py           pool tensors and their sizing
       block_rows.py      whole blocks as byte rows (device side of every copy)
       host_pool.py       the host tier's memory and its copies

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.engine.kv.block_key import BlockKey
+from server.kvblock.key import BlockKey
 from server.engine.protocol import SamplingParams, TokenLogprob
 
 

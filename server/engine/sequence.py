@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from server.engine.kv.block_key import BlockKey
+from server.kvblock.key import BlockKey
 from server.engine.protocol import FinishReason, RequestCounters, SamplingParams
 from server.engine.token_view import TokenView
 

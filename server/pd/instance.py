@@ -30,7 +30,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.config.fingerprint import weights_fingerprint
+from server.config.checkpoint.fingerprint import weights_fingerprint
 from server.config.pd_link import parse_peer, read_key_file
 from server.engine.protocol import EngineRequest
 from server.pd.errors import PDError, PDRefused, PDUnavailable
@@ -58,7 +58,7 @@ class PDSettings:
     # role -> why this instance's layout may not take it (a role the management API assigns
     # later obeys the rule config/parallel.py checks for pdRole)
     refused_roles: dict[str, str] = field(default_factory=dict)
-    model_fingerprint: str = ""       # the weights' (server/config/fingerprint.py)
+    model_fingerprint: str = ""       # the weights' (server/config/checkpoint/fingerprint.py)
     model_path: str = ""              # modelWeightPath, for messages that name the two models
 
 

@@ -13,7 +13,7 @@ scale and RoPE rows) laid end to end: the row the host tier and the disk tier ho
              {"status": "error", "error": "..."}    and no payload
 
 ``layout`` names what the rows hold (cache layers, block size, bytes per block, cache
-dtype, and the weights that computed them: server/config/fingerprint.py): D refuses rows
+dtype, and the weights that computed them: server/config/checkpoint/fingerprint.py): D refuses rows
 whose layout is not its own (rows of another checkpoint of the same shape are wrong
 answers with HTTP 200), and a payload whose digest does not match.  ``block_digests``
 name the prompt tokens each block was computed for, keyed with the transfer key
@@ -53,7 +53,7 @@ class KVRows:
 
 def layout_of(num_kv_layers: int, block_size: int, bytes_per_block: int, kv_dtype: str,
               model: str) -> str:
-    """``model``: the weights' fingerprint (server/config/fingerprint.py)."""
+    """``model``: the weights' fingerprint (server/config/checkpoint/fingerprint.py)."""
     return (f"v{VERSION};layers={num_kv_layers};block={block_size};bytes={bytes_per_block};"
             f"kv={kv_dtype};model={model}")
 

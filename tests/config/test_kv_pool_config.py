@@ -118,7 +118,7 @@ def test_disk_tier_settings_refused(body, key, tmp_path):
 # Start-up refuses it (DiskTier needs room for one block file), so --check must too.  A
 # block's bytes depend on the model: every cache layer (main layers and the MTP layer the
 # weights hold) x cacheBlockSize tokens x the cache row; a file adds a 72-byte header and
-# the block's key content (parent digest 32, next token 8, 8 per token: kv/block_key.py).
+# the block's key content (parent digest 32, next token 8, 8 per token: kvblock/key.py).
 # The tiny checkpoint: 2 layers + 1 MTP, float32, kv_lora_rank 32 + qk_rope_head_dim 8.
 DISK = {**PREFIX, f"{KP}": {"backend": "host", "configPath": "pool.json"},
         f"{MC0}.cpuMemSize": 1, f"{SC}.cacheBlockSize": 16}

@@ -100,8 +100,8 @@ def test_a_digest_collision_is_no_hit_anywhere_the_tokens_are_compared(monkeypat
     """Every block's digest made equal (what a forged or colliding key would be): a
     different prompt gets no block from the device cache, the host tier or the disk tier,
     while the same prompt still hits.  Before, a hit was taken on the 64-bit hash alone."""
-    import server.engine.kv.block_key as block_key
-    from server.engine.kv.block_file import write_block
+    import server.kvblock.key as block_key
+    from server.kvblock.file import write_block
     from server.engine.kv.disk_tier import DiskTier
     from server.engine.kv.host_tier import HostTier
     monkeypatch.setattr(block_key, "digest_of", lambda content: bytes(32))

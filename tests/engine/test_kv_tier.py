@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.kv.block_file import HEADER_BYTES, file_name, read_block, write_block
-from server.engine.kv.block_key import BlockKey, block_key, digest_of
+from server.kvblock.file import HEADER_BYTES, file_name, read_block, write_block
+from server.kvblock.key import BlockKey, block_key, digest_of
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.host_pool import HostKVPool
 from server.engine.kv.host_tier import HostTier
@@ -256,7 +256,7 @@ def test_disk_tier_survives_a_restart_and_never_serves_a_damaged_file(tmp_path):
 
 
 def _key_in(path) -> BlockKey:
-    """The key a block file claims to hold (its content field, kv/block_file.py)."""
+    """The key a block file claims to hold (its content field, kvblock/file.py)."""
     data = path.read_bytes()
     n = int.from_bytes(data[40:48], "little")
     content = data[HEADER_BYTES:HEADER_BYTES + n]

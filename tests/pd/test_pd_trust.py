@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.api.errors import api_error
-from server.config.fingerprint import weights_fingerprint
+from server.config.checkpoint.fingerprint import weights_fingerprint
 from server.config.pd_link import KeyFileError, read_key_file
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.pd.coordinator.config import CoordinatorConfig, CoordinatorConfigError

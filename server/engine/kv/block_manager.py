@@ -22,7 +22,7 @@ destination) pairs that the scheduler puts in the step message (``take_transfers
 With a disk tier (kv/disk_tier.py) too, a block saved to the host tier is also written to
 disk, and a match goes on from the host tier into files verified before they count.
 
-Keys are SHA-256 chains over the blocks' tokens (kv/block_key.py), the same in every
+Keys are SHA-256 chains over the blocks' tokens (kvblock/key.py), the same in every
 process, so blocks a previous daemon wrote to disk are found again; a hit compares the
 block's tokens, never the digest alone.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from server.engine.kv.block_key import BlockKey, block_key
+from server.kvblock.key import BlockKey, block_key
 from server.engine.kv.disk_tier import DiskTier
 from server.engine.kv.host_tier import HostTier
 from server.engine.kv.peer_blocks import PeerBlocks
@@ -149,7 +149,7 @@ class BlockManager:
     # ---- prefix cache ---------------------------------------------------------------
     def _keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
         """The keys of ``seq``'s first ``num_blocks`` full blocks.  Each is computed once per
-        sequence (a SHA-256 per block: kv/block_key.py): its tokens only grow, so a block's
+        sequence (a SHA-256 per block: kvblock/key.py): its tokens only grow, so a block's
         key never changes, and a request waiting for room is matched again every step."""
         keys, toks, bs = seq.prefix_keys, seq.token_ids, self.block_size
         for b in range(len(keys), num_blocks):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.kv.layout import kv_block_bytes, kv_bytes_per_token
+from server.kvblock.size import kv_block_bytes, kv_bytes_per_token
 from server.model.layers.latent_cache import Int8LatentCache, LatentCache
 from server.model.parallel.sequence import StripedLatentCache, StripeIndex
 
@@ -51,7 +51,7 @@ class KVCacheSpec:
     rope_dim: int = 0        # the part an int8 cache keeps in the model dtype
     int8_layers: frozenset[int] = frozenset()   # cache layers with an int8 latent
 
-    # Sized by kv/layout.py, which ``--check`` uses too (the disk tier's minimum).
+    # Sized by kvblock/size.py, which ``--check`` uses too (the disk tier's minimum).
     def bytes_per_token(self, layer: int) -> int:
         return kv_bytes_per_token(self.kv_cache_dim, self.rope_dim, self._dtype_bytes,
                                   layer in self.int8_layers)

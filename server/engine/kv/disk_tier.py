@@ -3,14 +3,14 @@
 Files live in ``<kvPool disk_path>/<fingerprint>/``; the fingerprint names the model, the
 block layout and the file format (kv/tiers.py), so a directory written for another
 checkpoint, block size, cache dtype or format is never read.  Files are named by the
-prefix cache's block keys (kv/block_key.py: SHA-256 chains, the same in every process),
+prefix cache's block keys (kvblock/key.py: SHA-256 chains, the same in every process),
 so a restarted daemon finds the blocks an earlier one wrote: the directory is scanned
 once at start.  A file holds its block's tokens and a hit compares them.
 
 Policy (SGLang's "write through" for its storage tier): a block saved to the host tier
 is also written to disk, so what left the device survives a restart.  The engine decides
 every write here (``plan_write`` evicts the least recently used file past the size
-bound) and the worker writes the file in that step (kv/block_file.py: atomic, checksummed).
+bound) and the worker writes the file in that step (kvblock/file.py: atomic, checksummed).
 Reads happen here, on the engine side, while a prefix is matched: a file is verified
 before its block counts as a hit, and one that fails (torn, truncated, corrupted) is
 deleted, counted and treated as a miss, so the block is recomputed, never served.
@@ -18,7 +18,7 @@ A block whose write is planned in the step being built is not on disk yet: a rea
 is a miss (``end_step`` ends that when the step message takes the writes).  An entry that
 is not a regular file of the block file's size (a directory, a FIFO, a link to a large
 file) is a damaged entry too: at start-up and on every read while serving it is
-removed, logged and counted, never followed, never waited on (kv/block_file.py).
+removed, logged and counted, never followed, never waited on (kvblock/file.py).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from server.engine.kv.block_file import BadBlockFile, digest_of_name, file_bytes, file_name, load_block
-from server.engine.kv.block_key import BlockKey
+from server.kvblock.file import BadBlockFile, digest_of_name, file_bytes, file_name, load_block
+from server.kvblock.key import BlockKey
 
 log = logging.getLogger("server.engine")
 

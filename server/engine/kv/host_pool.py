@@ -4,7 +4,7 @@ A slot is one byte row holding a whole block: for every cache layer (main layers
 MTP layer) every tensor the layer's cache stores per block (float rows; or int8 latent,
 float32 scale and RoPE rows), laid end to end.  So a block moves whole whatever its dtype,
 and one copy per direction crosses the host/device boundary per step.  The same row is
-what a disk tier file holds (kv/block_file.py).
+what a disk tier file holds (kvblock/file.py).
 
 The engine decides the moves (kv/host_tier.py, kv/block_manager.py); the step message carries
 them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, device block),
@@ -27,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from server.engine.kv.block_file import write_block
-from server.engine.kv.block_key import BlockKey
+from server.kvblock.file import write_block
+from server.kvblock.key import BlockKey
 from server.engine.kv.block_rows import BlockRows
 
 log = logging.getLogger("server.engine")

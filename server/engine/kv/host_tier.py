@@ -6,7 +6,7 @@ It holds two kinds of slots:
 
   * cached slots: a full prefix block that left the device pool (evicted from the prefix
     cache), keyed by the same MTP-aware block key the device prefix cache uses
-    (kv/block_key.py: a lookup compares the block's tokens, not only its digest); evicted
+    (kvblock/key.py: a lookup compares the block's tokens, not only its digest); evicted
     least recently used first when the tier needs room;
   * swap slots: the blocks of a request preempted while the tier had room (swap-based
     preemption); owned by that request until it resumes or finishes, never evicted.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from server.engine.kv.block_key import BlockKey
+from server.kvblock.key import BlockKey
 
 
 class HostTier:

@@ -13,14 +13,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from server.config.fingerprint import weights_fingerprint
+from server.config.checkpoint.fingerprint import weights_fingerprint
 from server.engine.config import EngineConfig
-from server.engine.kv.block_file import MAGIC
+from server.kvblock.file import MAGIC
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.disk_tier import DiskTier
 from server.engine.kv.dp_blocks import DataParallelBlocks
 from server.engine.kv.host_tier import HostTier
-from server.engine.kv.layout import disk_tier_blocks
+from server.kvblock.size import disk_tier_blocks
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
 

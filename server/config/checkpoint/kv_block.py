@@ -1,56 +1,26 @@
-"""Bytes one KV block takes, and how many blocks a disk tier of a given size holds (no torch).
+"""What one KV block of a checkpoint weighs, read from its files without loading it.  No torch.
 
-One block is, for every cache layer (the main decoder layers and the MTP layer(s) the
-weights hold), ``block_size`` tokens of the MLA cache row: ``kv_cache_dim`` values
-(latent + RoPE key) in the model dtype, or for an int8 layer the int8 latent, a float32
-scale and the RoPE part in the model dtype (server/model/layers/latent_cache.py).  The worker's
-pool (kv_cache.KVCacheSpec) and ``python -m server --check`` (server/config/kv_pool.py)
-both size from here, so a disk tier the check accepts is one start-up accepts too.
+``python -m server --check`` refuses a disk tier that cannot hold one block
+(config/kv_pool.py), and a block's size depends on the model: its cache layers (the main
+decoder layers plus the MTP layers the weights hold), its latent and RoPE widths and its
+dtype.  Those come from the checkpoint's ``config.json`` (read as the model reads it:
+architecture.py) and its tensor names, so the check sizes a block exactly as start-up
+will (server/kvblock/size.py does the arithmetic for both).
 """
 from __future__ import annotations
 
 import json
 import struct
 from pathlib import Path
-from typing import Iterable
 
-from server.engine.kv.block_file import file_overhead
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-INT8_SCALE_BYTES = 4                # one float32 scale per token (Int8LatentCache.scale)
-GIB = 1 << 30
-
-
-def kv_bytes_per_token(kv_cache_dim: int, rope_dim: int, dtype_bytes: int, int8: bool) -> int:
-    if int8:
-        return (kv_cache_dim - rope_dim) + rope_dim * dtype_bytes + INT8_SCALE_BYTES
-    return kv_cache_dim * dtype_bytes
-
-
-def kv_block_bytes(num_layers: int, block_size: int, kv_cache_dim: int, rope_dim: int,
-                   dtype_bytes: int, int8_layers: Iterable[int] = ()) -> int:
-    int8 = frozenset(int8_layers)
-    return block_size * sum(kv_bytes_per_token(kv_cache_dim, rope_dim, dtype_bytes, i in int8)
-                            for i in range(num_layers))
-
-
-def disk_tier_blocks(disk_gb: float, block_bytes: int, block_size: int) -> int:
-    """Blocks a disk tier of ``disk_gb`` GiB holds (each file: a header, the block's tokens
-    and its rows: kv/block_file.py)."""
-    return int(disk_gb * GIB) // (block_bytes + file_overhead(block_size))
-
-
-def min_disk_gb(block_bytes: int, block_size: int) -> float:
-    """The least ``disk_size_gb`` that holds one block."""
-    return (block_bytes + file_overhead(block_size)) / GIB
+from server.config.checkpoint.architecture import DeepseekConfig
+from server.kvblock.size import DTYPE_BYTES, kv_block_bytes
 
 
 def checkpoint_kv_block_bytes(weights: Path, block_size: int, kv_cache_dtype: str) -> int | None:
     """What start-up will compute for this checkpoint, read from its config.json and tensor
     names only; None when that cannot be told without loading it (no readable config or
     tensor list, or FA3 int8 layers that only the quantized loader reads)."""
-    from server.model.config import DeepseekConfig      # no torch either
-
     try:
         cfg = DeepseekConfig.from_hf(json.loads((weights / "config.json").read_text("utf-8")))
     except (OSError, ValueError, TypeError, KeyError):

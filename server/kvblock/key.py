@@ -14,7 +14,7 @@ construction to SHA-256 for that reason: GHSA-rm76-4mrf-v9r8).  Now:
 and a ``BlockKey`` compares equal only when digest *and* content are equal, so a dict
 lookup (device cache, host tier) compares the block's tokens, its next token and its
 parent's digest, not the digest alone; the disk tier stores the content in each file and
-compares it too (kv/block_file.py).  The parent digest in the content chains the whole
+compares it too (kvblock/file.py).  The parent digest in the content chains the whole
 prefix: a block matches only when every block before it matched.
 
 The next token is there because, with MTP, the MTP layer's KV at a block's last slot is

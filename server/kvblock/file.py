@@ -2,14 +2,14 @@
 
 Layout (little-endian), format 2: magic ``MTPKVB02`` (8 bytes) | the block key's SHA-256
 digest (32) | content length (8) | payload length (8) | BLAKE2b-128 of content and
-payload (16) | content (the key's parent digest, next token and tokens: kv/block_key.py) |
-payload (one host-tier slot: every cache layer of the block, kv/host_pool.py).  The file
+payload (16) | content (the key's parent digest, next token and tokens: kvblock/key.py) |
+payload (one host-tier slot: every cache layer of the block, engine/kv/host_pool.py).  The file
 is named by the digest.  A reader gets a block only when the magic, digest, both lengths
 and the checksum match and the stored content equals the content it looks up: a block
 whose digest merely collides with another's, and a torn, truncated or corrupted file,
 are never served.  Format 1 (``MTPKVB01``, named by 64-bit Python hashes) is refused by
 its magic, and its 16-digit names are not scanned; the disk tier's folder name carries
-the format too (kv/tiers.py), so its files are not even looked at.
+the format too (engine/kv/tiers.py), so its files are not even looked at.
 
 Reads open only a regular file of the expected size and never follow a link
 (``O_NOFOLLOW``; ``O_NONBLOCK``, so a FIFO put in a block's place opens at once instead of
@@ -29,7 +29,7 @@ import stat
 import struct
 from pathlib import Path
 
-from server.engine.kv.block_key import DIGEST_BYTES, BlockKey, content_bytes
+from server.kvblock.key import DIGEST_BYTES, BlockKey, content_bytes
 
 MAGIC = b"MTPKVB02"
 _HEADER = struct.Struct("<8s32sQQ16s")
