@@ -33,7 +33,7 @@ run (today dp above 1 together with sp above 1), or sp or dp above 1 next to a f
 that moves whole KV blocks of one device pool (``unserved_with_striped_kv``: the host/disk
 KV tier, swap preemption; a striped pool has each block on one rank, a dp pool each
 request's blocks in one group).  PD disaggregation's KV transfer is served beside them:
-it reads and writes blocks by global id over the stripes (engine/kv/striped_transfer.py).  cp above 1 is served (server/model/parallel/context.py)
+it reads and writes blocks by global id over the stripes (engine/kv/transfer/striped.py).  cp above 1 is served (server/model/parallel/context.py)
 and always comes with sp above 1, so those refusals cover it too.  Those are not rule violations: ``--check``
 reports them apart, and the daemon refuses to start on them.
 """
@@ -158,7 +158,7 @@ def unserved_with_striped_kv(layout: ParallelLayout, *, kv_pool_backend: str,
     """sp > 1 or dp > 1 next to what moves whole KV blocks of one device pool (the host
     and disk tiers, swap preemption): a striped pool holds each block on one rank only, a
     dp pool each request's blocks in one group's ranks, so these are refused.  (PD's KV
-    transfer is served: engine/kv/striped_transfer.py.)"""
+    transfer is served: engine/kv/transfer/striped.py.)"""
     if layout.sp > 1:
         key, size, does = "sp", layout.sp, "(sequence parallel) stripes the KV pool over the ranks"
     elif layout.dp > 1:

@@ -44,9 +44,11 @@ worker, then the worker side):
       disk_tier.py       disk tier: verified reads, write plans (no torch)
       tiers.py           the tiers built for one engine (disk fingerprint) and their figures
       cache.py           pool tensors and their sizing
-      block_rows.py      whole blocks as byte rows (device side of every copy)
-      host_pool.py       the host tier's memory and its copies
-      transfer.py        KVTransfer: the worker's one door for tier copies and PD rows
+      transfer/          the worker's block copies
+        kv_transfer.py     KVTransfer: the worker's one door for tier copies and PD rows
+        host_pool.py       the host tier's memory and its copies
+        block_rows.py      whole blocks as byte rows (device side of every copy)
+        striped.py         rows by global block id over a striped pool
     spec/              MTP speculative decoding
       proposer.py        MTPProposer: held drafts, draft passes; NoProposer
       policy.py          SpecPolicy: FixedK, AdaptiveK (no torch)

@@ -14,7 +14,7 @@ Per step the scheduler sends one ``SchedulerOutput``:
     back later as new requests, recomputed from their tokens, or with their blocks loaded
     back from the host tier when they were swapped out);
   * ``kv_saves`` / ``kv_loads``: block copies between the device pool and the host tier
-    (kv/host_tier.py) that the worker's KV transfer (kv/transfer.py) runs before the
+    (kv/host_tier.py) that the worker's KV transfer (kv/transfer/kv_transfer.py) runs before the
     step's forward, in step order; ``kv_disk_writes``: saved blocks also written to the
     disk tier (kv/disk_tier.py); ``kv_row_loads``: whole block rows loaded into the pool,
     read from the disk tier or pulled from a PD prefill instance (server/pd), verified

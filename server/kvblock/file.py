@@ -3,7 +3,7 @@
 Layout (little-endian), format 2: magic ``MTPKVB02`` (8 bytes) | the block key's SHA-256
 digest (32) | content length (8) | payload length (8) | BLAKE2b-128 of content and
 payload (16) | content (the key's parent digest, next token and tokens: kvblock/key.py) |
-payload (one host-tier slot: every cache layer of the block, engine/kv/host_pool.py).  The file
+payload (one host-tier slot: every cache layer of the block, engine/kv/transfer/host_pool.py).  The file
 is named by the digest.  A reader gets a block only when the magic, digest, both lengths
 and the checksum match and the stored content equals the content it looks up: a block
 whose digest merely collides with another's, and a torn, truncated or corrupted file,

@@ -3,7 +3,7 @@
 A block travels as one row of bytes: for every cache layer, the main layers' and the MTP
 layer's, every tensor its cache stores per block (float rows; or int8 latent, float32
 scale and RoPE rows) laid end to end: the row the host tier and the disk tier hold
-(engine/kv/host_pool.py), so a block moves whole whatever its dtype.
+(engine/kv/transfer/host_pool.py), so a block moves whole whatever its dtype.
 
     D -> P   one line of JSON:  {"op": "pull", "version": 1, "request_id": "<P's id>"}\\n
     P -> D   4-byte big-endian length L, L bytes of JSON header, then the payload:

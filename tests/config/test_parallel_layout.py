@@ -164,7 +164,7 @@ P_NODE_ROLE = {"ServerConfig.inferMode": "dmi", "ServerConfig.interCommPort": 13
 def test_pd_beside_a_striped_pool_is_served_and_reaches_the_engine(case_id, edits, sizes,
                                                                    tmp_path):
     """PD's KV transfer reads and writes blocks over the stripes
-    (engine/kv/striped_transfer.py): a P or D node with sp, cp or dp validates and is
+    (engine/kv/transfer/striped.py): a P or D node with sp, cp or dp validates and is
     served; only the KV tiers and swap preemption stay refused beside a striped pool."""
     from server.engine.config import engine_config_from_app
     edits = dict(edits)

@@ -8,7 +8,7 @@ import torch
 from server.kvblock.file import HEADER_BYTES, file_name, read_block, write_block
 from server.kvblock.key import BlockKey, block_key, digest_of
 from server.engine.kv.block_manager import BlockManager
-from server.engine.kv.host_pool import HostKVPool
+from server.engine.kv.transfer.host_pool import HostKVPool
 from server.engine.kv.host_tier import HostTier
 from server.engine.protocol import SamplingParams
 from server.engine.sequence import Sequence
@@ -292,7 +292,7 @@ def test_kv_file_round_trip_and_every_kind_of_damage(tmp_path):
 
 
 def test_a_failing_disk_write_is_a_later_miss_not_an_engine_error(tmp_path, monkeypatch):
-    import server.engine.kv.host_pool as host_pool
+    import server.engine.kv.transfer.host_pool as host_pool
 
     def full_disk(path, block_hash, payload):
         raise OSError(28, "No space left on device")

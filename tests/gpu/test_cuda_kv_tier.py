@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from server.engine.kv.host_pool import HostKVPool
+from server.engine.kv.transfer.host_pool import HostKVPool
 from server.engine.protocol import SamplingParams
 from server.model.layers.latent_cache import Int8LatentCache, LatentCache
 from tests.engine.helpers import make_engine, prompts, requests, run_tokens, tiny_model

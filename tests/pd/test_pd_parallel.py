@@ -1,5 +1,5 @@
 """PD disaggregation with parallel instances: 1 P with tp 2, sp 2, cp 2 (4 ranks) + 1 D with
-dp 2, tp 1, moe_ep 2 (2 ranks), on the demo model (engine/kv/striped_transfer.py).
+dp 2, tp 1, moe_ep 2 (2 ranks), on the demo model (engine/kv/transfer/striped.py).
 
 Engines (the same code path as the daemon's below the HTTP and trust layer: the worker
 exports rows through the rank group, D's scheduler queues the pulled rows and each rank
@@ -125,7 +125,7 @@ D_PAR = ParallelConfig(world_size=4, dp=2, moe_tp=1, moe_ep=4)         # stripes
 
 
 def test_each_rank_knows_its_stripe_and_one_rank_reads_each():
-    from server.engine.kv.striped_transfer import StripePlace
+    from server.engine.kv.transfer.striped import StripePlace
     assert [StripePlace.of(P_PAR, r) for r in range(4)] == [
         StripePlace(0, 2, True), StripePlace(1, 2, True),
         StripePlace(0, 2, False), StripePlace(1, 2, False)]
@@ -145,7 +145,7 @@ def _rank_rows(rank: int, port: int, out: str, broken: bool) -> None:
     ``broken``: each rank uses the other layout's block-to-rank mapping."""
     import torch.distributed as dist
 
-    from server.engine.kv.striped_transfer import StripedRows, StripePlace
+    from server.engine.kv.transfer.striped import StripedRows, StripePlace
     from server.model.layers.latent_cache import LatentCache
     from server.model.parallel.sequence import StripedLatentCache, StripeIndex
     torch.set_num_threads(1)

@@ -69,7 +69,7 @@ def check_striped_pool(cfg: EngineConfig) -> None:
     cp > 1, model/context_parallel.py; dp > 1, model/data_parallel.py) cannot do: its
     blocks live on different ranks, while the host/disk tiers move whole blocks of one
     device pool by global id.  (PD transfer, the other block mover, is served: it reads
-    and writes rows over the stripes, kv/striped_transfer.py.)"""
+    and writes rows over the stripes, kv/transfer/striped.py.)"""
     par = cfg.parallel
     if par.dp > 1:
         if par.sp > 1 or par.cp > 1 or par.world_size % par.dp:

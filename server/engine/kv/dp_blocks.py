@@ -18,7 +18,7 @@ preemption move whole blocks of one device pool: not with dp (refused at start:
 executor/base.py, config/parallel.py).  PD transfer is served: a decode request's pulled
 rows (``seq.remote_kv``) match in whichever group it is placed, the group's manager queues
 their loads at its own block ids, and ``take_transfers`` hands them all to the step, where
-each rank writes the ones of its group (kv/striped_transfer.py).
+each rank writes the ones of its group (kv/transfer/striped.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bookkeeping of the host-memory KV tier: which host slot holds which block.  No torch.
 
 The tier is a second level behind the device pool (kv/block_manager.py), sized in blocks by
-``cpuMemSize`` or the ``kvPoolConfig`` pool settings (kv/host_pool.py turns GB into blocks).
+``cpuMemSize`` or the ``kvPoolConfig`` pool settings (kv/transfer/host_pool.py turns GB into blocks).
 It holds two kinds of slots:
 
   * cached slots: a full prefix block that left the device pool (evicted from the prefix
@@ -13,7 +13,7 @@ It holds two kinds of slots:
 
 The engine decides every move here ("save device block B into host slot S", "load host
 slot S into device block B"); the worker executes the copies it is sent in the step
-message (kv/host_pool.py) in step order, before the step's forward.  Because the worker
+message (kv/transfer/host_pool.py) in step order, before the step's forward.  Because the worker
 applies one step's copies in a fixed order (gather what is saved and what is loaded,
 then write both), a slot handed to a new owner in the same step that reads its old
 contents is still read correctly.

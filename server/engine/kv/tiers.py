@@ -15,14 +15,14 @@ from typing import Any
 
 from server.config.checkpoint.fingerprint import weights_fingerprint
 from server.engine.config import EngineConfig
-from server.kvblock.file import MAGIC
 from server.engine.kv.block_manager import BlockManager
 from server.engine.kv.disk_tier import DiskTier
 from server.engine.kv.dp_blocks import DataParallelBlocks
 from server.engine.kv.host_tier import HostTier
-from server.kvblock.size import disk_tier_blocks
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
+from server.kvblock.file import MAGIC
+from server.kvblock.size import disk_tier_blocks
 
 log = logging.getLogger("server.engine")
 

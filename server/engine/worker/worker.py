@@ -6,7 +6,7 @@ and their probabilities) and a ``RequestState`` per request.  It is driven only 
 same interface can sit in this process (executor/in_process.py) or in another one.
 
 Its optional parts are objects it is given or builds once, each behind one narrow call:
-the KV transfer (kv/transfer.py: host and disk tiers, PD rows; ``apply`` before a step,
+the KV transfer (kv/transfer/kv_transfer.py: host and disk tiers, PD rows; ``apply`` before a step,
 ``export`` after a PD prefill), the step's graphs (worker/step_graphs.py: ``adopt``
 between steps), the grammar book (sample/grammar.py), the rank group
 (worker/rank_group.py: agreement between ranks) and the drafts left for after a step
@@ -28,8 +28,7 @@ import torch
 from server.engine.config import EngineConfig
 from server.engine.kv.cache import (KVCacheSpec, allocate_kv_caches, num_blocks_for, rank_blocks,
                                     stripe_kv_caches)
-from server.engine.kv.striped_transfer import StripePlace
-from server.engine.kv.transfer import KVTransfer
+from server.engine.kv.transfer import KVTransfer, StripePlace
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from server.engine.runtime import lookahead_slots
 from server.engine.sample import grammar
@@ -145,7 +144,7 @@ class Worker:
         self.num_kv_blocks = self.kv_caches[0].num_blocks
         self.sp = par.sp if stripes > 1 else 1
         self.dp = par.dp if stripes > 1 else 1
-        # PD rows by global block id over the stripes (kv/striped_transfer.py).
+        # PD rows by global block id over the stripes (kv/transfer/striped.py).
         self.stripes = StripePlace.of(par, self.group.rank) if stripes > 1 else None
         if stripes > 1:
             log.info("KV pool striped over %s: %d blocks, %d on each rank",
@@ -296,7 +295,7 @@ class Worker:
         finished (what a decode instance's prefix match can take: block b while
         (b + 1) * block_size <= prompt - 1, so the MTP layer's KV at its last slot, which
         reads the next token, is final).  With a striped pool each export is a collective
-        (kv/striped_transfer.py): every rank runs this loop over the same states."""
+        (kv/transfer/striped.py): every rank runs this loop over the same states."""
         bs = self.runner.block_size
         for st in states:
             if st.export_kv and st.num_computed_tokens >= st.num_prompt_tokens \

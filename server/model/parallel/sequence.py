@@ -99,7 +99,7 @@ class StripedLatentCache:
 
     def block_tensors(self) -> tuple[torch.Tensor, ...]:
         """The local tensors (local block ids, sink last): PD rows move by global id
-        through engine/kv/striped_transfer.py; the host/disk tiers are refused."""
+        through engine/kv/transfer/striped.py; the host/disk tiers are refused."""
         return self.inner.block_tensors()
 
 

@@ -4,11 +4,11 @@ Whatever moves blocks, the worker calls this object only: before a step's forwar
 ``apply`` runs the copies the step message carries (host tier saves and loads, disk
 writes of saved blocks, whole rows read from disk or pulled from a PD prefill
 instance); after a PD prefill, ``export`` hands out a prompt's full blocks as rows.  So
-the tiers (kv/host_pool.py) and the PD transfer (server/pd) are composed here, the way
+the tiers (kv/transfer/host_pool.py) and the PD transfer (server/pd) are composed here, the way
 vLLM's KV connector carries offload and disaggregation alike, and the worker knows
-neither.  Order in a step: the host tier's copies (their own order, kv/host_pool.py),
+neither.  Order in a step: the host tier's copies (their own order, kv/transfer/host_pool.py),
 then the rows, which are written last.  With a pool striped over ranks (sp, cp, dp) the
-rows are read and written by global id through kv/striped_transfer.py.
+rows are read and written by global id through kv/transfer/striped.py.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-from server.engine.kv.block_rows import BlockRows
-from server.engine.kv.host_pool import HostKVPool
-from server.engine.kv.striped_transfer import StripedRows, StripePlace
+from server.engine.kv.transfer.block_rows import BlockRows
+from server.engine.kv.transfer.host_pool import HostKVPool
+from server.engine.kv.transfer.striped import StripedRows, StripePlace
 from server.engine.messages import SchedulerOutput
 
 log = logging.getLogger("server.engine")

@@ -8,12 +8,12 @@ what a disk tier file holds (kvblock/file.py).
 
 The engine decides the moves (kv/host_tier.py, kv/block_manager.py); the step message carries
 them as ``kv_saves`` (device block, host slot) and ``kv_loads`` (host slot, device block),
-and ``apply`` runs them before the step's forward (kv/transfer.py calls it).  Order
+and ``apply`` runs them before the step's forward (kv/transfer/kv_transfer.py calls it).  Order
 inside one step: gather the device blocks being saved, gather the host slots being
 loaded, then write both.  That makes a device block that is saved and then reused as a
 load's destination in the same step, or a host slot read by a load and reused by a save,
 come out right.  Disk writes (``kv_disk_writes``: a slot saved this step, to a file)
-follow the host writes.  The device side of every copy is kv/block_rows.py's.
+follow the host writes.  The device side of every copy is kv/transfer/block_rows.py's.
 
 On CUDA the host rows are pinned.  Saves go device -> pinned staging -> host rows; with
 ``async_write`` (kvPoolConfig.asyncWrite) the last step of that waits until the next
@@ -27,9 +27,9 @@ from typing import Sequence
 
 import torch
 
+from server.engine.kv.transfer.block_rows import BlockRows
 from server.kvblock.file import write_block
 from server.kvblock.key import BlockKey
-from server.engine.kv.block_rows import BlockRows
 
 log = logging.getLogger("server.engine")
 GIB = 1 << 30
