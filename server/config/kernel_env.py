@@ -14,15 +14,18 @@ from pathlib import Path
 
 INT8_ENV = "MTP_SERVE_INT8_BACKEND"
 HALF_ENV = "MTP_SERVE_HALF_BACKEND"
-KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use half_avx2.c
+KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use our C kernels
 KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
 
 # int_mm: torch._int_mm (oneDNN, VNNI/AMX); int8pack: torch._weight_int8pack_mm (16-bit
-# models); avx2: half_avx2.c's int8 product; float: the exact float32 path.
-INT8_BACKENDS = ("int_mm", "int8pack", "avx2", "float")
-# onednn: torch's own F.linear; avx2: half_avx2.c (and float32 GEMMs for many rows);
-# float32: float32 GEMMs and fused reductions without the kernel.
-HALF_BACKENDS = ("onednn", "avx2", "float32")
+# models); avx2: half_avx2.c's int8 product; vnni: avx512_vnni.c's; float: the exact
+# float32 path.
+INT8_BACKENDS = ("int_mm", "int8pack", "avx2", "vnni", "float")
+# onednn: torch's own F.linear; avx512: avx512_bf16.c (bf16 weights; oneDNN for prompts);
+# avx2: half_avx2.c (and float32 GEMMs for many rows); float32: float32 GEMMs and fused
+# reductions without a kernel.
+HALF_BACKENDS = ("onednn", "avx512", "avx2", "float32")
+_NATIVE = ("avx2", "avx512", "vnni")      # backends that are our own C kernels
 
 
 class KernelSettingError(ValueError):
@@ -59,9 +62,10 @@ def problems(env: Mapping[str, str]) -> list[Problem]:
     if kernel not in ("0", "1"):
         out.append(Problem(KERNEL_ENV, kernel, "1 (build half_avx2.c), 0 (never)", "not a switch"))
     for name in (INT8_ENV, HALF_ENV):
-        if kernel == "0" and env.get(name, "").strip().lower() == "avx2":
+        asked = env.get(name, "").strip().lower()
+        if kernel == "0" and asked in _NATIVE:
             out.append(Problem(KERNEL_ENV, kernel, f"1, or another ${name}",
-                               f"forbids the kernel that ${name}=avx2 asks for"))
+                               f"forbids the kernel that ${name}={asked} asks for"))
     return out
 
 

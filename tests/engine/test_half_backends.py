@@ -17,16 +17,17 @@ import torch
 from server.engine.protocol import SamplingParams
 from server.model import kernels
 from server.model.kernels import native, select
+from server.model.kernels.choice import KERNEL_OF
 from server.model.kernels.products import UsesProducts
 from server.model.loading import load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
 from tests.engine.helpers import _TMP, make_engine, prompts, requests, run_tokens
 
-BACKENDS = ("onednn", "avx2", "float32")
+BACKENDS = ("onednn", "avx512", "avx2", "float32")
 
 
 def runnable() -> list[str]:
-    return [b for b in BACKENDS if b != "avx2" or native.half_kernel() is not None]
+    return [b for b in BACKENDS if b not in KERNEL_OF or native.kernel_library(KERNEL_OF[b]) is not None]
 
 
 def _forget_choices() -> None:

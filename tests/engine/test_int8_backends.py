@@ -27,7 +27,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.protocol import SamplingParams
 from server.model import kernels, quant
-from server.model.kernels import native
+from server.model.kernels import native, select
 from server.model.kernels import int8pack
 from server.model.loading import inspect_checkpoint, load_checkpoint
 from server.model.parallel.plan import ParallelPlan
@@ -42,8 +42,8 @@ BASE = EngineConfig(block_size=8, num_blocks=256, max_queue_delay_us=0, max_batc
 
 def runnable() -> list[str]:
     """The int8 backends this CPU and build can run."""
-    kernel = native.half_kernel() is not None
-    return list(kernels.int8_candidates(kernels.cpu_caps(), half=True, kernel=kernel))
+    built = select.built_kernels(native.KERNELS)
+    return list(kernels.int8_candidates(kernels.cpu_caps(), half=True, built=built))
 
 
 def _requests():
@@ -106,7 +106,7 @@ def _rounded_once(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> tor
     return (x.double() @ w.double().t() * scales.double()).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", ["int_mm", "int8pack", "avx2", "float"])
+@pytest.mark.parametrize("backend", ["int_mm", "int8pack", "avx2", "vnni", "float"])
 def test_a_forced_backend_loads_aligned_and_serves_the_exact_tokens(quantized, forced, backend):
     if backend not in runnable():
         pytest.skip(f"{backend} cannot run on this CPU / build")
@@ -131,7 +131,7 @@ def test_a_forced_backend_loads_aligned_and_serves_the_exact_tokens(quantized, f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["int_mm", "int8pack", "avx2", "float"])
+@pytest.mark.parametrize("backend", ["int_mm", "int8pack", "avx2", "vnni", "float"])
 def test_a_forced_backend_in_a_tp2_ep2_group(quantized, forced, backend):
     if backend not in runnable():
         pytest.skip(f"{backend} cannot run on this CPU / build")

@@ -255,15 +255,15 @@ def test_half_kernel_builds_into_its_cache_and_a_failed_build_falls_back(tmp_pat
     monkeypatch.setenv(kernels.KERNEL_CACHE_ENV, str(tmp_path / "k"))
     try:
         kernels.kernel_settings.cache_clear()
-        native.half_kernel.cache_clear()
+        native.kernel_library.cache_clear()
         assert native.half_kernel() is not None
         assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]     # no part left
-        native.half_kernel.cache_clear()
+        native.kernel_library.cache_clear()
         monkeypatch.setenv(kernels.KERNEL_CACHE_ENV, str(tmp_path / "broken"))
         kernels.kernel_settings.cache_clear()
         monkeypatch.setenv("CC", "false")                                  # exits 1
         assert native.half_kernel() is None
-        native.half_kernel.cache_clear()
+        native.kernel_library.cache_clear()
         monkeypatch.delenv("CC")
         monkeypatch.setenv(kernels.KERNEL_ENV, "0")
         kernels.kernel_settings.cache_clear()
@@ -271,7 +271,7 @@ def test_half_kernel_builds_into_its_cache_and_a_failed_build_falls_back(tmp_pat
     finally:
         monkeypatch.undo()
         kernels.kernel_settings.cache_clear()
-        native.half_kernel.cache_clear()
+        native.kernel_library.cache_clear()
 
 
 def test_float32_products_of_a_large_weight_convert_it_by_blocks_to_the_same_result(monkeypatch):

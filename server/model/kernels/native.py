@@ -1,5 +1,17 @@
-"""half_avx2.c built at first use and loaded with ctypes (kernels/half_avx2.c says what
-it computes); None, logged once, where it cannot be."""
+"""Our C kernels, built at first use and loaded with ctypes; None, logged once, where one
+cannot be (no compiler, a CPU without its instructions, $MTP_SERVE_HALF_KERNEL=0, a failed
+build).
+
+  half_avx2     16-bit and int8 products with AVX2, FMA and F16C (half_avx2.c)
+  avx512_bf16   bf16 products with AVX-512 BF16 (avx512_bf16.c)
+  avx512_vnni   int8 products with AVX-512 VNNI (avx512_vnni.c)
+
+Each is built into the kernel cache ($MTP_SERVE_KERNEL_CACHE) as a file per source, flags
+and compiler, written whole by rename, so processes building at once do not collide.  Its
+OpenMP is the libgomp torch already loaded, so the two share one thread pool.  A kernel is
+loaded only where the CPU reports every instruction set it is built for: a native
+operator never learns its rules by crashing.
+"""
 from __future__ import annotations
 
 import ctypes
@@ -9,63 +21,95 @@ import logging
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
-from server.model import kernels
+from server.model.kernels.cpu import CpuCaps, cpu_caps
+from server.model.kernels.settings import kernel_settings
 
 log = logging.getLogger("server.model")
+_HERE = Path(__file__).parent
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_MM = [_P, _L, _L, _L, _P, _L, _P, _L, _I]            # x, M, K, ldx, w, N, y, ldy, threads
+_ROWS = [_P, _L, _L, _P, _P, _L, _P, _I]               # x, A, K, expert, w, N, y, threads
 
 
-_KERNEL_SOURCE = Path(__file__).with_name("half_avx2.c")
+@dataclass(frozen=True)
+class Kernel:
+    source: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]                 # CpuCaps fields that must all be true
+    signatures: tuple[tuple[str, list, object], ...]
+
+    def runs_on(self, caps: CpuCaps) -> bool:
+        return all(getattr(caps, f) for f in self.needs)
 
 
-_KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm")
+KERNELS = {
+    "half_avx2": Kernel(
+        "half_avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"),
+        (("half_mm_bf16", _MM, None), ("half_mm_f16", _MM, None),
+         ("half_experts_bf16", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _I], None),
+         ("half_experts_f16", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _I], None),
+         ("int8_mm", _MM, None), ("int8_rows", _ROWS, None))),
+    "avx512_bf16": Kernel(
+        "avx512_bf16.c", ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
+        ("avx512f", "avx512bw", "avx512_bf16"),
+        (("bf16_mm", _MM, None), ("bf16_rows", _ROWS, None),
+         ("bf16_experts", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _I], None))),
+    "avx512_vnni": Kernel(
+        "avx512_vnni.c", ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512_vnni"),
+        (("i8_mm", _MM, ctypes.c_int), ("i8_rows", _ROWS, ctypes.c_int))),
+}
+_COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
 @functools.lru_cache(maxsize=None)
-def half_kernel() -> ctypes.CDLL | None:
-    """half_avx2.c, built at first use into the kernel cache (a file per source and
-    compiler, written whole by rename, so processes building at once do not collide);
-    None where it cannot be, logged once."""
-    config = kernels.kernel_settings()
-    if not config.half_kernel:
+def kernel_library(name: str) -> ctypes.CDLL | None:
+    """Kernel ``name`` (KERNELS) built and loaded, or None (logged once) where it cannot be."""
+    kernel = KERNELS[name]
+    if not kernel_settings().half_kernel:
         return None
-    if not kernels.cpu_caps().avx2_kernel:
-        log.info("no AVX2 / FMA / F16C: 16-bit products take oneDNN and float32 GEMMs")
+    if not kernel.runs_on(cpu_caps()):
+        log.info("%s not built: the CPU lacks %s", kernel.source,
+                 ", ".join(f for f in kernel.needs if not getattr(cpu_caps(), f)))
         return None
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
-        log.warning("no C compiler (cc): 16-bit products take oneDNN and float32 GEMMs, "
-                    "slower at 2 rows and more")
+        log.warning("no C compiler (cc): %s not built; products take torch's own and float32 GEMMs",
+                    kernel.source)
         return None
-    tag = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + cc.encode()
-                         + " ".join(_KERNEL_FLAGS).encode()).hexdigest()[:16]
-    root = config.kernel_cache
-    built = root / f"half_avx2-{tag}.so"
     try:
-        if not built.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            part = built.with_name(f"{built.name}.{os.getpid()}.part")
-            done = subprocess.run([cc, *_KERNEL_FLAGS, "-o", str(part), str(_KERNEL_SOURCE)],
-                                  capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise OSError(done.stderr.strip()[-500:] or f"{cc} exited {done.returncode}")
-            os.replace(part, built)
-        lib = ctypes.CDLL(str(built))
+        lib = ctypes.CDLL(str(_build(kernel, cc)))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("half_avx2.c could not be built (%s): 16-bit products take oneDNN and "
-                    "float32 GEMMs", exc)
+        log.warning("%s could not be built (%s): products take torch's own and float32 GEMMs",
+                    kernel.source, exc)
         return None
-    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-            ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    for fn in (lib.half_mm_bf16, lib.half_mm_f16):
-        fn.argtypes, fn.restype = args, None
-    moe = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    for fn in (lib.half_experts_bf16, lib.half_experts_f16):
-        fn.argtypes, fn.restype = moe, None
-    lib.int8_mm.argtypes, lib.int8_mm.restype = args, None
-    lib.int8_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    lib.int8_rows.restype = None
+    for fn_name, args, result in kernel.signatures:
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = args, result
     return lib
+
+
+def _build(kernel: Kernel, cc: str) -> Path:
+    source = _HERE / kernel.source
+    flags = _COMMON_FLAGS + kernel.flags
+    tag = hashlib.sha256(source.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    root = kernel_settings().kernel_cache
+    built = root / f"{source.stem}-{tag}.so"
+    if not built.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        part = built.with_name(f"{built.name}.{os.getpid()}.part")
+        done = subprocess.run([cc, *flags, "-o", str(part), str(source), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(done.stderr.strip()[-500:] or f"{cc} exited {done.returncode}")
+        os.replace(part, built)
+    return built
+
+
+def half_kernel() -> ctypes.CDLL | None:
+    """half_avx2.c (16-bit products without native 16-bit instructions; the "avx2" int8
+    backend)."""
+    return kernel_library("half_avx2")

@@ -61,6 +61,13 @@ class Products:
         None where this backend has no such call (the MoE then runs expert by expert)."""
         return None
 
+    def gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                         gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+        """Each token through its top-k float experts, read by index (x [T, H], weights/idx
+        [T, k], stacks as ``experts``) -> [T, H] in x's dtype, or None where this backend
+        has no kernel for it (layers/experts.py then writes it as reductions)."""
+        return None
+
     def column_major(self, dtype: torch.dtype) -> bool:
         """Whether a weight of ``dtype`` multiplies faster held column-major (layers/linear.py)."""
         return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and self.native_half)

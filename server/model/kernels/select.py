@@ -7,10 +7,16 @@ import functools
 
 import torch
 
-from server.model.kernels.choice import BackendUnavailable, half_backend
+from server.model.kernels.avx512 import Avx512Products
+from server.model.kernels.choice import (
+    KERNEL_OF,
+    BackendUnavailable,
+    half_backend,
+    runs,
+)
 from server.model.kernels.cpu import cpu_caps
 from server.model.kernels.half_cpu import HalfCpuProducts
-from server.model.kernels.native import half_kernel
+from server.model.kernels.native import half_kernel, kernel_library
 from server.model.kernels.products import Products
 from server.model.kernels.settings import kernel_settings
 
@@ -24,8 +30,15 @@ def half_backend_name() -> str:
     half_avx2.c built, else "float32".  The kernel is built only where the choice may need
     it."""
     forced, caps = kernel_settings().half_backend, cpu_caps()
-    needs_kernel = forced == "avx2" or (forced == "auto" and not caps.native_bf16)
-    return half_backend(caps, needs_kernel and half_kernel() is not None, forced)
+    wanted = [KERNEL_OF[forced]] if forced in KERNEL_OF else \
+        ["avx512_bf16" if caps.native_bf16 else "half_avx2"] if forced == "auto" else []
+    return half_backend(caps, built_kernels(wanted), forced)
+
+
+def built_kernels(names) -> frozenset[str]:
+    """Those of the kernels ``names`` this CPU runs that build and load here (building
+    them now, once)."""
+    return frozenset(n for n in names if runs(cpu_caps(), n) and kernel_library(n) is not None)
 
 
 def products_named(name: str, device: torch.device | str = "cpu") -> Products:
@@ -40,7 +53,11 @@ def products_named(name: str, device: torch.device | str = "cpu") -> Products:
         return HalfCpuProducts(kernel)
     if name == "float32":
         return HalfCpuProducts(None)
-    raise BackendUnavailable(f"16-bit backend {name!r}; allowed: torch, onednn, avx2, float32")
+    if name == "avx512":
+        if kernel_library("avx512_bf16") is None:
+            raise BackendUnavailable("16-bit backend avx512: avx512_bf16.c cannot run here")
+        return Avx512Products()
+    raise BackendUnavailable(f"16-bit backend {name!r}; allowed: torch, onednn, avx512, avx2, float32")
 
 
 def model_products(dtype: torch.dtype, device: torch.device | str) -> Products:

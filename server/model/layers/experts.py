@@ -38,8 +38,12 @@ class FloatExperts:
     @staticmethod
     def gathered(moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/idx [T, k] -> [T, H].  Written as products and sums, not matmuls
-        of gathered copies, so a compiled graph reads each chosen expert's rows in place."""
+        """x [T, H], weights/idx [T, k] -> [T, H]: the products' own kernel where they have
+        one, else products and sums, not matmuls of gathered copies, so a compiled graph
+        reads each chosen expert's rows in place."""
+        out = moe.products.gathered_experts(x, weights, idx, w_gate_up, w_down)
+        if out is not None:
+            return out
         # Stored, not inlined into the reductions: Inductor would recompute the norm and the
         # SiLU for every output row (gemm.materialized).
         xf = materialized(x.float())

@@ -12,7 +12,8 @@ from torch import nn
 from server.model import kernels
 from server.model.config import DeepseekConfig
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
-from server.model.kernels import native
+from server.model.kernels.choice import KERNEL_OF
+from server.model.kernels.select import built_kernels
 from server.model.loading.files import (
     INDEX_FILE,
     CheckpointError,
@@ -126,7 +127,7 @@ def _int8_backend(asked: str, dtype: torch.dtype) -> str:
         if asked == "auto":
             return asked
         half = dtype in (torch.bfloat16, torch.float16)
-        kernel = asked == "avx2" and native.half_kernel() is not None
-        return kernels.forced_int8_backend(asked, kernels.cpu_caps(), half, kernel)
+        wanted = [KERNEL_OF[asked]] if asked in KERNEL_OF else []
+        return kernels.forced_int8_backend(asked, kernels.cpu_caps(), half, built_kernels(wanted))
     except (kernels.BackendUnavailable, kernels.KernelSettingError) as e:
         raise CheckpointError(str(e)) from e

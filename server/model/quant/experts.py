@@ -17,6 +17,10 @@ from server.model.quant.int8 import (
 )
 from server.model.quant.linear import QuantLinear
 
+# The operators that take each row through its own expert, by the backend whose kernel
+# they run (half_avx2.c's int8_rows, avx512_vnni.c's i8_rows): exact int32 sums.
+ROWS_OPS = {"avx2": lambda: torch.ops.mtp_serve.int8_rows, "vnni": lambda: torch.ops.mtp_serve.i8_rows}
+
 
 def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                           gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
@@ -43,10 +47,10 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     model's 4 experts of [1536 x 512] took 6.7 ms a token, compiled, 2 threads."""
     xf = x.float()
     s = row_scales(xf)                                                   # [T, 1]
-    if backend == "avx2":
+    if backend in ROWS_OPS:                                              # our kernels
         x_q = quantize_rows(xf, s)
         flat = idx.reshape(-1)
-        acc = torch.ops.mtp_serve.int8_rows(x_q[:, None, :].expand(*idx.shape, -1).reshape(
+        acc = ROWS_OPS[backend]()(x_q[:, None, :].expand(*idx.shape, -1).reshape(
             flat.shape[0], -1), flat, gate_up).float().view(*idx.shape, -1)
     elif packs(backend, x.shape[-1]):                                    # as int8_matmul takes it
         x_q = quantize_rows(xf, s).to(torch.bfloat16)
@@ -57,9 +61,9 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     g, u = (acc * (s[:, :, None] * gate_up_scale[idx])).to(x.dtype).chunk(2, dim=-1)
     act = (F.silu(g) * u).float()                                        # [T, k, I]
     s2 = row_scales(act)                                                 # [T, k, 1]
-    if backend == "avx2":
-        acc2 = torch.ops.mtp_serve.int8_rows(quantize_rows(act, s2).reshape(idx.numel(), -1),
-                                             idx.reshape(-1), down).float().view(*idx.shape, -1)
+    if backend in ROWS_OPS:
+        acc2 = ROWS_OPS[backend]()(quantize_rows(act, s2).reshape(idx.numel(), -1),
+                                   idx.reshape(-1), down).float().view(*idx.shape, -1)
     elif packs(backend, down.shape[-1]):
         acc2 = int8pack_experts(quantize_rows(act, s2).to(torch.bfloat16), idx, down)
     else:

@@ -45,12 +45,15 @@ import torch
 import torch.nn.functional as F
 
 from server.model.kernels import choice, cpu_caps, int8pack
+from server.model.kernels.avx512 import vnni_mm
 from server.model.kernels.gemm import (
     EXACT_FLOAT_K,
     converted_mm,
     kernel_operator,
     materialized,
 )
+from server.model.kernels.native import half_kernel
+from server.model.kernels.select import built_kernels
 
 # From here, eager, an "int8pack" product takes the exact float path instead: the kernel is
 # compute-bound on AVX2 ([6144, 1536] at 203 rows: 44.6 against 30.0 ms; at 32 rows 7.2
@@ -58,7 +61,7 @@ from server.model.kernels.gemm import (
 INT8PACK_MAX_ROWS = 32
 
 
-EXACT_BACKENDS = ("int_mm", "float", "avx2")
+EXACT_BACKENDS = ("int_mm", "float", "avx2", "vnni")
 
 
 _FASTEST: dict[tuple[str, bool], str] = {}
@@ -74,7 +77,7 @@ def fastest_int8_backend(device: torch.device | str, dtype: torch.dtype = torch.
         return "int_mm"
     half = dtype in (torch.bfloat16, torch.float16)
     if (kind, half) not in _FASTEST:
-        candidates = choice.int8_candidates(cpu_caps(), half, _int8_kernel() is not None)
+        candidates = choice.int8_candidates(cpu_caps(), half, _built_kernels())
         _FASTEST[(kind, half)] = _measure_int8_backends(candidates)
     return _FASTEST[(kind, half)]
 
@@ -124,6 +127,10 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
         if torch.compiler.is_compiling():
             return torch.ops.mtp_serve.int8_mm(x_q, w)
         return int8_kernel_mm(x_q, w)
+    if backend == "vnni":
+        if torch.compiler.is_compiling():
+            return torch.ops.mtp_serve.i8_mm(x_q, w)
+        return vnni_mm(x_q, w)
     if (packs(backend, x_q.shape[1]) and int8pack.weight_fits(w)
             and (x_q.shape[0] < INT8PACK_MAX_ROWS or torch.compiler.is_compiling())):
         return int8pack.int8pack_mm(x_q.to(torch.bfloat16), w, _unit_scales(w)).float()
@@ -140,8 +147,12 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
 
 
 def _int8_kernel():
-    from server.model.kernels.native import half_kernel
     return half_kernel()
+
+
+def _built_kernels() -> frozenset[str]:
+    """Our int8 kernels that run here (built now, once)."""
+    return built_kernels(("half_avx2", "avx512_vnni"))
 
 
 def int8_kernel_mm(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

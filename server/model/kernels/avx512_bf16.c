@@ -1,0 +1,174 @@
+/* Products with bfloat16 weights on CPUs with AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire
+ * Rapids and later): y[M, N] = x[M, K] . w[N, K]^T with x and w bfloat16, y float32, and a
+ * routed MoE's experts in one call.
+ *
+ * Why (server/model/kernels/avx512.py): oneDNN's bf16 product streamed a decode step's
+ * weights at 60-70% of the memory's read bandwidth on a 2-core Zen 4, our AVX2 kernel
+ * (half_avx2.c) converts each weight vector to float32 before its multiply-adds, which at
+ * 4 rows and more costs more than the memory does.  VDPBF16PS multiplies 32 bf16 pairs
+ * and adds them into 16 float32 lanes in one instruction, so up to 4 rows a weight vector
+ * takes less time to multiply than to read.
+ *
+ * Every output element is one chain of VDPBF16PS over K in order, then the same
+ * horizontal sum: its value does not depend on M or on the other rows, so a window of
+ * k+1 rows computes each row exactly as a one-row step does (MTP stays lossless).
+ *
+ * Built at first use (server/model/kernels/native.py) with -mavx512f -mavx512bw
+ * -mavx512bf16 -fopenmp; its OpenMP is the libgomp torch has loaded.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define COLS 4          /* weight rows streamed together: 4 reads in flight per thread */
+#define MAXR 4          /* rows of x per block */
+
+static inline __m512bh load_bh(const uint16_t *p) {
+    return (__m512bh)_mm512_loadu_si512((const void *)p);
+}
+
+static inline __m512bh load_bh_tail(const uint16_t *p, long n) {
+    __mmask32 m = n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1u);
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
+}
+
+/* One block: ``R`` rows of x (constant) by ``COLS`` rows of w. */
+#define BLOCK(R)                                                                          \
+static void block_##R(const uint16_t *x, long ldx, const uint16_t *w, long K, float *y,  \
+                      long ldy) {                                                        \
+    __m512 acc[R][COLS];                                                                 \
+    for (int i = 0; i < R; i++)                                                          \
+        for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_setzero_ps();                  \
+    long k32 = K & ~31L;                                                                 \
+    for (long k = 0; k < k32; k += 32) {                                                 \
+        __m512bh wv[COLS];                                                               \
+        for (int j = 0; j < COLS; j++) wv[j] = load_bh(w + j * K + k);                   \
+        for (int i = 0; i < R; i++) {                                                    \
+            __m512bh xv = load_bh(x + i * ldx + k);                                      \
+            for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]); \
+        }                                                                                \
+    }                                                                                    \
+    if (k32 < K) {                                                                       \
+        __m512bh wv[COLS];                                                               \
+        for (int j = 0; j < COLS; j++) wv[j] = load_bh_tail(w + j * K + k32, K - k32);   \
+        for (int i = 0; i < R; i++) {                                                    \
+            __m512bh xv = load_bh_tail(x + i * ldx + k32, K - k32);                      \
+            for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]); \
+        }                                                                                \
+    }                                                                                    \
+    for (int i = 0; i < R; i++)                                                          \
+        for (int j = 0; j < COLS; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]); \
+}
+
+BLOCK(1)
+BLOCK(2)
+BLOCK(3)
+BLOCK(4)
+
+/* The last columns (N % COLS of them), one weight row at a time: the same chain per
+ * element as the blocks above. */
+static void column(const uint16_t *x, long ldx, int rows, const uint16_t *w, long K, float *y,
+                   long ldy) {
+    for (int i = 0; i < rows; i++) {
+        __m512 acc = _mm512_setzero_ps();
+        long k32 = K & ~31L;
+        for (long k = 0; k < k32; k += 32)
+            acc = _mm512_dpbf16_ps(acc, load_bh(x + i * ldx + k), load_bh(w + k));
+        if (k32 < K)
+            acc = _mm512_dpbf16_ps(acc, load_bh_tail(x + i * ldx + k32, K - k32),
+                                   load_bh_tail(w + k32, K - k32));
+        y[i * ldy] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* Rows m .. m+rows of x through columns n .. n+COLS (or the tail columns) of w. */
+static inline void tile(const uint16_t *x, long ldx, long m, int rows, const uint16_t *w,
+                        long N, long K, long n, float *y, long ldy) {
+    if (n + COLS > N) {
+        for (long c = n; c < N; c++)
+            column(x + m * ldx, ldx, rows, w + c * K, K, y + m * ldy + c, ldy);
+        return;
+    }
+    const uint16_t *xs = x + m * ldx, *ws = w + n * K;
+    float *ys = y + m * ldy + n;
+    switch (rows) {
+    case 1: block_1(xs, ldx, ws, K, ys, ldy); break;
+    case 2: block_2(xs, ldx, ws, K, ys, ldy); break;
+    case 3: block_3(xs, ldx, ws, K, ys, ldy); break;
+    default: block_4(xs, ldx, ws, K, ys, ldy); break;
+    }
+}
+
+/* Every column block of one product, rows inner: a block's weight rows are read from
+ * memory once and stay in cache for the rows after the first MAXR. */
+static void product(const uint16_t *x, long M, long K, long ldx, const uint16_t *w, long N,
+                    float *y, long ldy, long b) {
+    long n = b * COLS;
+    for (long m = 0; m < M; m += MAXR) {
+        int rows = M - m < MAXR ? (int)(M - m) : MAXR;
+        tile(x, ldx, m, rows, w, N, K, n, y, ldy);
+    }
+}
+
+/* w: bfloat16 [N, K], rows contiguous; x bfloat16 rows of stride ldx; y float32 of ldy. */
+void bf16_mm(const uint16_t *x, long M, long K, long ldx, const uint16_t *w, long N, float *y,
+             long ldy, int threads) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++)
+        product(x, M, K, ldx, w, N, y, ldy, b);
+}
+
+static inline uint16_t to_bf16(float f) {               /* round to nearest even */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7F800000u) == 0x7F800000u) return (uint16_t)(v.u >> 16);   /* inf, nan */
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Each expert's rows of x through its weight, w [E, N, K] -> y; the (expert, column
+ * block) pairs shared out over the threads of the enclosing parallel region. */
+static void each_expert(const uint16_t *x, long ldx, const long *offsets, long E,
+                        const uint16_t *w, long N, long K, float *y, long ldy) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp for schedule(dynamic, 4)
+    for (long j = 0; j < E * blocks; j++) {
+        long e = j / blocks, b = j % blocks;
+        long first = offsets[e], rows = offsets[e + 1] - offsets[e];
+        if (rows > 0)
+            product(x + first * ldx, rows, K, ldx, w + e * N * K, N, y + first * ldy, ldy, b);
+    }
+}
+
+/* A routed MoE's experts over their rows in one call: xs bf16 [A, H] holds each expert's
+ * rows in turn (expert e's are rows offsets[e] .. offsets[e + 1]); gate_up [E, 2I, H]
+ * (gate rows, then up rows) and down [E, H, I] bf16.  ys[a] = down_e . bf16(silu(gate_e .
+ * xs[a]) * (up_e . xs[a])), float32; gu float32 [A, 2I] and act bf16 [A, I] are scratch. */
+void bf16_experts(const uint16_t *xs, long H, long I, const long *offsets, long E,
+                  const uint16_t *gate_up, const uint16_t *down, float *gu, uint16_t *act,
+                  float *ys, int threads) {
+    long A = offsets[E], I2 = 2 * I;
+    #pragma omp parallel num_threads(threads)
+    {
+        each_expert(xs, H, offsets, E, gate_up, I2, H, gu, I2);
+        #pragma omp for schedule(static)
+        for (long a = 0; a < A; a++)
+            for (long i = 0; i < I; i++) {
+                float g = gu[a * I2 + i];
+                act[a * I + i] = to_bf16(g / (1.0f + expf(-g)) * gu[a * I2 + I + i]);
+            }
+        each_expert(act, I, offsets, E, down, H, I, ys, H);
+    }
+}
+
+/* Row a of x through expert expert[a] of w bf16 [E, N, K] -> y float32 [A, N]: a window's
+ * gathered experts, each chosen expert's rows read in place. */
+void bf16_rows(const uint16_t *x, long A, long K, const long *expert, const uint16_t *w, long N,
+               float *y, int threads) {
+    long blocks = (N + COLS - 1) / COLS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long j = 0; j < A * blocks; j++) {
+        long a = j / blocks, b = j % blocks;
+        product(x + a * K, 1, K, K, w + expert[a] * N * K, N, y + a * N, N, b);
+    }
+}

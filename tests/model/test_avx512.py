@@ -1,0 +1,129 @@
+"""Our AVX-512 kernels (server/model/kernels/avx512.py): bf16 products with AVX-512 BF16
+and exact int8 sums with AVX-512 VNNI, eager and as operators of a compiled graph, on every
+CPU able to run them (skipped, saying why, elsewhere).  Each row's result is its own at
+any row count (MTP's windows stay lossless); tails past the vector width are exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.model.kernels import avx512, native
+from server.model.kernels.products import use_products
+
+
+def _needs(kernel: str):
+    if native.kernel_library(kernel) is None:
+        pytest.skip(f"{kernel}.c cannot run here (CPU flags or compiler)")
+
+
+def _relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    exact = x.double() @ w.double().t()
+    return ((got.double() - exact).abs() / (x.double().abs() @ w.double().abs().t())).max().item()
+
+
+@pytest.mark.parametrize("n, k", [(101, 203), (96, 1536), (7, 31), (64, 64)])
+def test_bf16_products_are_float32_sums_of_each_row_alone(n, k):
+    _needs("avx512_bf16")
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(9, k, generator=g).to(torch.bfloat16)
+    got = avx512.bf16_mm(x, w)
+    assert got.dtype == torch.float32 and got.shape == (9, n)
+    assert _relative_error(got, x, w) < 1e-6                   # float32 sums of exact products
+    alone = torch.cat([avx512.bf16_mm(x[i:i + 1], w) for i in range(9)])
+    assert torch.equal(alone, got)
+    assert torch.equal(avx512.bf16_mm(x[3:8], w), got[3:8])
+
+
+def test_the_products_take_the_kernel_for_a_windows_rows_and_onednn_past_them(monkeypatch):
+    _needs("avx512_bf16")
+    p = avx512.Avx512Products()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 40, generator=g).to(torch.bfloat16)
+    b = torch.randn(48, generator=g).to(torch.bfloat16)
+    taken = []
+    real = avx512.bf16_mm
+    monkeypatch.setattr(avx512, "bf16_mm", lambda x, w: taken.append(x.shape[0]) or real(x, w))
+    for shape in ((1, 40), (2, 3, 40), (avx512.KERNEL_ROWS, 40), (avx512.KERNEL_ROWS + 1, 40)):
+        x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        out = p.linear(x, w, b)
+        assert out.shape == (*shape[:-1], 48) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), atol=0.05, rtol=0.02)
+    assert taken == [1, 6, avx512.KERNEL_ROWS]
+    assert p.linear(torch.randn(2, 40), w.float()).dtype == torch.float32       # float32: torch's
+    assert not p.column_major(torch.bfloat16) and p.column_major(torch.float32)
+
+
+def test_bf16_experts_in_one_call_and_gathered_by_index():
+    _needs("avx512_bf16")
+    g = torch.Generator().manual_seed(2)
+    e, h, i = 5, 72, 40
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * 0.1).to(torch.bfloat16)
+
+    def expert(j: int, rows: torch.Tensor) -> torch.Tensor:
+        gu = rows.float() @ gate_up[j].float().t()
+        act = (F.silu(gu[:, :i]) * gu[:, i:]).to(torch.bfloat16)
+        return act.float() @ down[j].float().t()
+
+    counts = [3, 0, 6, 1, 2]
+    xs = torch.randn(sum(counts), h, generator=g).to(torch.bfloat16)
+    out = avx512.bf16_experts(xs, counts, gate_up, down)
+    starts = [sum(counts[:j]) for j in range(e)]
+    want = torch.cat([expert(j, xs[s:s + n]) for j, (s, n) in enumerate(zip(starts, counts)) if n])
+    torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+    alone = avx512.bf16_experts(xs[3:4], [0, 0, 1, 0, 0], gate_up, down)    # expert 2's first row
+    assert torch.equal(alone[0], out[3])
+    assert avx512.bf16_experts(xs, [avx512.KERNEL_ROWS + 1], gate_up[:1], down[:1]) is None
+    # Gathered: each token through its own top-k, weighted; the same per-expert numbers.
+    x = torch.randn(3, h, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[0, 3], [2, 3], [4, 0]])
+    weights = torch.rand(3, 2, generator=g)
+    got = avx512.Avx512Products().gathered_experts(x, weights, idx, gate_up, down)
+    for t in range(3):
+        ref = sum(expert(j, x[t:t + 1])[0] * weights[t, n] for n, j in enumerate(idx[t].tolist()))
+        torch.testing.assert_close(got[t].float(), ref, atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("k", [1536, 203, 9000, 64])
+def test_int8_sums_are_exact_and_each_rows_own(k):
+    _needs("avx512_vnni")
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-128, 128, (101, k), dtype=torch.int8, generator=g)
+    w[0] = -128
+    w[1] = 127
+    x = torch.randint(-128, 128, (9, k), dtype=torch.int8, generator=g)
+    x[0] = -128
+    got = avx512.vnni_mm(x, w)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ w.long().t())
+    assert torch.equal(torch.cat([avx512.vnni_mm(x[i:i + 1], w) for i in range(9)]), got)
+    experts = torch.randint(-128, 128, (4, 33, k), dtype=torch.int8, generator=g)
+    ids = torch.tensor([3, 0, 0, 2, 1])
+    rows = avx512.vnni_rows(x[:5].float(), ids, experts)
+    assert torch.equal(rows.long(), torch.stack([x[a].long() @ experts[e].long().t()
+                                                 for a, e in enumerate(ids.tolist())]))
+
+
+def test_the_operators_run_inside_a_compiled_graph():
+    """A decode window's graph calls the kernels as operators (Dynamo cannot trace ctypes):
+    the same numbers as eager."""
+    _needs("avx512_bf16")
+    _needs("avx512_vnni")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    w8 = torch.randint(-128, 128, (40, 64), dtype=torch.int8, generator=g)
+    from server.model.layers.linear import Linear
+    layer = Linear(64, 40, bias=False).to(torch.bfloat16)
+    layer.weight.data = w
+    use_products([layer], avx512.Avx512Products().window("batch"))
+
+    def fn(layer, x, x8, w8):
+        return layer(x).float().sum(-1) + torch.ops.mtp_serve.i8_mm(x8, w8).float().sum(-1)
+
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    x8 = torch.randint(-128, 128, (3, 64), dtype=torch.int8, generator=g)
+    want = (avx512.bf16_mm(x, w).to(torch.bfloat16).float().sum(-1)
+            + avx512.vnni_mm(x8, w8).float().sum(-1))
+    got = torch.compile(fn, fullgraph=True, dynamic=False)(layer, x, x8, w8)
+    torch.testing.assert_close(got, want)
