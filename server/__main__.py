@@ -20,7 +20,8 @@ import sys
 from typing import Mapping, Sequence
 
 from server.config import AppConfig, ConfigError, default_config_path, load_config
-from server.config.parallel import CONTIGUOUS_GROUPS, STRIDED_GROUPS, ParallelLayout, describe_layout
+from server.config.parallel import describe_layout
+from server.config.parallel_layout import CONTIGUOUS_GROUPS, STRIDED_GROUPS, ParallelLayout
 
 EXIT_OK, EXIT_NOT_SERVED, EXIT_BAD_CONFIG = 0, 1, 2   # 1 (could not serve) also from server.daemon
 

@@ -74,10 +74,11 @@ def _worker(config) -> str:
 
 # -- the compiled-step tests' graphs, made while the rest of the suite runs -----------------
 _WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None, "dirs": [], "marks": None}
-# (test file, the demo model's shard under this plan or None, max query length): the graphs
-# those tests compile.  tp=2 ranks share one graph set (compile_step._plan_key).
+# (test file, the demo model's shard under this plan (ParallelPlan's world_size, moe_tp,
+# moe_ep; rank 0) or None, max query length): the graphs those tests compile.  tp=2 ranks
+# share one graph set (compile_step._plan_key).
 _WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
-              ("tests/engine/test_parallel_compiled.py", (2, 0, 2, 1), 1))
+              ("tests/engine/test_parallel_compiled.py", (2, 2, 1), 1))
 
 
 def pytest_collection_modifyitems(session, config, items):

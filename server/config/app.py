@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.config.kv_pool import KvPoolSettings
 from server.config.errors import ConfigIssue
-from server.config.parallel import ParallelLayout, unserved_parallel, unserved_with_striped_kv
-from server.config.plugins import MtpSettings, PluginParams
+from server.config.kv_pool import KvPoolSettings
+from server.config.mindie.plugins import MtpSettings, PluginParams
+from server.config.mindie.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
+                                           ModelDeployConfig, ModelTypeOptions, ScheduleConfig,
+                                           ServerConfig)
+from server.config.parallel import NodeLayout, unserved_parallel, unserved_with_striped_kv
 from server.config.rules import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
-from server.config.sections import (BackendConfig, LogConfig, MindIEConfig, ModelConfig,
-                                    ModelDeployConfig, ModelTypeOptions, ScheduleConfig,
-                                    ServerConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class AppConfig:
     prediction_draft_tokens: int = 64       # $MTP_SERVE_PREDICTION_TOKENS: prediction tokens verified per step
     warnings: tuple[str, ...] = ()          # unknown/deprecated/ignored keys, already logged
     api_keys: tuple[str, ...] = ()          # ServerConfig.apiKeys + $MTP_SERVE_API_KEY
-    parallel: ParallelLayout = ParallelLayout()  # worldSize/tp/dp/cp/sp/moe_tp/moe_ep, nodes ($NNODES...)
+    parallel: NodeLayout = NodeLayout()     # worldSize/tp/dp/cp/sp/moe_tp/moe_ep, nodes ($NNODES...)
     kv_pool: KvPoolSettings = KvPoolSettings()  # kvPoolConfig + its configPath file
 
     # ---- sections -------------------------------------------------------------------

@@ -6,7 +6,7 @@ than its default gives one line, ``<JSON path>: <value> is ignored: <why>``, log
 start-up and by ``--check`` and kept in ``AppConfig.warnings``.  A field left at its
 default says nothing (the operator asked for nothing).  Fields whose being ignored would
 mislead (parallel sizes not built, unavailable KV pool backends) are refused instead, by
-the validators in sections.py and the rules in rules.py; fields that take effect are in
+the validators in mindie/sections.py and the rules in rules.py; fields that take effect are in
 neither place.  When a field starts to take effect, its entry here goes.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Iterator, Mapping
 
 from pydantic import BaseModel
 
+from server.config.mindie.sections import MindIEConfig
 from server.config.rules import PLANE_TLS_KEYS, mc_path, model_options
-from server.config.sections import MindIEConfig
 
 SV = "ServerConfig"
 BC = "BackendConfig"

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config.checkpoint.kv_block import checkpoint_kv_block_bytes
 from server.config.errors import ConfigIssue, issues_from_validation
-from server.config.sections import MindIEConfig
+from server.config.mindie.sections import MindIEConfig
 from server.kvblock.file import file_overhead
 from server.kvblock.size import disk_tier_blocks, min_disk_gb
 

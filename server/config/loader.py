@@ -22,11 +22,11 @@ from server.config import kernel_env
 from server.config.app import AppConfig
 from server.config.errors import ConfigError, ConfigIssue, issues_from_validation, join_path
 from server.config.ignored import ignored_warnings
-from server.config.plugins import decode_plugin_params
 from server.config.kv_pool import disk_tier_issue, load_pool_settings
+from server.config.mindie.plugins import decode_plugin_params
+from server.config.mindie.sections import API_KEY_RULE, MindIEConfig, check_api_key
 from server.config.parallel import parallel_issues, parallel_layout
 from server.config.rules import check_rules, mc_path, model_options
-from server.config.sections import API_KEY_RULE, MindIEConfig, check_api_key
 
 log = logging.getLogger("server.config")
 

@@ -1,26 +1,29 @@
 """How worldSize, tp, dp, cp, sp, moe_tp, moe_ep, npuDeviceIds and the multi-node keys fit.
 
 MindIE's layout rules for DeepSeek-V3/R1 (keys of ``ModelConfig[0]``), checked by
-``parallel_issues``; each broken rule is one ConfigIssue at the key to edit:
+``parallel_issues``; each broken rule is one ConfigIssue at the key to edit.  The rules
+between the sizes are the layout's own (parallel_layout.py: tp x cp x dp == worldSize,
+cp with sp and without dp, sp 1 or tp, moe_tp x moe_ep == worldSize); this module adds
+what only the keys tell:
 
-* ``tp * cp * dp == worldSize``.  tp defaults to worldSize, dp to -1 (unset, counted as
-  1), cp and sp to 1.
-* cp > 1 is never combined with dp > 1, and needs sp > 1 (CP runs on top of SP).
-* sp, when > 1, equals tp.
-* The MoE layers: ``moe_tp * moe_ep == worldSize`` (moe_ep 1: moe_tp == worldSize).
-  With neither key given moe_tp is tp (so tp < worldSize needs moe_ep or moe_tp); with
-  only moe_ep given moe_tp is worldSize / moe_ep, with only moe_tp, moe_ep is
-  worldSize / moe_tp.
+* tp as written: it defaults to worldSize, dp to -1 (unset, counted as 1), cp and sp to
+  1, and the product rule is said of the keys the operator wrote (a broken tp is named
+  once: the rule "sp equals tp" is not judged against it).
+* The MoE layers' defaults: with neither key given moe_tp is tp (so tp < worldSize needs
+  moe_ep or moe_tp); with only moe_ep given moe_tp is worldSize / moe_ep, with only
+  moe_tp, moe_ep is worldSize / moe_tp.
 * tp and moe_tp each fit on one node (at most its devices) or span the whole world.
 * MTP with cp > 1 or sp > 1 drafts one token (num_speculative_tokens 1).
 * With MoE expert parallel (moe_ep > 1) in PD disaggregation only the P node supports cp
   and sp: a D node (``ServerConfig.pdRole`` "decode") has them at 1.
-* pp > 1 (pipeline parallel) is refused by the field validator in sections.py.
+* pp > 1 (pipeline parallel) is refused by the field validator in mindie/sections.py.
 
 Rank groups (``ParallelLayout.groups``): tp, moe_tp and sp groups are runs of contiguous
 ranks (0..n-1, n..2n-1, ...); dp, cp and moe_ep groups are strided: group j holds
 j, j + s, j + 2s, ... with s = worldSize / size.  (server/model/parallel/plan.py places expert
 groups the same way: rank r is in expert group r // moe_tp, slice r % moe_tp.)
+``NodeLayout`` is the layout as this node runs it: the sizes, the node's place and the
+rendezvous.
 
 One node's ranks run on the devices of ``npuDeviceIds[0]``, one per rank; with
 ``multiNodesInferEnabled`` the group spans ``$NNODES`` nodes of ``worldSize / NNODES``
@@ -43,42 +46,21 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from server.config.errors import ConfigIssue
-from server.config.sections import MindIEConfig, ModelConfig
+from server.config.mindie.sections import MindIEConfig, ModelConfig
+from server.config.parallel_layout import LayoutProblem, ParallelLayout, Rule
 
 BC = "BackendConfig"
 MC0 = "BackendConfig.ModelDeployConfig.ModelConfig[0]"
 
-CONTIGUOUS_GROUPS = ("tp", "moe_tp", "sp")
-STRIDED_GROUPS = ("dp", "cp", "moe_ep")
-
 
 @dataclass(frozen=True, slots=True)
-class ParallelLayout:
-    world_size: int = 1
-    tp: int = 1
-    moe_tp: int = 1
-    moe_ep: int = 1
+class NodeLayout(ParallelLayout):
+    """The layout as one node runs it: its sizes (and rules), and where its ranks meet."""
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None   # None: this node alone, rendezvous on loopback
     master_port: int | None = None   # None: the engine opens the store on a port it binds
     device_ids: tuple[int, ...] = ()
-    dp: int = 1                      # attention data parallel (MindIE's -1 = unset = 1)
-    cp: int = 1                      # context parallel
-    sp: int = 1                      # sequence parallel
-
-    def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
-        """The rank groups of one kind ("tp", "moe_tp", "sp": contiguous; "dp", "cp",
-        "moe_ep": strided), each group's ranks in order."""
-        if kind not in CONTIGUOUS_GROUPS + STRIDED_GROUPS:
-            raise ValueError(f"no such group kind: {kind!r}")
-        size, world = getattr(self, kind), self.world_size
-        if size < 1 or world % size:
-            raise ValueError(f"{kind} {size} does not divide worldSize {world}")
-        count = world // size
-        if kind in CONTIGUOUS_GROUPS:
-            return tuple(tuple(range(g * size, (g + 1) * size)) for g in range(count))
-        return tuple(tuple(range(j, world, count)) for j in range(count))
 
 
 def _dp(mc: ModelConfig) -> int:
@@ -102,22 +84,32 @@ def _moe_sizes(mc: ModelConfig, tp: int) -> tuple[int, int]:
     return mc.moe_tp, mc.moe_ep
 
 
-def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> ParallelLayout:
+def _sizes(mc: ModelConfig) -> ParallelLayout:
+    """The sizes the keys set (tp is the layout's: worldSize / (dp x cp))."""
+    moe_tp, moe_ep = _moe_sizes(mc, _tp(mc))
+    return ParallelLayout(mc.world_size, moe_tp, moe_ep, sp=mc.sp, dp=_dp(mc), cp=mc.cp)
+
+
+def parallel_layout(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> NodeLayout:
     """The layout the rules below accept (call after they passed)."""
     env = env or {}
     b = doc.backend
     mc = b.model_deploy.model_configs[0]
-    tp = _tp(mc)
-    moe_tp, moe_ep = _moe_sizes(mc, tp)
-    sizes = dict(dp=_dp(mc), cp=mc.cp, sp=mc.sp)
+    s = _sizes(mc)
+    sizes = dict(world_size=s.world_size, moe_tp=s.moe_tp, moe_ep=s.moe_ep, sp=s.sp, dp=s.dp,
+                 cp=s.cp)
     if not b.multi_nodes_infer_enabled:
-        return ParallelLayout(mc.world_size, tp, moe_tp, moe_ep, **sizes,
-                              device_ids=b.npu_device_ids[0] if mc.world_size > 1 else ())
-    return ParallelLayout(mc.world_size, tp, moe_tp, moe_ep, **sizes,
-                          nnodes=int(env.get("NNODES", "1")),
-                          node_rank=int(env.get("NODE_RANK", "0")),
-                          master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                          master_port=int(env.get("MASTER_PORT", b.multi_nodes_infer_port)))
+        return NodeLayout(**sizes, device_ids=b.npu_device_ids[0] if mc.world_size > 1 else ())
+    return NodeLayout(**sizes, nnodes=int(env.get("NNODES", "1")),
+                      node_rank=int(env.get("NODE_RANK", "0")),
+                      master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(env.get("MASTER_PORT", b.multi_nodes_infer_port)))
+
+
+def _issue(problem: LayoutProblem) -> ConfigIssue:
+    """A broken layout rule, at the key of ModelConfig[0] to edit."""
+    return ConfigIssue(f"{MC0}.{problem.key}", problem.value, problem.allowed, problem.message,
+                       related=tuple(f"{MC0}.{k}" for k in problem.related))
 
 
 # What the engine runs today (server/model/parallel/plan.py): attention tensor parallel over
@@ -144,13 +136,7 @@ def unserved_parallel(layout: ParallelLayout) -> list[ConfigIssue]:
                 f"{key} {size} ({what}) is a valid MindIE layout but this build does not "
                 f"serve it yet; {advice.format(world=layout.world_size)}",
                 related=(f"{MC0}.worldSize", f"{MC0}.tp")))
-    if layout.dp > 1 and layout.sp > 1:
-        out.append(ConfigIssue(
-            f"{MC0}.sp", layout.sp, "1 with dp > 1 (served by this build)",
-            f"sp {layout.sp} (sequence parallel) with dp {layout.dp} (attention data "
-            "parallel) is a valid MindIE layout but this build does not serve the two "
-            "together yet; serve with sp 1", related=(f"{MC0}.dp", f"{MC0}.tp")))
-    return out
+    return out + [_issue(p) for p in layout.unserved()]
 
 
 def unserved_with_striped_kv(layout: ParallelLayout, *, kv_pool_backend: str,
@@ -159,18 +145,16 @@ def unserved_with_striped_kv(layout: ParallelLayout, *, kv_pool_backend: str,
     and disk tiers, swap preemption): a striped pool holds each block on one rank only, a
     dp pool each request's blocks in one group's ranks, so these are refused.  (PD's KV
     transfer is served: engine/kv/transfer/striped.py.)"""
-    if layout.sp > 1:
-        key, size, does = "sp", layout.sp, "(sequence parallel) stripes the KV pool over the ranks"
-    elif layout.dp > 1:
-        key, size, does = "dp", layout.dp, "(attention data parallel) splits the KV pool over its groups"
-    else:
+    striping = layout.kv_striping()
+    if striping is None:
         return []
+    key = striping.key
     found = [(f"{BC}.kvPoolConfig.backend", kv_pool_backend, bool(kv_pool_backend),
               "the host KV pool (and its disk tier)", "an empty kvPoolConfig.backend"),
              (f"{BC}.ScheduleConfig.maxPreemptCount", max_preempt_count, max_preempt_count > 0,
               "preemption by swapping to host memory", "maxPreemptCount 0")]
     return [ConfigIssue(path, value, f"{fix} (with {key} > 1)",
-                        f"{key} {size} {does}, and {what} moves whole blocks of one pool: "
+                        f"{striping}, and {what} moves whole blocks of one pool: "
                         f"not served together by this build; serve with {fix} or {key} 1",
                         related=(f"{MC0}.{key}",))
             for path, value, on, what, fix in found if on]
@@ -203,38 +187,18 @@ def _layout_issues(doc: MindIEConfig, per_node: int | None) -> Iterator[ConfigIs
             f"tp{tp_unset} x cp x dp{dp_unset} is {tp} x {cp} x {dp} = {tp * cp * dp}, not "
             f"worldSize ({world}){hint}",
             related=(f"{p}.worldSize", f"{p}.tp", f"{p}.cp", f"{p}.dp"))
-    if cp > 1 and dp > 1:
-        yield ConfigIssue(f"{p}.cp", cp, "1 when dp > 1",
-                          f"cp {cp} (context parallel) cannot be combined with dp {dp} "
-                          "(attention data parallel): with cp > 1, dp must be 1",
-                          related=(f"{p}.dp",))
-    if cp > 1 and sp <= 1:
-        yield ConfigIssue(f"{p}.cp", cp, "1 unless sp > 1",
-                          f"cp {cp} (context parallel) needs sp > 1 (sequence parallel, sp "
-                          "equal to tp): cp cannot be enabled on its own",
-                          related=(f"{p}.sp", f"{p}.tp"))
-    if sp > 1 and sp != tp:
-        yield ConfigIssue(f"{p}.sp", sp, f"1 or tp ({tp})",
-                          f"sp {sp} (sequence parallel) must equal tp ({tp}) when above 1",
-                          related=(f"{p}.tp",))
+    for problem in _sizes(mc).problems():
+        if problem.rule is Rule.COVERS_WORLD:       # said above, of the keys as written
+            continue
+        if problem.rule is Rule.SP_IS_TP and not product_ok:   # the tp named above
+            continue
+        if problem.rule is Rule.MOE_COVERS_WORLD:
+            issue = _moe_issue(mc, problem, product_ok)
+            if issue is not None:
+                yield issue
+            continue
+        yield _issue(problem)
     moe_tp, moe_ep = _moe_sizes(mc, tp)
-    moe = {"moe_tp": moe_tp, "moe_ep": moe_ep}
-    moe_given = mc.moe_tp is not None or mc.moe_ep is not None
-    if moe_tp * moe_ep != world and not moe_given and product_ok:
-        # (when tp itself is broken, the report above already covers its moe_tp default)
-        yield ConfigIssue(
-            f"{p}.moe_tp", moe, f"moe_tp * moe_ep == worldSize ({world})",
-            f"with neither moe_tp nor moe_ep set, moe_tp defaults to tp ({tp}) and moe_ep "
-            f"to 1, which do not cover worldSize ({world}): set moe_ep (e.g. "
-            f"{max(1, world // tp)}) or moe_tp (e.g. {world})",
-            related=(f"{p}.tp", f"{p}.worldSize", f"{p}.moe_ep"))
-    elif moe_tp * moe_ep != world and moe_given:
-        yield ConfigIssue(
-            f"{p}.moe_ep" if mc.moe_ep is not None else f"{p}.moe_tp", moe,
-            f"moe_tp * moe_ep == worldSize ({world})",
-            f"the MoE layers' ranks must cover the group: moe_tp x moe_ep is {moe_tp} x "
-            f"{moe_ep} = {moe_tp * moe_ep}, not worldSize ({world})",
-            related=(f"{p}.worldSize", f"{p}.moe_tp", f"{p}.moe_ep"))
     if per_node is not None and per_node < world:
         for key, size in (("tp", tp), ("moe_tp", moe_tp)):
             if per_node < size < world:
@@ -259,6 +223,26 @@ def _layout_issues(doc: MindIEConfig, per_node: int | None) -> Iterator[ConfigIs
             "1 with cp or sp > 1",
             f"MTP with {with_} drafts one token: num_speculative_tokens must be 1",
             related=(f"{p}.cp", f"{p}.sp", f"{p}.plugin_params.plugin_type"))
+
+
+def _moe_issue(mc: ModelConfig, problem: LayoutProblem, product_ok: bool) -> ConfigIssue | None:
+    """moe_tp x moe_ep not covering the world, said of the keys the operator wrote: with
+    neither given, of their defaults (unless tp itself is broken: the product rule's
+    report already covers the moe_tp it gives); else at the key given."""
+    world, tp = mc.world_size, _tp(mc)
+    p = MC0
+    if mc.moe_tp is None and mc.moe_ep is None:
+        if not product_ok:
+            return None
+        return ConfigIssue(
+            f"{p}.moe_tp", problem.value, problem.allowed,
+            f"with neither moe_tp nor moe_ep set, moe_tp defaults to tp ({tp}) and moe_ep "
+            f"to 1, which do not cover worldSize ({world}): set moe_ep (e.g. "
+            f"{max(1, world // tp)}) or moe_tp (e.g. {world})",
+            related=(f"{p}.tp", f"{p}.worldSize", f"{p}.moe_ep"))
+    return ConfigIssue(f"{p}.moe_ep" if mc.moe_ep is not None else f"{p}.moe_tp", problem.value,
+                       problem.allowed, problem.message,
+                       related=tuple(f"{MC0}.{k}" for k in problem.related))
 
 
 def parallel_issues(doc: MindIEConfig, env: Mapping[str, str] | None = None) -> Iterator[ConfigIssue]:

@@ -13,9 +13,9 @@ from typing import Iterator
 from pydantic import ValidationError
 
 from server.config.errors import ConfigIssue, issues_from_validation
+from server.config.mindie.sections import (MODEL_NAME_RULE, MindIEConfig, ModelConfig,
+                                           ModelTypeOptions, ServerConfig, is_all_interfaces)
 from server.config.pd_link import KeyFileError, parse_peer, read_key_file
-from server.config.sections import (MODEL_NAME_RULE, MindIEConfig, ModelConfig,
-                                    ModelTypeOptions, ServerConfig, is_all_interfaces)
 
 SV = "ServerConfig"
 MD = "BackendConfig.ModelDeployConfig"

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from server.config.parallel_layout import ParallelLayout
+
 # How long a child process (engine process, worker, rank) may take to load and report ready.
 START_TIMEOUT_S = 300.0
 
@@ -19,15 +21,11 @@ class EngineError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class ParallelConfig:
-    """The engine's parallel layout (EngineConfig.parallel); world_size 1 = one device."""
+class ParallelConfig(ParallelLayout):
+    """The engine's parallel layout (EngineConfig.parallel); world_size 1 = one device.
+    The sizes and their rules are the layout's (server/config/parallel_layout.py); the
+    engine adds where the ranks meet and how long it waits for them."""
 
-    world_size: int = 1
-    moe_tp: int = 1
-    moe_ep: int = 1
-    sp: int = 1                     # 1, or world_size: the latent KV striped over the ranks
-    dp: int = 1                     # attention data parallel groups of world_size / dp ranks
-    cp: int = 1                     # context parallel ranks (with sp = tp): a step's tokens split
     master_addr: str = "127.0.0.1"
     master_port: int = 1120         # 0: the executor hosts the store on a port it is given
     store_hosted: bool = False      # the store runs in the engine's process: ranks are clients
@@ -36,22 +34,6 @@ class ParallelConfig:
     timeout_s: float = 30.0         # collectives and heartbeats
     start_timeout_s: float = 300.0  # joining and loading
     device_ids: tuple[int, ...] = ()  # CUDA devices of this node's ranks (npuDeviceIds)
-
-    @property
-    def tp(self) -> int:
-        """Ranks of one dp group or cp rank (they split its attention heads)."""
-        return self.world_size // (self.dp * self.cp)
-
-    @property
-    def kv_stripes(self) -> int:
-        """Stripes the KV pool is cut into by block (global block b in stripe b % n):
-        sp > 1 over the tp ranks (each cp rank holding a copy), dp > 1 one per dp group
-        (they never combine), else 1."""
-        return self.sp * self.dp
-
-    def kv_stripe(self, rank: int) -> int:
-        """The stripe rank ``rank`` holds: its place among the sp ranks, or its dp group."""
-        return rank % self.sp if self.sp > 1 else rank // self.tp
 
     @property
     def ranks_per_node(self) -> int:

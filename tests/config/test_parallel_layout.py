@@ -261,18 +261,56 @@ def test_multi_node_layout_within_one_node_is_accepted(tmp_path):
 
 def test_rank_groups():
     """tp, moe_tp, sp: contiguous ranks; dp, cp, moe_ep: strided."""
-    from server.config.parallel import ParallelLayout
-    p = ParallelLayout(world_size=16, tp=8, dp=2, moe_tp=4, moe_ep=4)
+    from server.config.parallel_layout import ParallelLayout
+    p = ParallelLayout(world_size=16, dp=2, moe_tp=4, moe_ep=4)
+    assert p.tp == 8
     assert p.groups("tp") == (tuple(range(8)), tuple(range(8, 16)))
     assert p.groups("dp") == tuple((j, j + 8) for j in range(8))
     assert p.groups("moe_tp") == tuple(tuple(range(g * 4, g * 4 + 4)) for g in range(4))
     assert p.groups("moe_ep") == tuple((j, j + 4, j + 8, j + 12) for j in range(4))
-    c = ParallelLayout(world_size=4, tp=2, cp=2, sp=2, moe_tp=1, moe_ep=4)
+    c = ParallelLayout(world_size=4, cp=2, sp=2, moe_tp=1, moe_ep=4)
     assert c.groups("cp") == ((0, 2), (1, 3))
     assert c.groups("sp") == c.groups("tp") == ((0, 1), (2, 3))
     assert c.groups("moe_tp") == ((0,), (1,), (2,), (3,))
     with pytest.raises(ValueError):
         c.groups("pp")
+
+
+# Sizes the layout refuses: cp without sp, sp not tp, cp with dp (and dp with sp), MoE
+# ranks not covering the world, dp x cp not dividing it.
+BROKEN_SIZES = [dict(world_size=4, moe_ep=4, cp=2), dict(world_size=4, moe_ep=4, sp=2),
+                dict(world_size=8, moe_ep=8, dp=2, cp=2, sp=2), dict(world_size=4, moe_tp=3),
+                dict(world_size=4, moe_ep=4, dp=3)]
+
+
+@pytest.mark.parametrize("sizes", BROKEN_SIZES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_the_model_and_the_executor_refuse_a_layout_in_its_words(sizes):
+    """One type owns the layout's rules (server/config/parallel_layout.py): the model's
+    shard plan and the engine's executor refuse what it refuses, with its message."""
+    import re
+
+    from server.config.parallel_layout import LayoutError, ParallelLayout
+    from server.engine.config import EngineConfig, EngineError, ParallelConfig
+    from server.engine.executor.base import check_layout
+    from server.model.parallel.plan import ParallelPlan
+    with pytest.raises(LayoutError) as refused:
+        ParallelLayout(**sizes).check()
+    words = re.escape(str(refused.value))
+    with pytest.raises(LayoutError, match=words):
+        ParallelPlan(**sizes, rank=0)
+    with pytest.raises(EngineError, match=words):
+        check_layout(EngineConfig(parallel=ParallelConfig(**sizes)))
+
+
+def test_a_layout_that_holds_is_taken_by_all_three():
+    from server.config.parallel_layout import ParallelLayout
+    from server.engine.config import EngineConfig, ParallelConfig
+    from server.engine.executor.base import check_layout
+    from server.model.parallel.plan import ParallelPlan
+    sizes = dict(world_size=4, moe_tp=1, moe_ep=4, sp=2, cp=2)
+    assert ParallelLayout(**sizes).problems() == [] and ParallelLayout(**sizes).tp == 2
+    assert ParallelPlan(**sizes, rank=3).cp_rank == 1
+    check_layout(EngineConfig(parallel=ParallelConfig(**sizes)))
 
 
 DP_SP_NOTE = ("sp 2 (sequence parallel) with dp 2 (attention data parallel) is a valid "

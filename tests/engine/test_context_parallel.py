@@ -103,7 +103,7 @@ def _rank_forward(rank: int, port: int, path: str, out: str, broken: bool) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=4)
-    model, _ = load_checkpoint(path, plan=ParallelPlan(4, rank, 1, 4, sp=2, cp=2))
+    model, _ = load_checkpoint(path, plan=ParallelPlan(4, 1, 4, sp=2, cp=2, rank=rank))
     cpm.join_groups(model, 4, 2)
     if broken:
         def own_rows_only(self, rows, plan):
@@ -204,10 +204,10 @@ def test_identical_to_one_process_with_prefix_hits(model, k, kw, tiny_path):
 
 # -- refusals -----------------------------------------------------------------------------
 @pytest.mark.parametrize("par, kw, text", [
-    (dict(sp=1), {}, r"cp 2 \(context parallel\): allowed with sp = tp > 1, dp 1"),
-    (dict(sp=4), {}, r"sp 4 \(sequence parallel\): allowed 1 or tp = worldSize / cp \(2\)"),
-    (dict(world_size=8, dp=2, moe_ep=8), {}, r"dp 2 \(attention data parallel\): allowed "
-                                             r"with sp 1, cp 1"),
+    (dict(sp=1), {}, r"cp 2 \(context parallel\) needs sp > 1"),
+    (dict(sp=4), {}, r"sp 4 \(sequence parallel\) must equal tp \(2\) when above 1"),
+    (dict(world_size=8, dp=2, moe_ep=8), {}, r"cp 2 \(context parallel\) cannot be combined "
+                                             r"with dp 2 \(attention data parallel\)"),
     ({}, {"host_cache_blocks": 16}, r"sp 2 \(sequence parallel\) stripes the KV pool over "
                                     r"the ranks, and the host KV tier"),
     ({}, {"disk_cache_dir": "kv-disk", "host_cache_gb": 1.0}, r"and the disk KV tier"),
@@ -226,4 +226,4 @@ def test_int8_attention_cut_over_tp_is_refused_with_cp(quantized):
     from server.model.parallel.plan import ParallelPlan
     with pytest.raises(CheckpointError, match=r"an int8 attention layer cut over tp 2 ranks "
                                               r"with cp 2 .*serve int8 attention with cp 1"):
-        load_checkpoint(str(quantized["w8a8"]), plan=ParallelPlan(4, 0, 1, 4, sp=2, cp=2))
+        load_checkpoint(str(quantized["w8a8"]), plan=ParallelPlan(4, 1, 4, sp=2, cp=2, rank=0))

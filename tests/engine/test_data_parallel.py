@@ -198,7 +198,7 @@ def test_int8_random_checkpoint_identical_k1(tmp_path, tiny_path):
     assert _served(str(out), 1) == _single(str(out), 1)
     with pytest.raises(CheckpointError, match=r"an int8 attention layer cut over tp 2 ranks "
                                               r"with dp 2 .*serve int8 attention with dp and tp 1"):
-        load_checkpoint(str(out), plan=ParallelPlan(4, 0, 1, 4, dp=2))
+        load_checkpoint(str(out), plan=ParallelPlan(4, 1, 4, dp=2, rank=0))
 
 
 def _long_batches(vocab: int) -> list[list]:

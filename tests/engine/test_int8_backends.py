@@ -137,7 +137,7 @@ def test_a_forced_backend_in_a_tp2_ep2_group(quantized, forced, backend):
         pytest.skip(f"{backend} cannot run on this CPU / build")
     forced(backend)
     for rank in (0, 1):                             # each rank's shard as the rank loads it
-        shard, _ = load_checkpoint(quantized["ct"], dtype=torch.bfloat16, plan=ParallelPlan(2, rank, 1, 2))
+        shard, _ = load_checkpoint(quantized["ct"], dtype=torch.bfloat16, plan=ParallelPlan(2, 1, 2, rank=rank))
         assert {m.backend for m in shard.modules() if isinstance(m, quant.QuantLinear)} == {backend}
         assert_aligned(shard)
     got = _group(str(quantized["ct"]), backend)

@@ -185,14 +185,14 @@ def test_int8_random_checkpoint_tp4_ep4_identical(tiny_w4a8):
 def test_int8_experts_cut_within_themselves_are_refused(tiny_w4a8):
     with pytest.raises(CheckpointError, match=r"moe_tp 2\) cannot be computed exactly; serve int8 "
                                               r"experts whole: moe_tp 1, moe_ep 2"):
-        load_checkpoint(tiny_w4a8, plan=ParallelPlan(2, 0, 2, 1))
+        load_checkpoint(tiny_w4a8, plan=ParallelPlan(2, 2, 1, rank=0))
 
 
 @pytest.mark.demo
 def test_int8_shard_weights_are_at_most_055_of_the_whole(quantized, capsys):
     full = _weight_bytes(load_checkpoint(quantized["w8a8"])[0])
     for rank in (0, 1):
-        part = _weight_bytes(load_checkpoint(quantized["w8a8"], plan=ParallelPlan(2, rank, 1, 2))[0])
+        part = _weight_bytes(load_checkpoint(quantized["w8a8"], plan=ParallelPlan(2, 1, 2, rank=rank))[0])
         with capsys.disabled():
             print(f"\nW8A8 tp=2 moe_ep=2 rank {rank}: {part} of {full} weight bytes ({part / full:.3f}x)")
         assert part / full <= 0.55, (rank, part / full)
@@ -208,7 +208,7 @@ def test_shard_weights_are_at_most_060_of_the_whole(capsys):
     loaded for real (slices read from the file), no group is needed to load."""
     full = _weight_bytes(load_checkpoint(DEMO)[0])
     for rank in (0, 1):
-        part = _weight_bytes(load_checkpoint(DEMO, plan=ParallelPlan(2, rank, 2, 1))[0])
+        part = _weight_bytes(load_checkpoint(DEMO, plan=ParallelPlan(2, 2, 1, rank=rank))[0])
         with capsys.disabled():
             print(f"\ntp=2 rank {rank}: {part} of {full} weight bytes ({part / full:.3f}x)")
         assert part / full <= 0.6, (rank, part / full)
@@ -216,7 +216,7 @@ def test_shard_weights_are_at_most_060_of_the_whole(capsys):
 
 def test_shapes_that_do_not_divide_are_refused(tiny_path):
     with pytest.raises(CheckpointError, match="cannot be split over 3 ranks .moe_tp 3, moe_ep 1.: vocab_size .512. does not divide by 3"):
-        load_checkpoint(tiny_path, plan=ParallelPlan(3, 0, 3, 1))
+        load_checkpoint(tiny_path, plan=ParallelPlan(3, 3, 1, rank=0))
 
 
 def test_a_rank_that_cannot_start_is_named(tiny_path):

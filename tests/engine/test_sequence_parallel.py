@@ -185,6 +185,6 @@ def test_kv_tiers_are_refused_with_a_striped_pool(tiny_path, kw, text):
 
 def test_sp_other_than_the_world_is_refused(tiny_path):
     cfg = dataclasses.replace(BASE, parallel=dataclasses.replace(parallel_config("tp4-ep4"), sp=2))
-    with pytest.raises(EngineError, match=r"sp 2 \(sequence parallel\): allowed 1 or tp = "
-                                          r"worldSize \(4\)"):
+    with pytest.raises(EngineError, match=r"sp 2 \(sequence parallel\) must equal tp \(4\) "
+                                          r"when above 1"):
         LLMEngine(inspect_checkpoint(tiny_path), cfg, eos_token_ids=set())

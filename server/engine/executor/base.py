@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Any, Protocol
 
+from server.config.parallel_layout import LayoutError
 from server.engine.config import EngineConfig, EngineError
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
@@ -41,7 +42,7 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
     a rank group (worldSize > 1)."""
     import torch
 
-    check_striped_pool(cfg)
+    check_layout(cfg)
     if cfg.parallel.world_size > 1:
         from server.engine.executor.parallel import ParallelExecutor
         if policy is not None:
@@ -64,30 +65,21 @@ def make_executor(model: Any, cfg: EngineConfig, k: int, policy: Any = None) -> 
     return InProcessExecutor(worker, async_scheduling=cfg.async_scheduling)
 
 
-def check_striped_pool(cfg: EngineConfig) -> None:
-    """Refuse what a striped KV pool (sp > 1, model/sequence_parallel.py, also under
-    cp > 1, model/context_parallel.py; dp > 1, model/data_parallel.py) cannot do: its
-    blocks live on different ranks, while the host/disk tiers move whole blocks of one
-    device pool by global id.  (PD transfer, the other block mover, is served: it reads
+def check_layout(cfg: EngineConfig) -> None:
+    """Refuse a layout that breaks a rule or that this build does not serve (the layout's
+    own check: server/config/parallel_layout.py), and what a striped KV pool (sp > 1,
+    model/parallel/sequence.py, also under cp > 1; dp > 1, model/parallel/data.py) cannot
+    do: its blocks live on different ranks, while the host/disk tiers move whole blocks of
+    one device pool by global id.  (PD transfer, the other block mover, is served: it reads
     and writes rows over the stripes, kv/transfer/striped.py.)"""
     par = cfg.parallel
-    if par.dp > 1:
-        if par.sp > 1 or par.cp > 1 or par.world_size % par.dp:
-            raise EngineError(f"dp {par.dp} (attention data parallel): allowed with sp 1, "
-                              f"cp 1 and a worldSize ({par.world_size}) it divides")
-        what = f"dp {par.dp} (attention data parallel) splits the KV pool over its groups"
-        fix = "dp 1"
-    elif par.cp > 1 and (par.sp == 1 or par.world_size % par.cp):
-        raise EngineError(f"cp {par.cp} (context parallel): allowed with sp = tp > 1, dp 1 "
-                          f"and a worldSize ({par.world_size}) it divides")
-    elif par.sp == 1:
+    try:
+        par.check()
+    except LayoutError as exc:
+        raise EngineError(str(exc)) from None
+    striping = par.kv_striping()
+    if striping is None:
         return
-    elif par.sp != par.tp:
-        tp = f"worldSize ({par.world_size})" if par.cp == 1 else f"worldSize / cp ({par.tp})"
-        raise EngineError(f"sp {par.sp} (sequence parallel): allowed 1 or tp = {tp}")
-    else:
-        what = f"sp {par.sp} (sequence parallel) stripes the KV pool over the ranks"
-        fix = "sp 1"
     tiers = [name for name, on in (
         ("the host KV tier (kvPoolConfig.backend, or cpuMemSize with maxPreemptCount > 0)",
          cfg.host_cache_gb > 0 or bool(cfg.host_cache_blocks)),
@@ -95,5 +87,6 @@ def check_striped_pool(cfg: EngineConfig) -> None:
         if on]
     if tiers:
         verb = "move" if len(tiers) > 1 else "moves"
-        raise EngineError(f"{what}, and {' and '.join(tiers)} {verb} whole blocks of one "
-                          f"pool: not served together; turn the tier off or serve with {fix}")
+        raise EngineError(f"{striping}, and {' and '.join(tiers)} {verb} whole blocks of one "
+                          f"pool: not served together; turn the tier off or serve with "
+                          f"{striping.key} 1")

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.config.parallel_layout import LayoutError, ParallelLayout
 from server.distributed import collectives
 from server.model.kernels.products import UsesProducts
 from server.model.layers.linear import Linear
@@ -57,39 +58,20 @@ class ShardError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class ParallelPlan:
-    """One rank's place in the group.  ``world_size`` = dp x cp x tp: dp attention data
-    parallel groups or cp context parallel ranks (1: none; never both) of tp contiguous
-    ranks, which split the attention heads; dense layers, the vocabulary and
-    ``moe_tp * moe_ep`` cover the world; ``sp`` 1 (latent cache replicated) or tp
-    (striped over the ranks: sequence_parallel.py; not with dp > 1, needed by cp > 1)."""
+class ParallelPlan(ParallelLayout):
+    """One rank's place in the group: a layout (its sizes and rules are
+    server/config/parallel_layout.py's: dp attention data parallel groups or cp context
+    parallel ranks of tp contiguous ranks, which split the attention heads; dense layers,
+    the vocabulary and ``moe_tp * moe_ep`` cover the world; ``sp`` 1 or tp, the latent
+    cache striped: sequence.py) and the rank this shard is cut for.  A layout that breaks
+    a rule, or that this build does not serve, raises LayoutError here."""
 
-    world_size: int = 1
     rank: int = 0
-    moe_tp: int = 1
-    moe_ep: int = 1
-    sp: int = 1
-    dp: int = 1
-    cp: int = 1
 
     def __post_init__(self) -> None:
-        if self.moe_tp * self.moe_ep != self.world_size:
-            raise ShardError(f"moe_tp ({self.moe_tp}) x moe_ep ({self.moe_ep}) must equal the "
-                             f"world size ({self.world_size})")
-        if self.dp < 1 or self.cp < 1 or self.world_size % (self.dp * self.cp):
-            raise ShardError(f"dp ({self.dp}) x cp ({self.cp}) must divide the world size "
-                             f"({self.world_size})")
-        if self.cp > 1 and (self.dp > 1 or self.sp == 1):
-            raise ShardError(f"cp ({self.cp}) needs sp = tp > 1 and dp 1")
-        if self.sp not in (1, self.tp) or (self.sp > 1 and self.dp > 1):
-            raise ShardError(f"sp ({self.sp}) must be 1 or tp ({self.tp}), and 1 with dp > 1")
+        self.check()
         if not 0 <= self.rank < self.world_size:
-            raise ShardError(f"rank {self.rank} outside [0, {self.world_size})")
-
-    @property
-    def tp(self) -> int:
-        """Ranks that split one dp group's (or cp rank's) attention heads."""
-        return self.world_size // (self.dp * self.cp)
+            raise LayoutError(f"rank {self.rank} outside [0, {self.world_size})")
 
     @property
     def dp_rank(self) -> int:

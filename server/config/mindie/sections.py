@@ -4,7 +4,7 @@ Field-local checks (types, ranges, enums, patterns) live here as pydantic constr
 rules that read several fields live in ``rules.py`` so they still run, and are all
 reported, when some single field is broken.  Defaults and ranges are MindIE's
 (MindIE Service config reference).  What every section shares (strict scalars, unknown
-keys kept, frozen models) is in section_base.py; ``ServerConfig`` in server_section.py.
+keys kept, frozen models) is in base.py; ``ServerConfig`` in server.py.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pydantic import (StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from server.config.plugins import PluginParams, decode_plugin_params
-from server.config.section_base import I32, U32, F, Section
-from server.config.server_section import (API_KEY_RULE, HealthCheckConfig, ServerConfig,  # noqa: F401
+from server.config.mindie.base import I32, U32, F, Section
+from server.config.mindie.plugins import PluginParams, decode_plugin_params
+from server.config.mindie.server import (API_KEY_RULE, HealthCheckConfig, ServerConfig,  # noqa: F401
                                           check_api_key, is_all_interfaces)
 
 MODEL_NAME_RULE = "1-256 of [A-Za-z0-9._-], not starting or ending with '-', '.' or '_'"

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import StrictBool, StrictInt, StrictStr, field_validator
 from pydantic_core import PydanticCustomError
 
-from server.config.section_base import F, Section
+from server.config.mindie.base import F, Section
 
 
 def _check_ip(value: str) -> str:
