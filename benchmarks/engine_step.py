@@ -29,12 +29,15 @@ Usage (from the repository root):
   python -m benchmarks.engine_step --model .cache/bench-models/deepseek-v3-0.5b-mtp --batch 1 --modes off,k1   # realistic size
 
 ``--model``: the checkpoint's own dtype unless ``--dtype``; its MTP layer as it is (the
-benchmarks.models folders carry the high-acceptance edit).  With ``--model`` the weight-
-streaming limit (benchmarks.harness.streaming_limit_gbps, this process's threads) is
-measured after the timed runs, and each MTP-off row is set against it: the step a pure
-weight stream would take, the bytes it reads (harness.active_weight_bytes) over GB/s.
-Every row also reports max step / median step over the timed steps (after the warm-up):
-how far the slowest step strays (a late compile, an allocation, the shared machine).
+benchmarks.models folders carry the high-acceptance edit).  With ``--model`` the memory's
+read bandwidth (harness.memory_bandwidth_gbps: a plain streaming read of 1 GiB at this
+process's threads, median of 7) is measured after the timed runs, and every row is set
+against it: the weight bytes a step reads (harness.step_weight_bytes) x steps/s, as a
+share of the bandwidth (harness.bandwidth_share).  torch's GEMV rates
+(harness.gemv_rates_gbps) are printed beside it as a kernel diagnostic: how fast torch's
+own products stream a weight here, not the limit.  Every row also reports max step /
+median step over the timed steps (after the warm-up): how far the slowest step strays (a
+late compile, an allocation, the shared machine).
 """
 from __future__ import annotations
 
@@ -71,20 +74,23 @@ def device_name(device: torch.device) -> str:
     return f"CPU: {harness.cpu_model()} ({torch.get_num_threads()} threads)"
 
 
-def make_engine(model, k: int, args, device: torch.device, max_batch: int) -> LLMEngine:
+def make_engine(model, k: int, args, device: torch.device, max_batch: int,
+                prompt_len: int = PROMPT_LEN) -> LLMEngine:
+    """An engine for up to ``max_batch`` sequences of ``prompt_len`` + ``args.max_tokens``
+    tokens, MTP k (0: off), ``args.compile``; no EOS, fixed k (no adaptive speculation)."""
     block_size = 16
-    per_seq = -(-(PROMPT_LEN + args.max_tokens + 8) // block_size)
+    per_seq = -(-(prompt_len + args.max_tokens + 8) // block_size)
     cfg = EngineConfig(block_size=block_size, num_blocks=per_seq * max_batch + 16,
-                       max_batch_size=max_batch, max_prefill_tokens=max(8192, PROMPT_LEN * max_batch),
+                       max_batch_size=max_batch, max_prefill_tokens=max(8192, prompt_len * max_batch),
                        max_prefill_batch_size=max_batch, max_queue_delay_us=0,
-                       max_seq_len=PROMPT_LEN + args.max_tokens + 8, num_speculative_tokens=k,
+                       max_seq_len=prompt_len + args.max_tokens + 8, num_speculative_tokens=k,
                        adaptive_speculation=False, compile=args.compile, device=str(device))
     return LLMEngine(model, cfg, eos_token_ids=set())
 
 
-def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, vocab: int, seed: int, prompt_len: int = PROMPT_LEN) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n, PROMPT_LEN), generator=g).tolist()
+    return torch.randint(2, vocab, (n, prompt_len), generator=g).tolist()
 
 
 def _sync(device: torch.device) -> None:
@@ -148,6 +154,26 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: to
             "tok_s": decode_tokens / total if total else 0.0,
             "tok_per_step": statistics.fmean(per_seq_step) if per_seq_step else 0.0,
             "layers_ms": 1e3 * statistics.median(layer_times) if layer_times else None}
+
+
+def prompt_seconds(engine: LLMEngine, prompt: list[int], device: torch.device, tag: str = "p") -> float:
+    """Seconds of the engine step that prefills ``prompt`` alone (its first token
+    included); the request is then served to its end, untimed."""
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(tag, prompt, sp))
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = engine.step()
+    engine.finish_step()
+    _sync(device)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        if o.error:
+            raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+    while engine.has_unfinished():
+        engine.step()
+        engine.finish_step()
+    return dt
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -309,29 +335,35 @@ def main(argv: list[str] | None = None) -> int:
             line += (f"; k=1 / off at acceptance a is at most (1 + a) / {s['k1_step_over_off_step']:.2f} "
                      f"({2 / s['k1_step_over_off_step']:.2f} at a = 1)")
         print(line)
-    limit = None
+    memory = None
     if args.model is not None:
-        limit = {"streaming": harness.streaming_limit_gbps(torch.get_num_threads(), device=args.device),
-                 "batches": {}}
-        gbps = limit["streaming"]["bf16" if dtype_name == "bf16" else "fp32"]
-        print(f"# weight-streaming limit: {dtype_name} GEMV {gbps:.2f} GB/s "
-              f"({limit['streaming']['weight_mib']} MiB weight, {torch.get_num_threads()} thread(s); "
-              f"bf16 {limit['streaming']['bf16']:.2f}, fp32 {limit['streaming']['fp32']:.2f}, int8 _int_mm "
-              f"{limit['streaming']['int8'] or 0:.2f} GB/s)")
+        memory = {"bandwidth": harness.memory_bandwidth_gbps(torch.get_num_threads(), device=args.device),
+                  "gemv_diagnostic": harness.gemv_rates_gbps(torch.get_num_threads(), device=args.device),
+                  "batches": {}}
+        bw, diag = memory["bandwidth"], memory["gemv_diagnostic"]
+        gbps = bw["gbps"]
+        print(f"# memory read bandwidth: {gbps:.2f} GB/s (a plain read of {bw['mib']} MiB, "
+              f"{bw['threads']} thread(s), median of {len(bw['runs'])}: "
+              + " ".join(f"{r:.1f}" for r in bw["runs"]) + ")")
+        print(f"# kernel diagnostic (torch's products over {diag['weight_mib']} MiB, not the limit): "
+              f"bf16 GEMV {diag['bf16']:.2f}, fp32 GEMV {diag['fp32']:.2f}, int8 _int_mm "
+              f"{diag['int8'] or 0:.2f} GB/s")
         if dtype_name != ("bf16" if "bfloat16" in str(cfg.torch_dtype) else "fp32"):
             print(f"# (served as {dtype_name}, stored as {cfg.torch_dtype}: the bytes below are the stored dtype's)")
         for b in batches:
-            limit["batches"][b] = {}
+            memory["batches"][b] = {}
             for mode, k in modes:
                 nbytes = harness.step_weight_bytes(args.against if mode == "alt" else args.model, b, k)
-                bound_ms = 1e3 * nbytes / (gbps * 1e9)
                 r = results[b][mode]
-                limit["batches"][b][mode] = {"step_bytes": nbytes, "bound_step_ms": bound_ms,
-                                             "share": bound_ms / r["step_ms"]}
-                print(f"# batch {b} {mode}: a step reads {nbytes / 1e6:.0f} MB of weights: {bound_ms:.1f} ms "
-                      f"at {gbps:.2f} GB/s; it took {r['step_ms']:.1f} ms = {bound_ms / r['step_ms']:.0%} of "
-                      f"the streaming limit's speed" + ("" if k == 0 else
-                      f" (bytes {nbytes / limit['batches'][b]['off']['step_bytes']:.2f}x off's)"))
+                share = harness.bandwidth_share(nbytes, 1e3 / r["step_ms"], gbps) if r["step_ms"] else 0.0
+                memory["batches"][b][mode] = {"step_bytes": nbytes, "share": share}
+                for row in rows:
+                    if row["batch"] == b and row["mode"] == mode:
+                        row["step_bytes"], row["bandwidth_share"] = nbytes, round(share, 4)
+                print(f"# batch {b} {mode}: a step reads {nbytes / 1e6:.0f} MB of weights; at "
+                      f"{r['step_ms']:.1f} ms a step it streams {share * gbps:.1f} GB/s = {share:.0%} of the "
+                      f"memory's read bandwidth" + ("" if k == 0 else
+                      f" (bytes {nbytes / memory['batches'][b]['off']['step_bytes']:.2f}x off's)"))
 
     if layers is not None:
         print(f"{'batch':>5} {'mode':>4} {'step ms':>9} {'layers ms':>10} {'rest ms':>9} "
@@ -381,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_s": {m: e.runtime.compile_seconds for m, e in engines.items()},
         "decode_path": {m: e.runtime.decode_path for m, e in engines.items()},
         "lossless": "OK" if not mismatches else "MISMATCH", "mismatches": mismatches,
-        "streaming_limit": limit,
+        "memory": memory,
     }, args.json)
     return 1 if mismatches else 0
 

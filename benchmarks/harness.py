@@ -333,7 +333,7 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- weight streaming
+# --------------------------------------------------------------------------- memory bandwidth, bytes a step reads
 
 def last_level_cache_bytes() -> int:
     """The largest CPU cache sysfs reports (the last level), 0 if unknown."""
@@ -348,18 +348,64 @@ def last_level_cache_bytes() -> int:
     return best
 
 
-def streaming_limit_gbps(threads: int | None = None, weight_mib: int | None = None,
-                         reps: int = 7, device: str = "cpu") -> dict:
-    """The machine's weight-streaming rate, as a decode step meets it: GB/s of one
-    [1, K] x [K, N] product over a weight larger than the last-level cache (default
-    max(512 MiB, 2 x LLC), at most 2 GiB), ``F.linear`` on a [N, K] weight as the model's
-    linears call it, with ``threads`` torch threads (the daemons' ``--threads``); the
-    median of ``reps`` runs after a warm one.
+def memory_bandwidth_gbps(threads: int | None = None, mib: int = 1024, reps: int = 7,
+                          device: str = "cpu") -> dict:
+    """The memory's read bandwidth, the yardstick of every share the benchmarks report:
+    GB/s of a plain streaming read, ``torch.sum`` over a ``mib`` MiB int64 tensor (far
+    larger than any cache; its pages written before), with ``threads`` torch threads
+    (default: this process's), the median of ``reps`` runs after a warm-up one.  A
+    reduction does no work a core cannot hide behind the loads, so it reads as fast as
+    the memory gives (28.5-29.3 GB/s at 2 threads on the 2-core EPYC, 2026-12-06), unlike
+    a product kernel (``gemv_rates_gbps``: a kernel's speed, not the memory's).
 
-    Keys: "bf16" (the bf16 GEMV: the limit of a bf16 checkpoint), "int8" (``torch._int_mm``
+    ``device`` "cuda": the same read of the GPU's memory (synchronized around each run).
+
+    Keys: "gbps" (the median), "runs" (every timed run's GB/s), "mib", "threads"."""
+    import torch
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        t = torch.ones((mib << 20) // 8, dtype=torch.int64, device=dev)
+        t.sum()                                       # warm-up
+        runs = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            t.sum()
+            sync()
+            runs.append(t.nbytes / (time.perf_counter() - t0) / 1e9)
+        del t
+    finally:
+        torch.set_num_threads(old)
+    return {"gbps": statistics.median(runs), "runs": [round(r, 2) for r in runs], "mib": mib,
+            "threads": threads or old}
+
+
+def bandwidth_share(step_bytes: float, steps_per_s: float, gbps: float) -> float:
+    """The share of the memory's read bandwidth a row streams: the weight bytes a step
+    reads x steps a second / the bandwidth (``gbps``, GB/s).  Per token: a row of T
+    tokens/s at n tokens a step runs T / n steps a second."""
+    return step_bytes * steps_per_s / (gbps * 1e9)
+
+
+def gemv_rates_gbps(threads: int | None = None, weight_mib: int | None = None,
+                    reps: int = 7, device: str = "cpu") -> dict:
+    """A kernel diagnostic, not the limit: GB/s of torch's own products at one row over a
+    weight larger than the last-level cache, i.e. how fast torch's kernels stream a weight
+    on this machine (compare with ``memory_bandwidth_gbps``: the bf16 GEMV ran 12.7-16.7
+    GB/s where the memory gave 28.5-29.3, 2026-12-06).  One [1, K] x [K, N] product
+    (default weight max(512 MiB, 2 x LLC), at most 2 GiB), ``F.linear`` on a [N, K] weight
+    as the model's linears call it, with ``threads`` torch threads (the daemons'
+    ``--threads``); the median of ``reps`` runs after a warm one.  (Named
+    ``streaming_limit_gbps`` before, when the benchmarks took it for the limit.)
+
+    Keys: "bf16" (torch's bf16 GEMV), "int8" (``torch._int_mm``
     at M=1 on the same bytes as int8 [N, 2K], as the int8 linears call it; M=17 on CUDA,
     whose kernel needs M > 16; None where this torch has no kernel for it), "fp32" (an fp32 GEMV over as many bytes: how
-    close the bf16 kernel comes to what the memory gives), "weight_mib", "threads",
+    close the bf16 kernel comes to an fp32 one), "weight_mib", "threads",
     "llc_mib".  ``device`` "cuda": the same on the GPU (synchronized around each run; the
     weight 2 GiB, well above any L2)."""
     import torch
@@ -403,6 +449,9 @@ def streaming_limit_gbps(threads: int | None = None, weight_mib: int | None = No
     finally:
         torch.set_num_threads(old)
     return {**out, "weight_mib": mib, "threads": threads or old, "llc_mib": llc >> 20}
+
+
+streaming_limit_gbps = gemv_rates_gbps        # the old name (a kernel diagnostic, not the limit)
 
 
 def _element_bytes(dtype: str) -> float:
@@ -452,12 +501,20 @@ def weight_table(config) -> tuple[dict, list[tuple[str, int, float]]]:
     return raw, rows
 
 
+def expected_experts(n_experts: int, per_token: int, tokens: int) -> float:
+    """The expected number of distinct routed experts ``tokens`` tokens choose, each
+    ``per_token`` of ``n_experts`` under uniform routing: E * (1 - (1 - k/E)^t)."""
+    if not n_experts:
+        return 0.0
+    return n_experts * (1 - (1 - per_token / n_experts) ** tokens)
+
+
 def _split_bytes(raw: dict, rows: list, tokens: int) -> tuple[float, float]:
     """(main model bytes, one MTP pass's bytes) read for ``tokens`` tokens."""
     n = int(raw["num_hidden_layers"])
     hidden = int(raw["hidden_size"])
     e, k = int(raw.get("n_routed_experts") or 0), int(raw.get("num_experts_per_tok") or 0)
-    experts = e * (1 - (1 - k / e) ** tokens) if e else 0.0
+    experts = expected_experts(e, k, tokens)
     main = mtp = 0.0
     for name, numel, size in rows:
         b = numel * size

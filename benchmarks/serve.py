@@ -28,15 +28,19 @@ Usage (from the repository root; scripts/bench.sh runs it in .venv with the benc
   python -m benchmarks.serve --model DIR                                 # any checkpoint folder instead of the config's
   python -m benchmarks.serve --realistic 0.5b [--modes off,k1] [--concurrency 1,8,16,64]
                                                                        # a realistic-size bf16 model (benchmarks.models,
-                                                                       # built on first use), its MTP-off rows also as a
-                                                                       # share of the machine's weight-streaming limit
+                                                                       # built on first use), every row also as a share
+                                                                       # of the memory's read bandwidth
 
-Realistic-size rows (``--realistic``, or any ``--model``): the weight-streaming limit
-(harness.streaming_limit_gbps: a bf16 GEMV over a weight larger than the last-level
-cache, at the daemons' thread count) is measured in this process before and after the
-bursts (the daemons idle meanwhile); a row's limit is concurrency x GB/s / the weight
-bytes a step reads for that many tokens (harness.active_weight_bytes), and MTP-off rows
-report tok/s and concurrency / TPOT p50 (decode alone) as a share of it.  Defaults with
+Realistic-size rows (``--realistic``, or any ``--model``): the memory's read bandwidth
+(harness.memory_bandwidth_gbps: a plain streaming read of 1 GiB at the daemons' thread
+count, median of 7) is measured in this process before and after the bursts (the daemons
+idle meanwhile), torch's GEMV rates beside it as a kernel diagnostic
+(harness.gemv_rates_gbps: not the limit).  Every row reports the weight bytes a step reads
+at its concurrency (harness.step_weight_bytes at the k its steps ran, weighted by the
+daemon's steps per k) and its share of the bandwidth: bytes a step x steps/s / GB/s,
+steps/s being tok/s / (concurrency x tokens a sequence gets a step: 1, or the mean
+accepted length on the steps that drafted); once over tok/s (the burst, TTFT included)
+and once over concurrency / TPOT p50 (decode alone).  Defaults with
 ``--realistic``: concurrency 1,8; transformers generate() at batch 1 in the checkpoint's
 dtype; each daemon's KV pool ``--kv-gib`` GiB; ``--daemon-compile wait``: each daemon
 compiles its step graphs in its own process before it reports ready (into a cache private
@@ -322,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                   + ("" if text.strip() else "  <- NO TEXT: this daemon's rows are not valid"), file=sys.stderr)
         streaming = []
         if realistic:                    # the daemons idle meanwhile
-            print("measuring the weight-streaming limit ...", file=sys.stderr)
-            streaming.append(harness.streaming_limit_gbps(args.threads))
+            print("measuring the memory's read bandwidth ...", file=sys.stderr)
+            streaming.append(memory_figures(args.threads))
         for _ in range(reps):
             for c in levels:
                 n = burst_size(c, args.quick, args.requests)
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 peer.measure()
                 prog.step("transformers")
         if realistic:
-            streaming.append(harness.streaming_limit_gbps(args.threads))
+            streaming.append(memory_figures(args.threads))
         # keep the daemons' logs when any request failed, to see why
         failed = any(r.get("errors") for per in raw.values() for runs in per.values() for r in runs)
     finally:
@@ -364,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                                     if t.decode_compiled_s is not None},
               "warmup": warmup, "sample_answers": samples, "daemon_compile": daemon_compile}
     if realistic:
-        report["realistic"] = limit_report(weights, streaming, table, levels, args.realistic)
+        rows_of = {p[0]: (p[1], (p[3] or weights)) for p in plan}
+        report["realistic"] = limit_report(weights, streaming, table, levels, args.realistic, rows_of)
     print_table(report)
     harness.save_report(report, args.json)
     if args.plot:
@@ -382,30 +387,57 @@ def sample_answer(target: Target, model: str, messages: list[dict], max_tokens: 
     return (msg.get("reasoning_content") or "") + (msg.get("content") or "")
 
 
+def memory_figures(threads: int) -> dict:
+    """One measurement of the yardstick (the memory's read bandwidth) and of the kernel
+    diagnostic (torch's GEMV rates) at the daemons' thread count."""
+    return {"bandwidth": harness.memory_bandwidth_gbps(threads),
+            "gemv_diagnostic": harness.gemv_rates_gbps(threads)}
+
+
+def row_share(r: dict, concurrency: int, k: int, weights: Path, gbps: float,
+              step_bytes=harness.step_weight_bytes) -> dict:
+    """A daemon row's weight bytes a step and its share of the memory's read bandwidth.
+
+    The steps ran at k=0..2 (adaptive speculation; ``steps_per_k``, else all at ``k``):
+    bytes a step is ``step_bytes(weights, concurrency, k)`` weighted by those counts; a
+    sequence gets 1 token from a step that drafted nothing, the mean accepted length from
+    one that drafted; steps/s = tokens/s / (concurrency x tokens a sequence a step).
+    "share": over the burst's tok/s (TTFT in it); "decode_share": over concurrency / TPOT p50."""
+    per_k = {int(j): float(n) for j, n in (r.get("steps_per_k") or {}).items() if n}
+    if not per_k:
+        per_k = {k: 1.0}
+    total = sum(per_k.values())
+    nbytes = sum(n * step_bytes(weights, concurrency, j) for j, n in per_k.items()) / total
+    drafted = 1 - per_k.get(0, 0.0) / total
+    tokens_a_step = (1 - drafted) + drafted * (r.get("mean_accepted_len") or 1.0)
+    out = {"step_bytes": nbytes, "tokens_per_seq_step": tokens_a_step}
+    if r.get("output_tok_s"):
+        out["share"] = harness.bandwidth_share(nbytes, r["output_tok_s"] / concurrency / tokens_a_step, gbps)
+    if r.get("tpot_median"):
+        out["decode_share"] = harness.bandwidth_share(nbytes, 1 / r["tpot_median"] / tokens_a_step, gbps)
+    return out
+
+
 def limit_report(weights: Path, streaming: list[dict], table: dict, levels: list[int],
-                 size: str | None) -> dict:
-    """The realistic-size figures: the streaming limit (both measurements and their mean),
-    the weight bytes a step reads per concurrency, each level's limit and the MTP-off rows
-    as a share of it."""
+                 size: str | None, rows_of: dict[str, tuple[int, Path]] | None = None) -> dict:
+    """The realistic-size figures: the memory's read bandwidth (both measurements and
+    their mean), the kernel diagnostic, the weight bytes a step reads per concurrency,
+    and every row's share of the bandwidth (``row_share``; ``rows_of``: a row's name ->
+    (its MTP k, its weights))."""
     import json
-    gbps = statistics.fmean(m["bf16"] for m in streaming)
-    out = {"model": harness.shown_path(weights), "size": size, "streaming": streaming, "bf16_gbps": gbps,
-           "parameters": None, "levels": {}}
+    gbps = statistics.fmean(m["bandwidth"]["gbps"] for m in streaming)
+    out = {"model": harness.shown_path(weights), "size": size, "streaming": streaming, "bandwidth_gbps": gbps,
+           "parameters": None, "levels": {}, "rows": {}}
     marker = weights / "bench_model.json"
     if marker.is_file():
         out["parameters"] = json.loads(marker.read_text()).get("parameters")
     for c in levels:
-        active = harness.active_weight_bytes(weights, tokens=c)
-        limit = c * gbps * 1e9 / active
-        row = {"active_bytes": active, "limit_tok_s": limit,
-               "k1_step_bytes": harness.step_weight_bytes(weights, c, 1),
-               "k2_step_bytes": harness.step_weight_bytes(weights, c, 2)}
-        off = table.get("off", {}).get(c)
-        if off:
-            row["off_share"] = off["output_tok_s"] / limit
-            if off.get("tpot_median"):
-                row["off_decode_share"] = c / off["tpot_median"] / limit
-        out["levels"][c] = row
+        out["levels"][c] = {"active_bytes": harness.active_weight_bytes(weights, tokens=c),
+                            "k1_step_bytes": harness.step_weight_bytes(weights, c, 1),
+                            "k2_step_bytes": harness.step_weight_bytes(weights, c, 2)}
+    for name, per in table.items():
+        k, w = (rows_of or {}).get(name, (0, weights))
+        out["rows"][name] = {c: row_share(per[c], c, k, w, gbps) for c in levels if c in per}
     return out
 
 
@@ -414,18 +446,24 @@ def print_limit(rep: dict) -> None:
     if not r:
         return
     s = r["streaming"]
-    print(f"weight-streaming limit ({s[0]['threads']} thread(s), {s[0]['weight_mib']} MiB weight, "
-          f"LLC {s[0]['llc_mib']} MiB): bf16 GEMV " + " / ".join(f"{m['bf16']:.2f}" for m in s)
-          + " GB/s before / after the bursts (mean " + f"{r['bf16_gbps']:.2f}); int8 _int_mm M=1 "
-          + " / ".join(_fmt(m["int8"], ".2f") for m in s) + " GB/s; fp32 GEMV "
-          + " / ".join(f"{m['fp32']:.2f}" for m in s) + " GB/s")
+    bw = [m["bandwidth"] for m in s]
+    diag = [m["gemv_diagnostic"] for m in s]
+    print(f"memory read bandwidth (a plain read of {bw[0]['mib']} MiB, {bw[0]['threads']} thread(s), "
+          f"median of {len(bw[0]['runs'])}): " + " / ".join(f"{m['gbps']:.2f}" for m in bw)
+          + f" GB/s before / after the bursts (mean {r['bandwidth_gbps']:.2f})")
+    print(f"kernel diagnostic, not the limit (torch's products over {diag[0]['weight_mib']} MiB): bf16 GEMV "
+          + " / ".join(f"{m['bf16']:.2f}" for m in diag) + " GB/s; int8 _int_mm M=1 "
+          + " / ".join(_fmt(m["int8"], ".2f") for m in diag) + " GB/s; fp32 GEMV "
+          + " / ".join(f"{m['fp32']:.2f}" for m in diag) + " GB/s")
     for c, lv in r["levels"].items():
-        share = (f"MTP off {lv['off_share']:.0%} of it (tok/s), "
-                 f"{_fmt(lv.get('off_decode_share') and 100 * lv['off_decode_share'], '.0f')}% "
-                 f"(concurrency / TPOT p50)") if "off_share" in lv else "no MTP-off row"
-        print(f"concurrency {c}: a step reads {lv['active_bytes'] / 1e6:.0f} MB of weights (k=1 step "
-              f"{lv['k1_step_bytes'] / 1e6:.0f} MB, k=2 {lv['k2_step_bytes'] / 1e6:.0f} MB); limit "
-              f"{lv['limit_tok_s']:.1f} tok/s; {share}")
+        print(f"concurrency {c}: a step reads {lv['active_bytes'] / 1e6:.0f} MB of weights MTP off (k=1 step "
+              f"{lv['k1_step_bytes'] / 1e6:.0f} MB, k=2 {lv['k2_step_bytes'] / 1e6:.0f} MB)")
+    for name, per in r.get("rows", {}).items():
+        for c, sh in per.items():
+            print(f"  {name} c={c}: {sh['step_bytes'] / 1e6:.0f} MB a step, "
+                  f"{sh['tokens_per_seq_step']:.2f} tokens a sequence a step: "
+                  f"{_fmt(sh.get('share') and 100 * sh['share'], '.0f')}% of the bandwidth (tok/s), "
+                  f"{_fmt(sh.get('decode_share') and 100 * sh['decode_share'], '.0f')}% (concurrency / TPOT p50)")
     peer = rep.get("transformers_tok_s") or {}
     off = rep["results"].get("off", {})
     for bs, rate in peer.items():
