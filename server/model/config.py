@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from server.config.checkpoint.architecture import (DTYPES, DeepseekConfig,
-                                                   UnsupportedConfigError, YarnScaling,
-                                                   yarn_get_mscale)
+from server.config.checkpoint.architecture import (
+    DTYPES,
+    DeepseekConfig,
+    UnsupportedConfigError,
+    YarnScaling,
+    yarn_get_mscale,
+)
 
 # The dtype names a config or a checkpoint uses, and the torch dtypes they stand for.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}

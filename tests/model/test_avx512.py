@@ -44,6 +44,7 @@ def test_the_products_take_the_kernel_for_a_windows_rows_and_onednn_past_them(mo
     b = torch.randn(48, generator=g).to(torch.bfloat16)
     taken = []
     real = avx512.bf16_mm
+    monkeypatch.setattr(avx512, "ops_ready", lambda: False)              # the ctypes call, counted
     monkeypatch.setattr(avx512, "bf16_mm", lambda x, w: taken.append(x.shape[0]) or real(x, w))
     for shape in ((1, 40), (2, 3, 40), (avx512.KERNEL_ROWS, 40), (avx512.KERNEL_ROWS + 1, 40)):
         x = torch.randn(*shape, generator=g).to(torch.bfloat16)
@@ -127,3 +128,31 @@ def test_the_operators_run_inside_a_compiled_graph():
             + avx512.vnni_mm(x8, w8).float().sum(-1))
     got = torch.compile(fn, fullgraph=True, dynamic=False)(layer, x, x8, w8)
     torch.testing.assert_close(got, want)
+
+
+def test_the_cpp_operators_check_their_arguments_and_refuse_never_crash():
+    """ops.cpp: the kernels as C++ operators (a graph calls them in 2 us, not 11).  Every
+    rule is checked before a kernel reads anything: a wrong dtype, a strided weight, an
+    expert id past the stack or a kernel this CPU cannot run is a RuntimeError."""
+    if not native.native_ops():
+        pytest.skip("ops.cpp cannot be built here (no kernel, no C++ compiler)")
+    g = torch.Generator().manual_seed(5)
+    ops = torch.ops.mtp_native
+    w8 = torch.randint(-128, 128, (3, 16, 64), dtype=torch.int8, generator=g)
+    x8 = torch.randint(-128, 128, (2, 64), dtype=torch.int8, generator=g)
+    if native.kernel_library("avx512_vnni") is not None:
+        assert torch.equal(ops.i8_mm(x8, w8[0]).long(), x8.long() @ w8[0].long().t())
+        with pytest.raises(RuntimeError, match=r"expert id 3 outside \[0, 3\)"):
+            ops.i8_rows(x8, torch.tensor([0, 3]), w8)
+        with pytest.raises(RuntimeError, match="contiguous"):
+            ops.i8_mm(x8, w8[0].t().contiguous().t())
+        with pytest.raises(RuntimeError, match="rows have 32 features, the weight 64"):
+            ops.i8_mm(x8[:, :32], w8[0])
+    if native.kernel_library("avx512_bf16") is not None:
+        with pytest.raises(RuntimeError, match="BFloat16"):
+            ops.bf16_mm(x8.float(), w8[0].to(torch.bfloat16))
+    missing = [n for n, k in (("bf16_mm", "avx512_bf16"), ("half_mm", "half_avx2"))
+               if native.kernel_library(k) is None]
+    for name in missing:                                    # a kernel this CPU cannot run
+        with pytest.raises(RuntimeError, match="not loaded"):
+            getattr(ops, name)(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))

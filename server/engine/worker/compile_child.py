@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from server.model.kernels.native import native_ops
 from server.model.kernels.products import use_products
 from server.model.kernels.select import products_named
 from server.model.meta import meta_device
@@ -84,6 +85,8 @@ def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device,
         if name in dtypes and t.dtype != dtypes[name]:
             t.data = torch.empty_like(t, dtype=dtypes[name])
     use_products([model], products_named(products, device))
+    if device.type == "cpu":
+        native_ops()          # the graphs call the serving process's operators (compile_step's key)
     return model
 
 

@@ -59,6 +59,7 @@ from server.engine.worker.compile_child import (
 )
 from server.model import static_decode
 from server.model.batch import DecodeMetadata
+from server.model.kernels.native import native_ops
 from server.model.kernels.products import Products, products_for
 
 log = logging.getLogger("server.engine")
@@ -117,7 +118,8 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(_plan_key(model.parallel_plan).encode())
     # The forms a graph takes are its products' (kernels/products.py): "avx2" batch graphs
     # call half_avx2.c, "float32" ones reduce in float32, torch's call its own.
-    h.update(f"products {model.products.name} cpp_wrapper {cpp_wrapper(device)}".encode())
+    native = device.type == "cpu" and native_ops()        # mtp_native's operators or mtp_serve's
+    h.update(f"products {model.products.name} native {native} cpp_wrapper {cpp_wrapper(device)}".encode())
     for source in sorted(model_code.rglob("*")):
         if source.suffix in (".py", ".c"):
             h.update(source.relative_to(model_code).as_posix().encode() + source.read_bytes())

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, kernel_operator
-from server.model.kernels.native import kernel_library
+from server.model.kernels.native import kernel_library, ops_ready
 from server.model.kernels.products import Products
 
 KERNEL_ROWS = 64        # eager, up to here our kernel; past it oneDNN's bf16 GEMM (prompts)
@@ -99,7 +99,11 @@ class Avx512Products(Products):
                 or not weight.is_contiguous() or x.dim() < 2
                 or x.numel() // max(1, x.shape[-1]) > KERNEL_ROWS):
             return F.linear(x, weight, bias)
-        out = bf16_mm(x.reshape(-1, x.shape[-1]), weight)
+        rows = x.reshape(-1, x.shape[-1])
+        if ops_ready():                               # the C++ operator: 2 us, ctypes 8
+            out = torch.ops.mtp_native.bf16_mm(rows.to(torch.bfloat16), weight)
+        else:
+            out = bf16_mm(rows, weight)
         if bias is not None:
             out += bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -114,10 +118,11 @@ class Avx512Products(Products):
         t, k = idx.shape
         flat = idx.reshape(-1)
         rows = x[:, None, :].expand(t, k, -1).reshape(t * k, -1)
-        gu = torch.ops.mtp_serve.bf16_rows(rows, flat, gate_up)               # [T*k, 2I]
+        op = torch.ops.mtp_native.bf16_rows if ops_ready() else torch.ops.mtp_serve.bf16_rows
+        gu = op(rows.to(torch.bfloat16).contiguous(), flat, gate_up)           # [T*k, 2I]
         g, u = gu.chunk(2, dim=-1)
         act = (F.silu(g) * u).to(torch.bfloat16)
-        y = torch.ops.mtp_serve.bf16_rows(act, flat, down).view(t, k, -1)      # [T, k, H]
+        y = op(act.contiguous(), flat, down).view(t, k, -1)                   # [T, k, H]
         return (y * weights[:, :, None].float()).sum(1).to(x.dtype)
 
     def column_major(self, dtype: torch.dtype) -> bool:
@@ -137,8 +142,9 @@ class Avx512Window(Avx512Products):
             return super().linear(x, weight, bias)
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
             return F.linear(x, weight, bias)
-        out = torch.ops.mtp_serve.bf16_mm(x.reshape(-1, x.shape[-1]), weight)
-        out = out.view(*x.shape[:-1], weight.shape[0])
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        op = torch.ops.mtp_native.bf16_mm if ops_ready() else torch.ops.mtp_serve.bf16_mm
+        out = op(rows, weight).view(*x.shape[:-1], weight.shape[0])
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from server.model.kernels.gemm import converted_mm, kernel_operator, materialized
-from server.model.kernels.native import half_kernel
+from server.model.kernels.native import half_kernel, ops_ready
 from server.model.kernels.products import Products
 
 MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
@@ -171,7 +171,8 @@ def batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     weight row is read from memory once for all of them ([8192, 1536] at 16 rows: 10.3 ms
     against oneDNN's 19.1)."""
     if kernel and weight.is_contiguous():
-        out = torch.ops.mtp_serve.half_mm(x.reshape(-1, x.shape[-1]).float(), weight)
+        op = torch.ops.mtp_native.half_mm if ops_ready() else torch.ops.mtp_serve.half_mm
+        out = op(x.reshape(-1, x.shape[-1]).float(), weight)
         out = out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     else:
         out = (weight.float()[:, None, :] * materialized(x.float())[None, :, :]).sum(-1).t().to(x.dtype)

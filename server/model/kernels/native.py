@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from server.model.kernels.cpu import CpuCaps, cpu_caps
 from server.model.kernels.settings import kernel_settings
 
@@ -113,3 +115,86 @@ def half_kernel() -> ctypes.CDLL | None:
     """half_avx2.c (16-bit products without native 16-bit instructions; the "avx2" int8
     backend)."""
     return kernel_library("half_avx2")
+
+
+@functools.lru_cache(maxsize=None)
+def native_ops() -> bool:
+    """ops.cpp built and loaded, with the entry points of every kernel library that runs
+    here handed to it: our kernels as C++ operators of torch's dispatcher (torch.ops.
+    mtp_native.*; a graph calls them in 2 us, a Python-defined operator in 11).  False
+    (logged once) where it cannot be built: then the Python-defined operators serve."""
+    if not kernel_settings().half_kernel:
+        return False
+    libs = {name: lib for name in KERNELS if (lib := kernel_library(name)) is not None}
+    if not libs:
+        return False
+    cxx = shutil.which(os.environ.get("CXX") or "c++")
+    if cxx is None:
+        log.warning("no C++ compiler (c++): our kernels are called through Python operators")
+        return False
+    try:
+        built = _build_ops(cxx)
+        torch.ops.load_library(str(built))
+        shim = ctypes.CDLL(str(built))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("ops.cpp could not be built (%s): our kernels are called through Python "
+                    "operators", exc)
+        return False
+    shim.mtp_set_kernel.argtypes, shim.mtp_set_kernel.restype = [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int
+    for lib in libs.values():
+        for fn_name in _ENTRY_POINTS:
+            fn = getattr(lib, fn_name, None)
+            if fn is not None:
+                shim.mtp_set_kernel(fn_name.encode(), ctypes.cast(fn, ctypes.c_void_p).value)
+    _register_fakes()
+    return True
+
+
+@torch.compiler.assume_constant_result
+def ops_ready() -> bool:
+    """``native_ops()`` as a constant of a traced graph: which operators the graph calls,
+    torch.ops.mtp_native's (C++) or mtp_serve's (Python), is fixed when it is traced."""
+    return native_ops()
+
+
+_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16",
+                 "int8_mm", "int8_rows")
+
+
+def _build_ops(cxx: str) -> Path:
+    from torch.utils.cpp_extension import include_paths, library_paths
+    source = _HERE / "ops.cpp"
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++17", "-w"]
+    flags += [f"-I{p}" for p in include_paths()]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    links = [f"-L{p}" for p in library_paths()] + ["-ltorch_cpu", "-lc10"]
+    tag = hashlib.sha256(source.read_bytes() + cxx.encode() + " ".join(flags).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    root = kernel_settings().kernel_cache
+    built = root / f"ops-{tag}.so"
+    if not built.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        part = built.with_name(f"{built.name}.{os.getpid()}.part")
+        done = subprocess.run([cxx, *flags, "-o", str(part), str(source), *links],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise OSError(done.stderr.strip()[-500:] or f"{cxx} exited {done.returncode}")
+        os.replace(part, built)
+    return built
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes of the operators' outputs while a graph is traced."""
+    def mm(out):
+        return lambda x, w: x.new_empty(x.shape[0], w.shape[0], dtype=out)
+
+    def rows(out):
+        return lambda x, expert, w: x.new_empty(x.shape[0], w.shape[1], dtype=out)
+
+    for name, fake in (("bf16_mm", mm(torch.float32)), ("half_mm", mm(torch.float32)),
+                       ("i8_mm", mm(torch.int32)), ("int8_mm", mm(torch.int32)),
+                       ("bf16_rows", rows(torch.float32)), ("i8_rows", rows(torch.int32)),
+                       ("int8_rows", rows(torch.int32))):
+        torch.library.register_fake(f"mtp_native::{name}")(fake)
+

@@ -9,6 +9,7 @@ from torch import nn
 
 from server.model import kernels
 from server.model.deepseek_v3 import DeepseekV3ForCausalLM
+from server.model.kernels.native import native_ops
 from server.model.kernels.products import use_products
 from server.model.kernels.select import model_products
 from server.model.layers.linear import Linear, column_major
@@ -47,6 +48,8 @@ def install_weights(lp: LoadPlan, loaded: dict[str, torch.Tensor]) -> DeepseekV3
     except (kernels.BackendUnavailable, kernels.KernelSettingError) as e:
         raise CheckpointError(str(e)) from e
     heads_by_columns(model)
+    if lp.device.type == "cpu":
+        native_ops()                        # built now (once), not on a request's first step
     moved = kernels.align_module(model)     # kernels/alignment.py: a crash is no way to learn a rule
     if moved:
         logger.info("%d tensor(s) moved to 64-byte aligned storage", moved)

@@ -8,6 +8,7 @@ from torch import nn
 
 from server.model.kernels import int8pack
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, materialized
+from server.model.kernels.native import ops_ready
 from server.model.quant.int8 import (
     _unit_scales,
     int8_matmul,
@@ -19,7 +20,12 @@ from server.model.quant.linear import QuantLinear
 
 # The operators that take each row through its own expert, by the backend whose kernel
 # they run (half_avx2.c's int8_rows, avx512_vnni.c's i8_rows): exact int32 sums.
-ROWS_OPS = {"avx2": lambda: torch.ops.mtp_serve.int8_rows, "vnni": lambda: torch.ops.mtp_serve.i8_rows}
+ROWS_OPS = {
+    "avx2": lambda: ((lambda x, e, w: torch.ops.mtp_native.int8_rows(x.to(torch.int16).contiguous(), e, w))
+                     if ops_ready() else torch.ops.mtp_serve.int8_rows),
+    "vnni": lambda: ((lambda x, e, w: torch.ops.mtp_native.i8_rows(x.to(torch.int8).contiguous(), e, w))
+                     if ops_ready() else torch.ops.mtp_serve.i8_rows),
+}
 
 
 def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
