@@ -429,12 +429,16 @@ def row_label(r: dict) -> str:
     return f"ours {w}, MTP {'off' if r['mode'] == 'off' else 'k=' + r['mode'][1:]}"
 
 
+def _row_order(r: dict) -> tuple:
+    """llama.cpp before ours, bf16 before int8, MTP off before k=1 before k=2."""
+    return (r["side"] != "llama.cpp", r["weights"] != "bf16", ("-", "off", "k1", "k2").index(r["mode"]))
+
+
 def format_table(rows: list[dict]) -> str:
     """The compact table (markdown): a line per side, weights and MTP mode; a cell per
     workload: tokens/s, share of the bandwidth, x llama.cpp."""
-    order = {"llama.cpp": 0, "ours": 1}
     labels: dict[str, dict[str, dict]] = {}
-    for r in sorted(rows, key=lambda r: (order[r["side"]], r["weights"] != "bf16", r["mode"])):
+    for r in sorted(rows, key=_row_order):
         labels.setdefault(row_label(r), {})[r["workload"]] = r
     cols = ("decode b1", "decode b8", "prompt")
     out = ["| tokens/s (share of the memory's read bandwidth; x llama.cpp) | batch 1 decode | "
@@ -457,8 +461,7 @@ def format_details(rows: list[dict]) -> str:
     """Every row (markdown): bytes a step, tokens a sequence a step, steps/s, GB/s, share."""
     out = ["| row | workload | tok/s (median) | runs | MB a step | tokens a seq. a step | steps/s | GB/s | "
            "share | x llama.cpp |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (WORKLOADS.index(r["workload"]), r["side"] != "llama.cpp",
-                                         r["weights"] != "bf16", r["mode"])):
+    for r in sorted(rows, key=lambda r: (WORKLOADS.index(r["workload"]), *_row_order(r))):
         ratio = f"{r['vs_llama_cpp']:.2f}x" if r["vs_llama_cpp"] is not None else "-"
         out.append(f"| {row_label(r)} | {r['workload']} | {r['tok_s']:.1f} | "
                    + " ".join(f"{x:.1f}" for x in r["runs"])
@@ -481,6 +484,15 @@ def code_version() -> str:
 
 # --------------------------------------------------------------------------- main
 
+def wait_for_quiet(threshold: float, max_s: float, poll_s: float = 5.0) -> float:
+    """Wait until the 1-minute load average is below ``threshold`` (other programs on a
+    shared machine idle), at most ``max_s`` seconds; returns the seconds waited."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= threshold and time.monotonic() - t0 < max_s:
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=harness.program(), description=__doc__.split("\n", 1)[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -494,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of both sides (llama.cpp -t, torch)")
     ap.add_argument("--reps", type=int, default=3, help="rounds, peer and ours alternating; medians")
     ap.add_argument("--compile", choices=("on", "off"), default="on", help="our engines' compiled step")
+    ap.add_argument("--wait-load", type=float, default=None,
+                    help="before each timed job wait (up to --wait-max s) until the 1-minute load "
+                         "average is below this: on a shared machine, runs alone where it can")
+    ap.add_argument("--wait-max", type=float, default=600.0)
     ap.add_argument("--label", default=None,
                     help="what code ours is (default: the checkout's commit, from git)")
     ap.add_argument("--json", type=Path,
@@ -571,11 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     loads = []                     # the 1-minute load average before each timed job (a shared machine)
     for rep in range(args.reps):
         for label, job in (jobs if rep % 2 == 0 else jobs[::-1]):   # drift hits both sides alike
+            waited = wait_for_quiet(args.wait_load, args.wait_max) if args.wait_load else 0.0
             loads.append(os.getloadavg()[0])
             t0 = time.perf_counter()
             shown = job()
             log(f"round {rep + 1}/{args.reps} {label}: {shown} tok/s ({time.perf_counter() - t0:.0f} s; "
-                f"load before {loads[-1]:.1f})")
+                f"load before {loads[-1]:.1f}" + (f", waited {waited:.0f} s for it" if waited else "") + ")")
     memory.append(harness.memory_bandwidth_gbps(args.threads))
     gemv = harness.gemv_rates_gbps(args.threads)
     gbps = statistics.fmean(m["gbps"] for m in memory)
@@ -609,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for w, o in ours.items()},
                        "lossless": lossless},
               "threads": args.threads, "reps": args.reps, "torch": torch.__version__,
+              "wait_load": args.wait_load,
               "cpu_flags": flags, "vector_flags": vector_flags(flags),
               "memory": {"bandwidth": memory, "gbps": gbps}, "gemv_diagnostic": gemv,
               "load_average_1m": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
