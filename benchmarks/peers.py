@@ -546,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {t: peer_commands(p, args.threads, cache) for t, p in ggufs.items()}
     log("loading our engines (compiles on first use) ...")
     ours = {w: Ours(folders[w], OUR_MODES[w], args.compile, log) for w in OUR_MODES}
+    if args.wait_load:
+        wait_for_quiet(args.wait_load, args.wait_max)
     memory = [harness.memory_bandwidth_gbps(args.threads)]
     log(f"memory read bandwidth {memory[0]['gbps']:.2f} GB/s")
 
@@ -593,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = job()
             log(f"round {rep + 1}/{args.reps} {label}: {shown} tok/s ({time.perf_counter() - t0:.0f} s; "
                 f"load before {loads[-1]:.1f}" + (f", waited {waited:.0f} s for it" if waited else "") + ")")
+    if args.wait_load:
+        wait_for_quiet(args.wait_load, args.wait_max)
     memory.append(harness.memory_bandwidth_gbps(args.threads))
     gemv = harness.gemv_rates_gbps(args.threads)
     gbps = statistics.fmean(m["gbps"] for m in memory)
