@@ -133,7 +133,7 @@ def load_engine(cfg: Any, launch: Any = None) -> tuple[Any, Any]:
     tokenizer = Tokenizer.from_dir(cfg.model_weight_path)
     if launch is not None:
         return tokenizer, launch.wait()
-    from server.engine.engine import AsyncEngine
+    from server.engine.front.async_engine import AsyncEngine
     return tokenizer, AsyncEngine.from_config(cfg, tokenizer=tokenizer)
 
 
@@ -291,7 +291,7 @@ def run_daemon(cfg: Any) -> int:
     if getattr(cfg, "engine_process", False):
         # First thing: the engine process loads the checkpoint while this one binds,
         # builds TLS contexts and loads the tokenizer (engine_process.EngineLaunch).
-        from server.engine.engine_process import EngineLaunch
+        from server.engine.front.engine_process import EngineLaunch
         launch = EngineLaunch(cfg)
     try:
         return asyncio.run(Daemon(cfg, launch).run())

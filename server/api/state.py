@@ -8,7 +8,7 @@ from typing import Any, Callable
 from server.api.limits import Admission
 from server.api.openai.responses import TokenText
 from server.api.settings import ApiSettings
-from server.engine.client import EngineClient
+from server.engine.front.client import EngineClient
 from server.web.api_keys import ApiKeys
 
 

@@ -219,7 +219,7 @@ def _compile_wait(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
 
 def _engine_process(env: Mapping[str, str], issues: list[ConfigIssue]) -> bool:
     """$MTP_SERVE_ENGINE_PROCESS: 1 (default) = the daemon runs its engine in a process of its
-    own (server/engine/engine_process.py); 0 = on a thread of the serving process."""
+    own (server/engine/front/engine_process.py); 0 = on a thread of the serving process."""
     return _switch(env, "MTP_SERVE_ENGINE_PROCESS", True,
                    "1 (a process of its own) or 0 (a thread of the serving process)", issues)
 

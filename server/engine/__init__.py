@@ -19,7 +19,6 @@ Module map (the folders name the parts; engine side first, then what crosses to 
 worker, then the worker side):
 
     protocol.py        API messages + the spec-decode glossary (no torch)
-    client.py          EngineClient: the interface both fronts give the API layer (no torch)
     config.py          EngineConfig (the engine's slice of AppConfig), EngineError
     runtime.py         RuntimeInfo: what the engine really runs with (no torch)
     stats.py           EngineStats counters for /metrics, StatsRecorder
@@ -29,12 +28,14 @@ worker, then the worker side):
     scheduler.py       continuous batching, budgets, preemption, placeholders (no torch)
     output.py          OutputProcessor: detokenization, stop strings, EngineOutput
     core.py            LLMEngine: step() = schedule, execute, update, emit
-    engine.py          AsyncEngine: the engine thread and the async front; EngineLoop
-    engine_process.py  EngineProcess: the engine in a process of its own (the daemon's default)
-    streams.py         OutputStreams: one asyncio queue per open request (no torch)
     child.py           what every child process of the engine does first
     messages.py        SchedulerOutput / ModelRunnerOutput / WorkerInfo (plain, picklable; no torch)
 
+    front/             the engine's fronts: what the API layer holds
+      client.py          EngineClient: the interface both fronts give the API layer (no torch)
+      async_engine.py    AsyncEngine: the engine thread and the async front; EngineLoop
+      engine_process.py  EngineProcess: the engine in a process of its own (the daemon's default)
+      streams.py         OutputStreams: one asyncio queue per open request (no torch)
     kv/                the KV pool and where blocks go besides it (a block's key, size and
                        file: server/kvblock)
       block_manager.py   block allocation, ref counts, MTP-aware prefix cache (no torch)
@@ -49,6 +50,10 @@ worker, then the worker side):
         host_pool.py       the host tier's memory and its copies
         block_rows.py      whole blocks as byte rows (device side of every copy)
         striped.py         rows by global block id over a striped pool
+    batch/             a step's batch on the worker side (what worker/ builds and spec/ reads)
+      request_state.py   RequestState: the worker's per-request state (no torch)
+      metadata.py        BatchMetadata from per-sequence host lists
+      window.py          StepWindow: one step's main-forward inputs and their form
     spec/              MTP speculative decoding
       proposer.py        MTPProposer: held drafts, draft passes; NoProposer
       policy.py          SpecPolicy: FixedK, AdaptiveK (no torch)
@@ -59,15 +64,13 @@ worker, then the worker side):
       grammar.py         llguidance matchers, GrammarBook (no torch)
       grammar_masks.py   grammar masks for verified rows and first drafts
     executor/          how the engine reaches its worker(s)
-      base.py            Executor protocol, make_executor
+      base.py            Executor protocol, make_executor, check_layout
       in_process.py      InProcessExecutor: the worker inline or on a worker thread
       process.py         ProcessExecutor: the worker in its own process; serve_steps
       parallel.py        ParallelExecutor: a tensor/expert-parallel rank group
     worker/            device state and one step on it
       worker.py          Worker: owns model, KV tensors, request states, the proposer
-      request_state.py   the worker's per-request state (no torch)
       runner.py          request states -> tensors -> model -> verify; the step's host sync
-      metadata.py        BatchMetadata from per-sequence host lists
       step_graphs.py     which graphs the static step runs; compiling them in the background
       compile_step.py    compiling the static decode step (torch.compile, on-disk cache)
       compile_child.py   the child processes that make the graphs (the model rebuilt empty)
@@ -81,8 +84,8 @@ from typing import Any
 # The public names, loaded on first use: ``import server.engine.protocol`` (the serving
 # process does) must not import torch through this package.
 _PUBLIC = {
-    "AsyncEngine": "server.engine.engine", "LLMEngine": "server.engine.core",
-    "EngineClient": "server.engine.client", "EngineConfig": "server.engine.config",
+    "AsyncEngine": "server.engine.front.async_engine", "LLMEngine": "server.engine.core",
+    "EngineClient": "server.engine.front.client", "EngineConfig": "server.engine.config",
     "EngineError": "server.engine.config", "engine_config_from_app": "server.engine.config",
     "EngineStats": "server.engine.stats", "RuntimeInfo": "server.engine.runtime",
     "EngineRequest": "server.engine.protocol", "EngineOutput": "server.engine.protocol",

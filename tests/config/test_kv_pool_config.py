@@ -156,7 +156,7 @@ def test_disk_tier_below_one_block_refused_with_its_minimum(with_mtp, edits, blo
 
 def test_disk_tier_minimum_is_what_start_up_counts(tmp_path):
     # The same bytes as the running engine, or --check would pass a config start-up refuses.
-    from server.engine.engine import build_engine
+    from server.engine.front.async_engine import build_engine
     from server.model.loading import load_checkpoint
     model, _ = load_checkpoint(_tiny(tmp_path))
     block = 3 * 16 * 40 * 4

@@ -1,4 +1,4 @@
-"""The daemon's engine in a process of its own (server/engine/engine_process.py, the
+"""The daemon's engine in a process of its own (server/engine/front/engine_process.py, the
 default) against the engine on a thread of the serving process ($MTP_SERVE_ENGINE_PROCESS=0).
 
 Same answers (greedy and seeded, streamed and not, tools and reasoning) and the same

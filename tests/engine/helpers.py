@@ -7,7 +7,7 @@ import tempfile
 import torch
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import EngineOutput, EngineRequest, SamplingParams
 from server.model.loading import load_checkpoint
 from server.testing.daemon import free_port  # noqa: F401  (tests import it from here)

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
 from tests.engine.helpers import (high_acceptance_model, make_engine, prompts, requests,
                                   run_staggered, run_tokens, tiny_model, tokens_of)

@@ -276,7 +276,7 @@ def test_an_idle_engine_takes_up_the_background_outcome_without_a_request(monkey
     import time
 
     from server.engine.worker import compile_step
-    from server.engine.engine import EngineLoop
+    from server.engine.front.async_engine import EngineLoop
 
     def broken(self):
         raise RuntimeError("no C++ compiler here")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from server.engine.config import EngineError, ParallelConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import SamplingParams
-from server.engine.worker.metadata import build_metadata
+from server.engine.batch.metadata import build_metadata
 from server.model.layers.attention import build_plan
 from server.model.parallel.context import ContextParallelPlanner, zigzag_chunks
 from server.model.loading import inspect_checkpoint, load_checkpoint

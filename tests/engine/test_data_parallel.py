@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from server.engine.config import EngineConfig, EngineError, ParallelConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.kv.dp_blocks import DataParallelBlocks
 from server.engine.messages import ModelRunnerOutput
 from server.engine.protocol import FinishReason, SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
-from server.engine.worker.metadata import build_metadata
+from server.engine.batch.metadata import build_metadata
 from server.model.parallel.data import sub_batch
 from server.model.loading import CheckpointError, inspect_checkpoint, load_checkpoint
 from server.model.parallel.plan import ParallelPlan

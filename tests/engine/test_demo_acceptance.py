@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "deepseek-v3-tiny-mtp"

@@ -10,7 +10,7 @@ import torch
 
 from server.engine.kv.block_manager import BlockManager
 from server.engine.config import EngineConfig
-from server.engine.engine import AsyncEngine, EngineError, LLMEngine
+from server.engine import AsyncEngine, EngineError, LLMEngine
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
 from tests.engine.helpers import (high_acceptance_model, make_engine, prompts, requests,
                                   run_staggered, run_tokens, tiny_model, tokens_of)

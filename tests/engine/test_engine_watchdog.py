@@ -14,7 +14,7 @@ import os
 import signal
 import time
 
-from server.engine.engine_process import EngineProcess
+from server.engine.front.engine_process import EngineProcess
 from server.engine.protocol import EngineRequest, FinishReason, SamplingParams
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import SamplingParams
 from server.model import kernels, quant
 from server.model.kernels import native, select

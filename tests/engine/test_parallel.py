@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from server.engine.config import EngineConfig, ParallelConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import SamplingParams
 from server.model.loading import CheckpointError, inspect_checkpoint, load_checkpoint
 from server.model.parallel.plan import ParallelPlan

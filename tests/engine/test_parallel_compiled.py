@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.model.loading import inspect_checkpoint
 from tests.engine.helpers import run_tokens
 from tests.engine.test_parallel import BASE, DEMO, _requests, _single, parallel_config

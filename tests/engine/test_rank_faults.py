@@ -13,7 +13,7 @@ import time
 import pytest
 
 from server.engine.config import ParallelConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.model.loading import inspect_checkpoint
 from tests.engine.helpers import free_port
 from tests.engine.test_parallel import BASE, DEMO, _requests

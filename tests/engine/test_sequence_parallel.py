@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from server.engine.config import EngineError
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.kv.cache import rank_blocks
 from server.engine.protocol import SamplingParams
 from server.model.layers.latent_cache import Int8LatentCache, LatentCache

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
 import server.model.quant.linear as qlinear
 from server.model import quant

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.kv.cache import KVCacheSpec, num_blocks_for
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.layers.latent_cache import Int8LatentCache, LatentCache

@@ -25,7 +25,7 @@ from torch import nn
 
 import server.model.quant.int8 as int8
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.loading import CheckpointError, load_checkpoint
 from server.model.quant.int4 import pack_int4_rows, unpack_int4_rows

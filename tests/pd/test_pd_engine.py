@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.engine.config import EngineConfig
-from server.engine.engine import LLMEngine
+from server.engine.core import LLMEngine
 from server.engine.protocol import EngineRequest, SamplingParams
 from server.model.loading import load_checkpoint
 from tests.engine.helpers import prompts, run_tokens

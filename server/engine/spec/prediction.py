@@ -36,7 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from server.engine.worker.request_state import RequestState
+from server.engine.batch.request_state import RequestState
+from server.engine.batch.window import StepWindow
+from server.engine.spec.proposer import DraftMask, DraftPasses
 
 # A predicted window of n + 1 rows must yield this many times the tokens per second of a
 # one-row step (all its drafts accepted) for n to be used (``window_drafts``).
@@ -173,8 +175,9 @@ class PredictedDrafts:
     def choose_k(self, states: list[RequestState]) -> int:
         return self.inner.choose_k(states)
 
-    def propose(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.propose(*args, **kwargs)
+    def propose(self, window: StepWindow, sampled: list[list[int]], hidden: torch.Tensor,
+                k: int, draft_mask: DraftMask | None = None) -> DraftPasses:
+        return self.inner.propose(window, sampled, hidden, k, draft_mask)
 
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         self.inner.observe_step(num_seqs, k, seconds)

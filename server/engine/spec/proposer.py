@@ -26,15 +26,43 @@ off the worker uses ``NoProposer``: the same interface, nothing held, nothing dr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from server.engine.batch.metadata import build_metadata
+from server.engine.batch.request_state import RequestState
+from server.engine.batch.window import StepWindow, WindowForm
 from server.engine.sample import sampler
-from server.engine.worker.metadata import build_metadata
-from server.engine.worker.request_state import RequestState
 from server.engine.spec.policy import SpecPolicy
 from server.model.batch import BatchMetadata, DecodeMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPasses:
+    """A step's MTP passes, their inputs already built from the request states as they
+    were before the step is committed; ``run()`` runs them, now or later (after the step's
+    tokens went out: worker/worker.py, "drafting after the tokens go out"), and gives the
+    drafts, or None (k 0, which only writes the MTP layer's KV, or MTP off)."""
+    passes: Callable[[], DraftResult | None]
+
+    def run(self) -> DraftResult | None:
+        return self.passes()
+
+
+NO_DRAFTS = DraftPasses(lambda: None)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftMask:
+    """Grammar masks for the first draft of constrained requests (grammar.next_masks):
+    ``bitmask``'s rows applied to logits rows ``rows`` (sample/grammar_masks.py)."""
+    applier: Any                        # grammar_masks.MaskApplier
+    rows: torch.Tensor                  # [M] int64
+    bitmask: Any
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.applier.apply(logits, self.rows, self.bitmask)
 
 
 class NoProposer:
@@ -58,9 +86,9 @@ class NoProposer:
     def choose_k(self, states) -> int:
         return 0
 
-    def propose(self, states, starts, n_new, sampled, cu, hidden, k, window=None, draft_mask=None,
-                static_prefill=False, defer=False):
-        return None
+    def propose(self, window: StepWindow, sampled: list[list[int]], hidden: torch.Tensor,
+                k: int, draft_mask: DraftMask | None = None) -> DraftPasses:
+        return NO_DRAFTS
 
     def commit(self, states, drafts, k, num_drafts, sampled) -> None:
         pass
@@ -150,39 +178,34 @@ class MTPProposer:
             return self.policy.max_draft_tokens
         return self.policy.num_draft_tokens(len(states))
 
-    def propose(self, states: list[RequestState], starts: list[int], n_new: list[int],
-                sampled: list[list[int]], cu: list[int], hidden: torch.Tensor,
-                k: int, window: DecodeMetadata | None = None,
-                draft_mask=None, static_prefill: bool = False,
-                defer: bool = False) -> "DraftResult | Callable[[], DraftResult | None] | None":
-        """Draft k tokens per sequence from the verified positions (module docstring).
+    def propose(self, window: StepWindow, sampled: list[list[int]], hidden: torch.Tensor,
+                k: int, draft_mask: DraftMask | None = None) -> DraftPasses:
+        """The passes that draft k tokens per sequence from the positions the main forward
+        over ``window`` verified (module docstring); ``sampled``: each request's accepted
+        drafts and final token; ``hidden``: the forward's hidden states [T, H].  Every
+        input is built now (from the request states as they are before the step is
+        committed); the model runs when the caller runs the passes.
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
         positions, which later drafts attend to once k rises again.  Nothing is held until
         ``commit``: a step that fails later leaves the proposer as it was.
 
-        ``window``: the main step was static (every request one token plus Q - 1 drafts,
-        ``hidden`` Q rows each), on this metadata.  The first pass then takes the same
-        window, all Q rows of every request, the rows past the emitted tokens fed token
-        0: they write MTP KV at positions after the last verified one, which no query
-        reads before a later pass (this step's chained passes, or the next step's first
-        pass) rewrites it.
+        The first pass takes the main forward's form.  A static window (every request one
+        token plus Q - 1 drafts, ``hidden`` Q rows each): the same window, all Q rows of
+        every request, the rows past the emitted tokens fed token 0; they write MTP KV at
+        positions after the last verified one, which no query reads before a later pass
+        (this step's chained passes, or the next step's first pass) rewrites it.  One
+        request's prompt (chunk) on the static path (runner._static_prefill): that path
+        too, on the same positions.  Otherwise the verified positions as varlen rows.
 
-        ``static_prefill``: the main step was one request's prompt (chunk) on the static
-        path (runner._static_prefill); the first pass takes it too, on the same positions.
-
-        ``draft_mask``: (MaskApplier, rows, bitmask), grammar masks for the first draft of
-        constrained requests (grammar.next_masks); chained drafts are not masked (their
-        masks would need the previous draft on the host).  Masking a draft changes only
-        how often it is accepted: q is the masked distribution it was drawn from.
-
-        ``defer``: build every input now (from the request states as they are before the
-        step is committed) and return the model passes as a function to call later, after
-        the step's tokens went out (worker/worker.py, "drafting after the tokens go out").
+        ``draft_mask``: grammar masks for the first draft of constrained requests; chained
+        drafts are not masked (their masks would need the previous draft on the host).
+        Masking a draft changes only how often it is accepted: q is the masked
+        distribution it was drawn from.
         """
+        states, starts, n_new = window.states, window.starts, window.num_new
         m = [n + len(toks) - 1 for n, toks in zip(n_new, sampled)]       # verified positions
-        first, input_ids, prev_hidden, last_rows = self._first_pass(
-            states, starts, n_new, sampled, cu, hidden, m, window, static_prefill)
+        first, input_ids, prev_hidden, last_rows = self._first_pass(window, sampled, hidden, m)
         base = [s0 + mm for s0, mm in zip(starts, m)]     # position of the emitted final token
         tables = [s.block_table for s in states]
 
@@ -198,29 +221,30 @@ class MTPProposer:
         def passes() -> DraftResult | None:
             return run_draft_passes(self.model, self.kv_caches, k, first, input_ids, prev_hidden,
                                     last_rows, samp, self.vocab_size, chain_meta, draft_mask)
-        return passes if defer else passes()
+        return DraftPasses(passes)
 
-    def _first_pass(self, states, starts, n_new, sampled, cu, hidden, m, window,
-                    static_prefill):
+    def _first_pass(self, window: StepWindow, sampled: list[list[int]], hidden: torch.Tensor,
+                    m: list[int]):
         """The first MTP pass's (metadata, input ids, main hidden states, each sequence's
         last row): over the verified positions ``start .. start + m - 1``."""
         dev = self.device
+        states, starts = window.states, window.starts
         tables = [s.block_table for s in states]
-        if window is not None:
-            q = window.query_len
+        if window.form is WindowForm.STATIC:
+            q = window.meta.query_len
             ids = [t for toks in sampled for t in toks + [0] * (q - len(toks))]
             last_rows = torch.tensor([i * q + len(toks) - 1 for i, toks in enumerate(sampled)],
                                      dtype=torch.int64).to(dev)
-            return window, torch.tensor(ids, dtype=torch.int64).to(dev), hidden, last_rows
+            return window.meta, torch.tensor(ids, dtype=torch.int64).to(dev), hidden, last_rows
         ids: list[int] = []
         rows: list[int] = []
-        for st, s0, n, toks, c0, mm in zip(states, starts, n_new, sampled, cu, m):
+        for st, s0, n, toks, c0, mm in zip(states, starts, window.num_new, sampled, window.cu, m):
             ids.extend(st.token_ids[s0 + 1:s0 + n])
             ids.extend(toks)
             rows.extend(range(c0, c0 + mm))
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         prev_hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(dev)]
-        if static_prefill:
+        if window.form is WindowForm.STATIC_PREFILL:
             first = DecodeMetadata.build(starts, m[0], tables, self.block_size, dev)
             return first, input_ids, prev_hidden, torch.tensor([m[0] - 1], dtype=torch.int64,
                                                                device=dev)
@@ -244,7 +268,7 @@ class MTPProposer:
                                                  output, st.stop_ids))
         return samp
 
-    def commit(self, states: list[RequestState], drafts: "DraftResult | None", k: int,
+    def commit(self, states: list[RequestState], drafts: DraftResult | None, k: int,
                num_drafts: list[int], sampled: list[list[int]]) -> None:
         """Hold the new drafts and feed the policy the verified windows."""
         for d, toks in zip(num_drafts, sampled):
@@ -276,7 +300,8 @@ class DraftResult:
 def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchMetadata,
                      input_ids: torch.Tensor, prev_hidden: torch.Tensor,
                      last_rows: torch.Tensor, sampling: list[sampler.SeqSamplingInput] | None,
-                     vocab_size: int, chain_meta, draft_mask=None) -> DraftResult | None:
+                     vocab_size: int, chain_meta,
+                     draft_mask: DraftMask | None = None) -> DraftResult | None:
     """Run the first MTP pass plus k-1 chained passes; sample one draft per sequence per pass.
 
     first / input_ids / prev_hidden: the first pass (see module docstring).
@@ -310,7 +335,7 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
             h = model.mtp_forward(ids[-1], h, chain_meta(c), kv_caches, layer=0)
         logits = model.mtp_compute_logits(h, layer=0)
         if c == 0 and draft_mask is not None:
-            logits = draft_mask[0].apply(logits, draft_mask[1], draft_mask[2])
+            logits = draft_mask.apply(logits)
         if meta is None:
             tok, q = logits.argmax(-1), None
         else:

@@ -15,30 +15,17 @@ changes nothing: the worker commits a step once all of it succeeded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-from server.engine.sample import grammar_masks
-from server.engine.sample import sampler
-from server.engine.spec.verifier import greedy_accept, verify
-from server.engine.worker.metadata import build_metadata, expand_rows
+from server.engine.batch.metadata import build_metadata, expand_rows
+from server.engine.batch.request_state import RequestState
+from server.engine.batch.window import StepWindow, WindowForm
 from server.engine.protocol import TokenLogprob
-from server.engine.worker.request_state import RequestState
-from server.model.batch import BatchMetadata, DecodeMetadata
-
-
-@dataclass(slots=True)
-class _Window:
-    """One step's main-forward inputs (built by ModelRunner._window)."""
-    input_ids: torch.Tensor      # [T] int64
-    meta: BatchMetadata | DecodeMetadata
-    cu: list[int]                # cumulative query lengths (host)
-    row_seq: torch.Tensor        # [R] sequence of each logits row
-    row_off: torch.Tensor        # [R] row index inside its sequence's window
-    drafts: torch.Tensor         # [S, K] held drafts (0-padded)
-    K: int                       # most drafts any sequence holds
-    logits_indices: torch.Tensor | None   # hidden rows with logits; None = every row
+from server.engine.sample import grammar_masks, sampler
+from server.engine.spec.proposer import DraftMask, DraftPasses, DraftResult
+from server.engine.spec.verifier import greedy_accept, verify
+from server.model.batch import DecodeMetadata
 
 
 @dataclass(slots=True)
@@ -48,11 +35,11 @@ class VerifiedStep:
     num_drafts: list[int]                          # drafts verified per request
     logprobs: list[list[TokenLogprob] | None]
     k: int                                         # drafts per request for the next step
-    drafts: Any                                    # the proposer's DraftResult (or None)
+    drafts: DraftResult | None                     # the drafts (None: none, or still to run)
     num_tokens: int                                # tokens fed to the main model
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
-    # execute(defer_drafts=True): the draft passes, still to run (they return ``drafts``)
-    drafting: Callable[[], Any] | None = None
+    # execute(defer_drafts=True): the draft passes, still to run (they give ``drafts``)
+    drafting: DraftPasses | None = None
 
 
 class ModelRunner:
@@ -93,7 +80,7 @@ class ModelRunner:
         uniform = self.static_decode and all(n == 1 for n in n_new) and min(nd) == max(nd)
         lone_prefill = not uniform and self._static_prefill_ok(states, starts, n_new, nd)
         if uniform:
-            w = self._static_window(states, starts, nd[0])
+            w = self._static_window(states, starts, n_new, nd[0])
         elif lone_prefill:
             w = self._static_prefill(states[0], starts[0], n_new[0])
         else:
@@ -110,13 +97,11 @@ class ModelRunner:
         if k and any(s.matcher is not None for s in states):   # the first draft, where cheap
             rows, bitmask = grammar_masks.next_masks([s.matcher for s in states], sampled,
                                                      self.masks_words)
-            draft_mask = (self.masks, torch.tensor(rows, device=self.device), bitmask)
-        drafts = self.proposer.propose(states, starts, n_new, sampled, w.cu, hidden, k,
-                                       window=w.meta if uniform else None, draft_mask=draft_mask,
-                                       static_prefill=lone_prefill, defer=defer_drafts)
+            draft_mask = DraftMask(self.masks, torch.tensor(rows, device=self.device), bitmask)
+        passes = self.proposer.propose(w, sampled, hidden, k, draft_mask)
         if defer_drafts:
-            return VerifiedStep(sampled, nd, logprobs, k, None, w.cu[-1], prompt_lp, drafts)
-        return VerifiedStep(sampled, nd, logprobs, k, drafts, w.cu[-1], prompt_lp)
+            return VerifiedStep(sampled, nd, logprobs, k, None, w.cu[-1], prompt_lp, passes)
+        return VerifiedStep(sampled, nd, logprobs, k, passes.run(), w.cu[-1], prompt_lp)
 
     def _static_split(self, n_new: list[int], nd: list[int]) -> tuple[list[int], list[int]] | None:
         """(decode rows, the rest) when a step mixes one-token decodes holding the same
@@ -128,7 +113,7 @@ class ModelRunner:
             return decode, [i for i in range(len(n_new)) if n_new[i] != 1]
         return None
 
-    def _sample(self, states, starts, n_new, nd, w: _Window, logits: torch.Tensor
+    def _sample(self, states, starts, n_new, nd, w: StepWindow, logits: torch.Tensor
                 ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """Verify every window: each request's accepted drafts and final token (after THE
         host sync of the step), and their logprobs where asked."""
@@ -181,7 +166,7 @@ class ModelRunner:
             out[st.request_id] = [None] + _token_logprobs(st.token_ids[1:n], host, 0, n_top)
         return out
 
-    def _window(self, states, starts, n_new, nd) -> _Window:
+    def _window(self, states, starts, n_new, nd) -> StepWindow:
         """Main-forward inputs: each request's new tokens, then its drafts.
 
         Rows: a request with d drafts owns d+1 logits rows, its last d+1 tokens (the last
@@ -208,8 +193,8 @@ class ModelRunner:
                 drafts[row_seq[before].to(dev), row_off[before].to(dev)]
         meta = build_metadata(starts, qlens, [s.block_table for s in states], self.block_size,
                               dev, logits_indices)
-        return _Window(input_ids, meta, cu, row_seq.to(dev), row_off.to(dev), drafts, K,
-                       meta.logits_indices)
+        return StepWindow(WindowForm.VARLEN, states, starts, n_new, input_ids, meta, cu,
+                          row_seq.to(dev), row_off.to(dev), drafts, K, meta.logits_indices)
 
     # Largest query x context x heads product a static prefill takes: its attention scores
     # are one [query * heads, context] float32 matrix (64 MiB here).
@@ -234,17 +219,17 @@ class ModelRunner:
         heads = self.model.config.num_attention_heads
         return n_new[0] * heads * (starts[0] + n_new[0]) <= self.STATIC_PREFILL_SCORES
 
-    def _static_prefill(self, st: RequestState, s0: int, n: int) -> _Window:
+    def _static_prefill(self, st: RequestState, s0: int, n: int) -> StepWindow:
         """A lone prompt (chunk) as one static window of n tokens; logits for its last row."""
         dev = self.device
         input_ids = torch.tensor(st.token_ids[s0:s0 + n], dtype=torch.int64).to(dev)
         meta = DecodeMetadata.build([s0], n, [st.block_table], self.block_size, dev)
         zero = torch.zeros(1, dtype=torch.int64, device=dev)
-        return _Window(input_ids, meta, [0, n], zero, zero,
-                       torch.zeros(1, 0, dtype=torch.int64, device=dev), 0,
-                       torch.tensor([n - 1], dtype=torch.int64, device=dev))
+        return StepWindow(WindowForm.STATIC_PREFILL, [st], [s0], [n], input_ids, meta,
+                          [0, n], zero, zero, torch.zeros(1, 0, dtype=torch.int64, device=dev), 0,
+                          torch.tensor([n - 1], dtype=torch.int64, device=dev))
 
-    def _static_window(self, states, starts, K: int) -> _Window:
+    def _static_window(self, states, starts, n_new, K: int) -> StepWindow:
         """Every request feeds its last token and K drafts: K + 1 rows each, all with logits."""
         dev, n, q = self.device, len(states), K + 1
         last = torch.tensor([st.token_ids[s0] for st, s0 in zip(states, starts)], dtype=torch.int64)
@@ -255,15 +240,16 @@ class ModelRunner:
         if rows is None:
             rows = (torch.arange(n, device=dev).repeat_interleave(q), torch.arange(q, device=dev).repeat(n))
             self._rows[(n, q)] = rows
-        return _Window(input_ids, meta, list(range(0, n * q + 1, q)), rows[0], rows[1], drafts, K, None)
+        return StepWindow(WindowForm.STATIC, states, starts, n_new, input_ids, meta,
+                          list(range(0, n * q + 1, q)), rows[0], rows[1], drafts, K, None)
 
-    def _greedy_on_host(self, states, w: _Window, want_lp: list[bool]) -> bool:
+    def _greedy_on_host(self, states, w: StepWindow, want_lp: list[bool]) -> bool:
         """Verify on host lists (verifier.greedy_accept): a CPU, a static window (every
         request K + 1 rows, every draft held) and raw-argmax requests without logprobs."""
         return (self.device.type == "cpu" and w.logits_indices is None and not any(want_lp)
                 and all(st.plain_greedy for st in states))
 
-    def _verify(self, states, starts, n_new, nd, w: _Window, logits: torch.Tensor):
+    def _verify(self, states, starts, n_new, nd, w: StepWindow, logits: torch.Tensor):
         """Process the window rows, then verify: tokens [S, K+1], num_accepted [S]."""
         dev, K, S_ = self.device, w.K, len(states)
         if w.logits_indices is None and all(st.plain_greedy for st in states):
@@ -353,15 +339,15 @@ def _merge(parts: list[VerifiedStep], order: list[int]) -> VerifiedStep:
     passes = [p.drafting for p in parts]
     drafting = None
     if any(f is not None for f in passes):
-        def drafting() -> Any:
-            return _merge_drafts([f() if f is not None else None for f in passes], back)
+        drafting = DraftPasses(lambda: _merge_drafts([f.run() if f is not None else None
+                                                      for f in passes], back))
     return VerifiedStep(cat("sampled"), cat("num_drafts"), cat("logprobs"), parts[0].k,
                       _merge_drafts([p.drafts for p in parts], back),
                       sum(p.num_tokens for p in parts),
                       {rid: lp for p in parts for rid, lp in p.prompt_logprobs.items()}, drafting)
 
 
-def _merge_drafts(drafts: list, back: list[int]) -> Any:
+def _merge_drafts(drafts: list[DraftResult | None], back: list[int]) -> DraftResult | None:
     """The groups' DraftResults as one, in the step's request order (None unless every
     group drafted)."""
     if not drafts or any(d is None for d in drafts):
@@ -373,4 +359,4 @@ def _merge_drafts(drafts: list, back: list[int]) -> Any:
         probs = torch.cat([d.probs if d.probs is not None
                            else d.ids.new_zeros(d.ids.shape + (vocab,), dtype=torch.float32)
                            for d in drafts])[back]
-    return type(drafts[0])(ids, probs)
+    return DraftResult(ids, probs)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from server.engine.batch.request_state import RequestState
 from server.engine.config import EngineConfig
 from server.engine.kv.cache import (KVCacheSpec, allocate_kv_caches, num_blocks_for, rank_blocks,
                                     stripe_kv_caches)
@@ -36,7 +37,6 @@ from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.engine.spec.prediction import WINDOW_GAIN, PredictedDrafts, window_drafts
 from server.engine.spec.proposer import MTPProposer, NoProposer
 from server.engine.worker.rank_group import RankGroup, collective_error
-from server.engine.worker.request_state import RequestState
 from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.worker.step_graphs import StepGraphs
 from server.model.static_decode import supports_static_decode
@@ -188,7 +188,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                drafts = p.step.drafting()
+                drafts = p.step.drafting.run()
         except Exception as exc:                # noqa: BLE001 - handed to the next step
             log.exception("the draft pass of %d requests failed", len(p.states))
             for st in p.states:

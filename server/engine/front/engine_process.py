@@ -46,7 +46,7 @@ from server.engine.config import START_TIMEOUT_S
 from server.engine.protocol import EngineOutput, EngineRequest, FinishReason
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
-from server.engine.streams import OutputStreams
+from server.engine.front.streams import OutputStreams
 
 log = logging.getLogger("server.engine")
 
@@ -74,7 +74,7 @@ def _child(app_config: Any, log_level: int, requests: Any, results: Any,
     for conn in parent_ends:
         conn.close()
     init_child(log_level)
-    from server.engine.engine import EngineLoop, build_engine
+    from server.engine.front.async_engine import EngineLoop, build_engine
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:

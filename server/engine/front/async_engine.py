@@ -25,7 +25,7 @@ from server.engine.core import EngineError, LLMEngine
 from server.engine.protocol import EngineOutput, EngineRequest
 from server.engine.runtime import RuntimeInfo
 from server.engine.stats import EngineStats
-from server.engine.streams import OutputStreams
+from server.engine.front.streams import OutputStreams
 from server.model.config import torch_dtype
 
 __all__ = ["AsyncEngine", "EngineError", "LLMEngine"]
