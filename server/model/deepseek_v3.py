@@ -110,6 +110,15 @@ class DeepseekV3ForCausalLM(nn.Module, UsesProducts):
         # or with attention data parallel one for this rank's group (data_parallel.py).
         self.plan_attention = build_plan
 
+    def stack_projections(self) -> None:
+        """Products that read one input through several weights read them as one (q_a and
+        kv_a; a dense MLP's or a shared expert's gate and up): layers/linear.stacked.  The
+        worker does it when it starts serving; after it, forward hooks on those layers see
+        no calls."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "stack_projections"):
+                m.stack_projections()
+
     # -- contract properties ---------------------------------------------------------------
     @property
     def kv_cache_dim(self) -> int:

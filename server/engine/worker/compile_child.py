@@ -3,7 +3,10 @@ and when): each rebuilds the serving model from its description (config, every t
 dtype, its int8 layers, its rank's shard) on uninitialised memory, since the graphs take
 the weights as inputs, and makes the graphs it was given into the cache folder.
 
-Run as ``python -m server.engine.worker.compile_child SPEC``.
+Here: how a child is described and started, and the empty model it rebuilds.  A child
+runs ``python -m server.engine.worker.compile_step SPEC`` (compile_step.run_child): the
+graphs are made by the module that makes them in the serving process too, and this one
+imports nothing of it (compile_step imports this one).
 """
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +30,12 @@ _ROOT = Path(__file__).resolve().parents[3]        # where ``server`` imports fr
 def tensor_dtypes(model) -> dict[str, torch.dtype]:
     """The dtype of every parameter and buffer: a graph is made for these exactly (the
     loader keeps the router in float32 in a bf16 model, for one)."""
-    return {name: t.dtype for name, t in (*model.named_parameters(), *model.named_buffers())}
+    derived = {f"{prefix}{'.' if prefix else ''}{name}" for prefix, m in model.named_modules()
+               for name in m._non_persistent_buffers_set}
+    # Not the stacks the worker derives from the weights (model.stack_projections, which
+    # the child repeats): a model's graphs are the same before and after.
+    return {name: t.dtype for name, t in (*model.named_parameters(), *model.named_buffers())
+            if name not in derived}
 
 
 def spawn_compile_child(model, block_size: int, device: torch.device, folder: Path,
@@ -47,7 +53,7 @@ def spawn_compile_child(model, block_size: int, device: torch.device, folder: Pa
     spec_file, log_file = stem.with_suffix(".pkl"), stem.with_suffix(".log")
     spec_file.write_bytes(pickle.dumps(spec))
     with open(log_file, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_child", str(spec_file)],
+        proc = subprocess.Popen([sys.executable, "-m", "server.engine.worker.compile_step", str(spec_file)],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
     return proc, log_file
@@ -85,35 +91,8 @@ def empty_model(config, dtypes: dict[str, torch.dtype], device: torch.device,
         if name in dtypes and t.dtype != dtypes[name]:
             t.data = torch.empty_like(t, dtype=dtypes[name])
     use_products([model], products_named(products, device))
+    model.stack_projections()                 # as the loader leaves the serving model
     if device.type == "cpu":
         native_ops()          # the graphs call the serving process's operators (compile_step's key)
     return model
 
-
-def _child(spec_file: Path) -> int:
-    """Compile the missing graphs of a model described by ``spec_file`` into its folder."""
-    spec = pickle.loads(spec_file.read_bytes())
-    parent = os.getppid()
-
-    def watch() -> None:                          # the serving process went: stop too
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
-    torch.set_num_threads(1)
-    device = torch.device(spec["device"])
-    model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"], spec.get("plan"),
-                        spec.get("products", "torch"))
-    folder = Path(spec["folder"])
-    from server.engine.worker.compile_step import CPP_WRAPPER_ENV, _prepare
-    os.environ[CPP_WRAPPER_ENV] = "1" if spec["cpp_wrapper"] else "0"
-    t0 = time.perf_counter()
-    # Kernels for the serving process's threads, though this child traces on one.
-    _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"],
-             threads=spec["threads"])
-    print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child(Path(sys.argv[1])))

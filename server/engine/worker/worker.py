@@ -27,8 +27,13 @@ import torch
 
 from server.engine.batch.request_state import RequestState
 from server.engine.config import EngineConfig
-from server.engine.kv.cache import (KVCacheSpec, allocate_kv_caches, num_blocks_for, rank_blocks,
-                                    stripe_kv_caches)
+from server.engine.kv.cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    num_blocks_for,
+    rank_blocks,
+    stripe_kv_caches,
+)
 from server.engine.kv.transfer import KVTransfer, StripePlace
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from server.engine.runtime import lookahead_slots
@@ -81,6 +86,9 @@ class Worker:
                 spec.bytes_per_block, cfg.host_cache_blocks, cfg.host_cache_gb),
             cfg.kv_pool_async_write, self.stripes)
         self.static_decode = cfg.static_decode and supports_static_decode(model, self.kv_caches)
+        # Serving only: the layers then no longer call q_a and kv_a (gate and up) one by one,
+        # which tools that hook those modules (calibration) would miss.
+        model.stack_projections()
         if self.static_decode:
             model.static_decoder.prepare()
         self.graphs = StepGraphs(model, cfg, self.device, self.static_decode, 1 + k)

@@ -26,7 +26,7 @@ from server.model.batch import BatchMetadata
 from server.model.config import DeepseekConfig
 from server.model.kernels.products import UsesProducts
 from server.model.layers.latent_cache import CacheLike, as_cache
-from server.model.layers.linear import Linear
+from server.model.layers.linear import Linear, stacked
 from server.model.layers.norm import RMSNorm
 from server.model.layers.rotary import RotaryEmbedding
 
@@ -128,17 +128,29 @@ class MLA(nn.Module, UsesProducts):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=False)
+        self.register_buffer("q_kv_a", None, persistent=False)     # stack_projections()
+
+    def stack_projections(self) -> None:
+        """q_a and kv_a (both read the layer's input) as one weight, read by one product
+        (linear.stacked says why)."""
+        if self.q_lora_rank is not None:
+            self.q_kv_a = stacked([self.q_a_proj, self.kv_a_proj_with_mqa])
 
     # -- shared pieces -------------------------------------------------------------------
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., H] -> q_nope [..., nH, dn], q_pe [..., nH, dr], latent [..., kvr], k_pe [..., dr]."""
-        if self.q_lora_rank is None:
+        if self.q_kv_a is not None:              # q_a and kv_a read as one weight
+            q_a, kv = self.products.linear(x, self.q_kv_a).split(
+                [self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        elif self.q_lora_rank is None:
             q = self.q_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            kv = self.kv_a_proj_with_mqa(x)
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
         latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe = self.rope.apply(q_pe, cos, sin)

@@ -19,6 +19,29 @@ class Linear(nn.Linear, UsesProducts):
         return self.products.linear(x, self.weight, self.bias)
 
 
+def stacked(linears: list[nn.Module]) -> torch.Tensor | None:
+    """The weights of ``linears`` (plain Linears over the same input, no bias) as one
+    [sum of outputs, in] tensor, each layer's weight becoming a view of its rows, so one
+    product reads them all (nothing held twice); None where they cannot be stacked
+    (int8 layers, biases, other devices or dtypes).  Why: at a decode window's few rows a
+    product's fixed costs (a call, its threads' start, the memory streams' ramp) are a
+    large part of a small weight's time: the 0.5b model's q_a (2.4 MB) and kv_a (1.4 MB)
+    read as one, and a shared expert's gate and up."""
+    if not all(type(m) is Linear and m.bias is None for m in linears):
+        return None
+    weights = [m.weight for m in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or any(w.is_meta for w in weights):
+        return None
+    with torch.no_grad():
+        stack = torch.cat([w.detach() for w in weights])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(stack[start:start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
+    return stack
+
+
 def column_major(weight: torch.Tensor, products: Products) -> torch.Tensor:
     """The same [out, in] matrix stored as [in, out] (strides (1, out)) on a CPU, where
     ``products`` multiply it faster so; unchanged otherwise.  Why: MKL's matmul for a

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model.layers.linear import Linear
+from server.model.layers.linear import Linear, stacked
 
 
 class MLP(nn.Module):
@@ -16,6 +16,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        # stack_projections(): gate rows, then up; a buffer so that a graph takes it as an input
+        self.register_buffer("gate_up", None, persistent=False)
+
+    def stack_projections(self) -> None:
+        """Gate and up as one weight, read by one product (linear.stacked says why)."""
+        self.gate_up = stacked([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            g, u = self.gate_proj.products.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

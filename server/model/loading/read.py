@@ -124,5 +124,7 @@ def _int8_tensors(lp: LoadPlan, reader: Reader) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in load_layers(lp.model, lp.spec, get, has, lp.device, lp.errors).items():
         owner = lp.model.get_submodule(name.rpartition(".")[0])
-        out[name] = t.to(lp.dtype) if t.is_floating_point() and not isinstance(owner, QuantLinear) else t
+        # A rank's column slice is a view of whole rows: copied, so kernels read it by rows.
+        out[name] = (t.to(lp.dtype) if t.is_floating_point() and not isinstance(owner, QuantLinear)
+                     else t).contiguous()
     return out

@@ -129,13 +129,13 @@ def int8_matmul(x_q: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tenso
     if backend == "int_mm":
         return int_mm(x_q, w)
     if backend == "avx2":
-        if ops_ready():                   # the C++ operators, eager too: 2 us a call, not 8
+        if ops_ready() and w.is_contiguous():   # the C++ operators, eager too: 2 us a call, not 8
             return torch.ops.mtp_native.int8_mm(x_q.to(torch.int16), w)
         if torch.compiler.is_compiling():
             return torch.ops.mtp_serve.int8_mm(x_q, w)
         return int8_kernel_mm(x_q, w)
     if backend == "vnni":
-        if ops_ready():
+        if ops_ready() and w.is_contiguous():
             return torch.ops.mtp_native.i8_mm(x_q.contiguous(), w)
         if torch.compiler.is_compiling():
             return torch.ops.mtp_serve.i8_mm(x_q, w)
