@@ -72,8 +72,9 @@ worker, then the worker side):
       worker.py          Worker: owns model, KV tensors, request states, the proposer
       runner.py          request states -> tensors -> model -> verify; the step's host sync
       step_graphs.py     which graphs the static step runs; compiling them in the background
-      compile_step.py    compiling the static decode step (torch.compile, on-disk cache)
-      compile_child.py   the child processes that make the graphs (the model rebuilt empty)
+      compile_step.py    compiling the static decode step (torch.compile, on-disk cache);
+                         a compile child runs it (run_child)
+      compile_child.py   a compile child described and started; the model it rebuilds empty
       rank_group.py      a rank group: rendezvous, step broadcast, agreement, faults
 """
 from __future__ import annotations

@@ -30,8 +30,10 @@ daemon (``BackgroundGraphs``) opens its ports at once and serves the static step
 uncompiled; child processes (one per core, up to four) compile what the cache lacks (each
 builds the model from its config on uninitialised memory: the graphs take weights as
 inputs), a thread loads the files, and the worker switches to the graphs between two
-steps.  Outputs are the same either way (the compiled graphs are exact).  ``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up
-wait for them instead (``compile_static_decoder``), as engines built in-process do.
+steps.  A child runs this module (``run_child``); compile_child.py describes and starts
+it.  Outputs are the same either way (the compiled graphs are exact).
+``$MTP_SERVE_COMPILE_WAIT=1`` makes start-up wait for them instead
+(``compile_static_decoder``), as engines built in-process do.
 
 Switch: ``$MTP_SERVE_COMPILE`` = ``auto`` (default: compile when the static path applies
 and the device is a CPU), ``1``/``on`` (wherever the static path applies), ``0``/``off``.
@@ -44,6 +46,8 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -53,6 +57,7 @@ from pathlib import Path
 import torch
 
 from server.engine.worker.compile_child import (
+    empty_model,
     int8_layers,
     spawn_compile_child,
     tensor_dtypes,
@@ -374,3 +379,30 @@ def compile_in_children(model, block_size: int, device: torch.device, folder: Pa
             raise RuntimeError(f"the compile process {failures[0]}")
 
 
+def run_child(spec_file: Path) -> int:
+    """A compile child (compile_child.spawn_compile_child started it): make the missing
+    graphs of the model ``spec_file`` describes into its folder."""
+    spec = pickle.loads(spec_file.read_bytes())
+    parent = os.getppid()
+
+    def watch() -> None:                          # the serving process went: stop too
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+    torch.set_num_threads(1)
+    device = torch.device(spec["device"])
+    model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"], spec.get("plan"),
+                        spec.get("products", "torch"))
+    folder = Path(spec["folder"])
+    os.environ[CPP_WRAPPER_ENV] = "1" if spec["cpp_wrapper"] else "0"
+    t0 = time.perf_counter()
+    # Kernels for the serving process's threads, though this child traces on one.
+    _prepare(model, spec["block_size"], device, folder, spec["max_query_len"], only=spec["files"],
+             threads=spec["threads"])
+    print(f"compiled into {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_child(Path(sys.argv[1])))
