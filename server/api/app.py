@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from server.api.business import add_business_routes
 from server.api.errors import install_error_handlers
-from server.api.management import add_management_routes, add_metrics_route
-from server.api.openapi import business_openapi
-from server.api.pd_routes import add_pd_routes
+from server.api.planes.business import add_business_routes
+from server.api.planes.management import add_management_routes, add_metrics_route
+from server.api.planes.openapi import business_openapi
+from server.api.planes.pd_routes import add_pd_routes
 from server.api.state import ServerState
 
 PLANES = ("business", "management", "metrics")

@@ -2,7 +2,7 @@
 server/web/errors.py, OpenAI's on ``/v1/*`` and MindIE's on the native endpoints.
 
 A ``PDError`` (server/pd/errors.py) becomes the ``APIError`` of its status (``api_error``);
-the serving layer converts it where PD is called (pd_serving.py), the handler here is
+the serving layer converts it where PD is called (serving/pd_calls.py), the handler here is
 for one that escapes elsewhere.  FastAPI's 422 never reaches a client.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation: roles, the KV transfer between instances, the coordinator.
 
-PD never imports server/api: the serving layer calls it (server/api/pd_serving.py,
-pd_routes.py) and answers PD's refusals (errors.py) in its own error shape.
+PD never imports server/api: the serving layer calls it (server/api/serving/pd_calls.py,
+planes/pd_routes.py) and answers PD's refusals (errors.py) in its own error shape.
 
     instance.py    one daemon's part (inferMode "dmi"): its role, KV exports and pulls
     roles.py       the role state, assigned the MindIE way or fixed in the config

@@ -14,12 +14,12 @@ expired, a layout that is not D's, rows of other weights) is counted and D compu
 whole prompt instead: the answer is the same, only slower.  Requests without params are
 served co-located.  A request whose params are for the other role (the role changed under
 it) gets 503, so the coordinator sends it elsewhere.  Refusals are errors.py's ``PDError``
-classes; the serving layer (server/api/pd_serving.py) answers each with its status.
+classes; the serving layer (server/api/serving/pd_calls.py) answers each with its status.
 
 Rows D takes are tagged with the role version they were checked under
 (``EngineRequest.remote_kv_epoch``): a role change (new peers, a new key) purges every
 prefix block loaded from a peer and every block computed on top of one, and rows checked
-under an earlier version are not loaded after it (server/api/pd_routes.py asks the engine,
+under an earlier version are not loaded after it (server/api/planes/pd_routes.py asks the engine,
 kv/block_manager.py keeps the tags).
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ compute a plain digest of a prompt's tokens, so a KV server that is not the depl
 could send random rows that pass; without the key it cannot.
 
 The same key authenticates the calls that change an instance's PD state (its role, its
-peers, the key itself, a KV release: server/api/pd_routes.py): the caller sends
+peers, the key itself, a KV release: server/api/planes/pd_routes.py): the caller sends
 ``X-MTP-PD-Auth: <unix time>.<HMAC-SHA256 over method, path, time and the body's
 SHA-256>`` (``sign_call``), taken within ``CALL_WINDOW_S`` of the instance's clock
 (``verify_call``).  Before, anyone who reached the management port could post a role with

@@ -1,4 +1,4 @@
-"""API keys: the business plane's (server/api/business.py) and the coordinator's.
+"""API keys: the business plane's (server/api/planes/business.py) and the coordinator's.
 
 Keys come from ``ServerConfig.apiKeys`` and ``$MTP_SERVE_API_KEY`` (comma-separated), read
 once at load (docs/config.md), or the coordinator's ``apiKey``.  A request carries one as

@@ -217,7 +217,7 @@ class Fake:
                                     "model_weight_path": f"/models/{self.model}"}})
 
     async def _authorized(self, request: Request) -> bool:
-        """The daemon's rule (server/api/pd_routes.py): its API key, or a call signed with
+        """The daemon's rule (server/api/planes/pd_routes.py): its API key, or a call signed with
         its key."""
         raw = await request.body()
         if self.api_key and request.headers.get("authorization") == f"Bearer {self.api_key}":

@@ -1,4 +1,4 @@
-"""The role API on the management plane (server/api/pd_routes.py) with a PD instance and
+"""The role API on the management plane (server/api/planes/pd_routes.py) with a PD instance and
 a fake engine: no daemon.
 
 By default (no ``apiKeys``) a role, its peers, its key and a KV release are taken only
@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from server.api.errors import install_error_handlers
-from server.api.pd_routes import MAX_BODY_BYTES, add_pd_routes
+from server.api.planes.pd_routes import MAX_BODY_BYTES, add_pd_routes
 from server.pd import trust
 from server.pd.instance import PDInstance, PDSettings
 from server.web.api_keys import ApiKeys

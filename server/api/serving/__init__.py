@@ -8,4 +8,6 @@
                     the answer (JSON, or SSE with its ending), written once for both
     engine_call.py  one engine request: timeouts, disconnects, abort, metrics
     fanout.py       n choices as n engine requests: seeds, interleaving, clean-up
+    pd_calls.py     the two calls into PD (before submitting, and after a PD prefill);
+                    PD's refusals become APIErrors
 """

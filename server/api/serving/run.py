@@ -16,9 +16,9 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from server.api.openai.grammars import prepare_grammar
-from server.api.pd_serving import pd_answer, pd_requests
 from server.api.serving.engine_call import ClientDisconnected, EngineCall, close_stream
 from server.api.serving.fanout import Interleave
+from server.api.serving.pd_calls import pd_answer, pd_requests
 from server.api.sse import DONE, SSE_HEADERS, event, json_response
 from server.api.state import ServerState
 from server.web.errors import APIError, openai_body

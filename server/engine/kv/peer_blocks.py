@@ -4,7 +4,7 @@ No torch.
 A decode instance (D) loads rows pulled from a prefill instance (P) as prefix blocks
 (``seq.remote_kv``), and every block a request computes after them attends to them.  Those
 blocks are right as long as D's role, peers and key are the ones the rows were checked
-under; a role change (server/api/pd_routes.py) is a change of whom D trusts.  Before, an
+under; a role change (server/api/planes/pd_routes.py) is a change of whom D trusts.  Before, an
 attacker who posted D a role naming their own KV server had their rows stay in D's
 prefix cache after the coordinator posted the real role back: later clients got garbage
 with HTTP 200.

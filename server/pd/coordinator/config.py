@@ -6,7 +6,7 @@ errors too: a misspelt limit (``maxRequestLenght``) would otherwise silently lea
 default in force.
 
 The coordinator needs a credential the instances accept for their role and KV calls
-(server/api/pd_routes.py): the deployment's KV transfer key (``kvTransferKeyFile``, the
+(server/api/planes/pd_routes.py): the deployment's KV transfer key (``kvTransferKeyFile``, the
 file the instances read as ``pdTransferKeyFile``: the coordinator signs each call with it)
 or an API key the instances hold (``apiKey``: then the coordinator may hand them a key of
 its own with the role).  With neither, no instance would take a role from it, so the
