@@ -190,47 +190,15 @@ class Daemon:
         loop = asyncio.get_running_loop()
         engine.on_fatal = lambda error: loop.call_soon_threadsafe(self._on_fatal, error)
         await engine.start()
-        settings = settings_from_config(cfg, engine.runtime)
-        chat_template = None
-        if getattr(cfg, "chat_template_path", None):
-            chat_template = Path(cfg.chat_template_path).read_text()
-        state = ServerState(
-            settings=settings, tokenizer=tokenizer, engine=engine,
-            metrics=make_metrics(settings.model_name, settings.num_speculative_tokens,
-                                 bool(getattr(cfg, "metrics_enabled", True))),
-            admission=Admission(settings.max_link_num),
-            generation_defaults=dict(getattr(tokenizer, "generation_defaults", {}) or {}),
-            chat_template=chat_template, request_stop=self.request_stop,
-            api_keys=ApiKeys(tuple(getattr(cfg, "api_keys", ()))))
+        state = self._server_state(tokenizer, engine)
         kv_server = None
         if pd_cfg is not None:
-            registry = state.metrics.registry if state.metrics.enabled else None
-            state.pd = PDInstance(pd_cfg, engine.runtime, registry, client_ssl=kv_tls[1])
-            engine.kv_export_sink = state.pd.on_export
-            # A pull sends its rows within D's kv_trans_timeout; a reader slower than
-            # twice that (or 5 s) holds memory for nothing and is cut off.
-            kv_server = KVServer(state.pd.exports, state.pd.on_sent, state.pd.on_failed,
-                                 write_timeout_s=max(5.0, 2 * pd_cfg.trans_timeout_s))
-            await kv_server.start(kv_lst.sock, kv_tls[0])
-            log.info("PD instance: KV transfer on %s:%d (%s), role %s", pd_cfg.host, pd_cfg.port,
-                     "TLS" if kv_tls[0] else "plain TCP", state.pd.roles.role or "unassigned")
-        loop = asyncio.get_running_loop()
+            kv_server = await _start_pd(state, pd_cfg, kv_lst, kv_tls)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
-        tasks = []
-        protocol = header_timeout_protocol(settings.header_timeout_s)
-        for lst, context in zip(listeners, contexts):
-            # limit_concurrency caps open connections per server (503 beyond it): far above
-            # maxLinkNum, so slow clients cannot take every file descriptor.
-            config = uvicorn.Config(build_app(state, lst.planes), log_level="warning",
-                                    access_log=False, lifespan="off", http=protocol,
-                                    limit_concurrency=max(256, 4 * settings.max_link_num),
-                                    timeout_keep_alive=5, timeout_graceful_shutdown=5)
-            config.load()
-            config.ssl = context           # built and checked above (server/api/tls.py)
-            server = _Server(config)
-            self.servers.append(server)
-            tasks.append(asyncio.create_task(server.serve(sockets=[lst.sock])))
+        protocol = header_timeout_protocol(state.settings.header_timeout_s)
+        tasks = [self._serve(state, lst, context, protocol)
+                 for lst, context in zip(listeners, contexts)]
         while not all(s.started for s in self.servers):
             done = [t for t in tasks if t.done()]
             if done:
@@ -244,7 +212,7 @@ class Daemon:
         stop_wait = asyncio.create_task(self.stop.wait())
         await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
         state.admission.stop_accepting()
-        drained = await self._drain(state, settings.e2e_timeout_s)
+        drained = await self._drain(state, state.settings.e2e_timeout_s)
         if not drained:
             for server in self.servers:
                 server.force_exit = True
@@ -254,6 +222,37 @@ class Daemon:
         if self.fatal:
             return EXIT_FAIL
         return EXIT_OK if drained else EXIT_DRAIN_CUT
+
+    def _server_state(self, tokenizer: Any, engine: Any) -> ServerState:
+        """What every route needs (server/api/state.py), once the engine runs."""
+        cfg = self.cfg
+        settings = settings_from_config(cfg, engine.runtime)
+        chat_template = None
+        if getattr(cfg, "chat_template_path", None):
+            chat_template = Path(cfg.chat_template_path).read_text()
+        return ServerState(
+            settings=settings, tokenizer=tokenizer, engine=engine,
+            metrics=make_metrics(settings.model_name, settings.num_speculative_tokens,
+                                 bool(getattr(cfg, "metrics_enabled", True))),
+            admission=Admission(settings.max_link_num),
+            generation_defaults=dict(getattr(tokenizer, "generation_defaults", {}) or {}),
+            chat_template=chat_template, request_stop=self.request_stop,
+            api_keys=ApiKeys(tuple(getattr(cfg, "api_keys", ()))))
+
+    def _serve(self, state: ServerState, lst: Listener, context: ssl.SSLContext | None,
+               protocol: type) -> asyncio.Task:
+        """One uvicorn server on a bound listener, carrying its planes; its serving task."""
+        # limit_concurrency caps open connections per server (503 beyond it): far above
+        # maxLinkNum, so slow clients cannot take every file descriptor.
+        config = uvicorn.Config(build_app(state, lst.planes), log_level="warning",
+                                access_log=False, lifespan="off", http=protocol,
+                                limit_concurrency=max(256, 4 * state.settings.max_link_num),
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+        config.load()
+        config.ssl = context               # built and checked before binding (server/api/tls.py)
+        server = _Server(config)
+        self.servers.append(server)
+        return asyncio.create_task(server.serve(sockets=[lst.sock]))
 
     async def _drain(self, state: ServerState, limit_s: float) -> bool:
         """Wait for in-flight requests, at most ``limit_s`` (e2eTimeout: no request lives
@@ -283,6 +282,23 @@ class Daemon:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await engine.shutdown(drain=drain)
+
+
+async def _start_pd(state: ServerState, pd_cfg: Any, kv_lst: Listener,
+                    kv_tls: tuple) -> KVServer:
+    """The PD instance on the engine (inferMode dmi) and its KV transfer server."""
+    engine = state.engine
+    registry = state.metrics.registry if state.metrics.enabled else None
+    state.pd = PDInstance(pd_cfg, engine.runtime, registry, client_ssl=kv_tls[1])
+    engine.kv_export_sink = state.pd.on_export
+    # A pull sends its rows within D's kv_trans_timeout; a reader slower than twice that
+    # (or 5 s) holds memory for nothing and is cut off.
+    kv_server = KVServer(state.pd.exports, state.pd.on_sent, state.pd.on_failed,
+                         write_timeout_s=max(5.0, 2 * pd_cfg.trans_timeout_s))
+    await kv_server.start(kv_lst.sock, kv_tls[0])
+    log.info("PD instance: KV transfer on %s:%d (%s), role %s", pd_cfg.host, pd_cfg.port,
+             "TLS" if kv_tls[0] else "plain TCP", state.pd.roles.role or "unassigned")
+    return kv_server
 
 
 def run_daemon(cfg: Any) -> int:
