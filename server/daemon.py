@@ -127,7 +127,7 @@ class _Server(uvicorn.Server):
 
 
 def load_engine(cfg: Any, launch: Any = None) -> tuple[Any, Any]:
-    """The tokenizer and the engine: the process ``launch`` started (engine_process.py),
+    """The tokenizer and the engine: the process ``launch`` started (front/engine_process.py),
     else an engine thread here ($MTP_SERVE_ENGINE_PROCESS=0)."""
     from server.text.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_dir(cfg.model_weight_path)

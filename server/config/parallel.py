@@ -36,9 +36,10 @@ run (today dp above 1 together with sp above 1), or sp or dp above 1 next to a f
 that moves whole KV blocks of one device pool (``unserved_with_striped_kv``: the host/disk
 KV tier, swap preemption; a striped pool has each block on one rank, a dp pool each
 request's blocks in one group).  PD disaggregation's KV transfer is served beside them:
-it reads and writes blocks by global id over the stripes (engine/kv/transfer/striped.py).  cp above 1 is served (server/model/parallel/context.py)
-and always comes with sp above 1, so those refusals cover it too.  Those are not rule violations: ``--check``
-reports them apart, and the daemon refuses to start on them.
+it reads and writes blocks by global id over the stripes (engine/kv/transfer/striped.py).
+cp above 1 is served (server/model/parallel/context.py) and always comes with sp above
+1, so those refusals cover it too.  Those are not rule violations: ``--check`` reports
+them apart, and the daemon refuses to start on them.
 """
 from __future__ import annotations
 

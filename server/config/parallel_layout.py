@@ -164,7 +164,8 @@ class ParallelLayout:
         """Why the KV pool is not one device pool (None: it is), in the words the config
         check and the executor both use when they refuse what moves whole blocks of one."""
         if self.sp > 1:
-            return KvStriping("sp", self.sp, "(sequence parallel) stripes the KV pool over the ranks")
+            return KvStriping("sp", self.sp, "(sequence parallel) stripes the KV pool over the "
+                                             "ranks")
         if self.dp > 1:
             return KvStriping("dp", self.dp, "(attention data parallel) splits the KV pool over "
                                              "its groups")

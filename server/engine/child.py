@@ -1,6 +1,6 @@
 """What every child process of the engine does first, and how it is started.
 
-The engine process (engine_process.py), a worker process (executor/process.py) and each
+The engine process (front/engine_process.py), a worker process (executor/process.py) and each
 rank (executor/parallel.py) leave signals to their parent: the daemon drains, then tells
 them to stop, and a child that got SIGINT from the terminal's process group would die
 mid-step instead.  They log in the parent's format and level, and compute with the

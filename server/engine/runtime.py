@@ -59,7 +59,7 @@ class RuntimeInfo:
     cp: int = 1                         # context parallel ranks (model/context_parallel.py)
     kv_blocks_per_rank: int = 0         # blocks one rank holds (num_kv_blocks / (sp x dp))
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
-    engine_pid: int = 0                 # the process running the engine loop (engine_process.py)
+    engine_pid: int = 0                 # the process running the engine loop (front/engine_process.py)
     prediction_draft_tokens: int = 0    # predicted drafts a step may verify: the worker's measured window
 
     @property

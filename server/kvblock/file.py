@@ -3,8 +3,8 @@
 Layout (little-endian), format 2: magic ``MTPKVB02`` (8 bytes) | the block key's SHA-256
 digest (32) | content length (8) | payload length (8) | BLAKE2b-128 of content and
 payload (16) | content (the key's parent digest, next token and tokens: kvblock/key.py) |
-payload (one host-tier slot: every cache layer of the block, engine/kv/transfer/host_pool.py).  The file
-is named by the digest.  A reader gets a block only when the magic, digest, both lengths
+payload (one host-tier slot: every cache layer of the block,
+engine/kv/transfer/host_pool.py).  The file is named by the digest.  A reader gets a block only when the magic, digest, both lengths
 and the checksum match and the stored content equals the content it looks up: a block
 whose digest merely collides with another's, and a torn, truncated or corrupted file,
 are never served.  Format 1 (``MTPKVB01``, named by 64-bit Python hashes) is refused by

@@ -283,7 +283,8 @@ BROKEN_SIZES = [dict(world_size=4, moe_ep=4, cp=2), dict(world_size=4, moe_ep=4,
                 dict(world_size=4, moe_ep=4, dp=3)]
 
 
-@pytest.mark.parametrize("sizes", BROKEN_SIZES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("sizes", BROKEN_SIZES,
+                         ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_the_model_and_the_executor_refuse_a_layout_in_its_words(sizes):
     """One type owns the layout's rules (server/config/parallel_layout.py): the model's
     shard plan and the engine's executor refuse what it refuses, with its message."""

@@ -1,4 +1,4 @@
-"""The engine process's watchdog (engine_process.py): an engine process that stops
+"""The engine process's watchdog (engine/front/engine_process.py): an engine process that stops
 (SIGSTOP) or hangs inside a step while it holds requests is taken for hung after the step
 bound, killed, and fails as a dead rank does: its streams end with the error, the fatal
 error is set (the daemon's /health answers 503) and the daemon is told (it exits 1).

@@ -17,8 +17,8 @@ from pydantic_core import PydanticCustomError
 
 from server.config.mindie.base import I32, U32, F, Section
 from server.config.mindie.plugins import PluginParams, decode_plugin_params
-from server.config.mindie.server import (API_KEY_RULE, HealthCheckConfig, ServerConfig,  # noqa: F401
-                                          check_api_key, is_all_interfaces)
+from server.config.mindie.server import (  # noqa: F401
+    API_KEY_RULE, HealthCheckConfig, ServerConfig, check_api_key, is_all_interfaces)
 
 MODEL_NAME_RULE = "1-256 of [A-Za-z0-9._-], not starting or ending with '-', '.' or '_'"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?")

@@ -58,7 +58,8 @@ def rank_main(rank: int, cfg: EngineConfig, model_path: str, num_spec_tokens: in
         from server.engine.worker.worker import Worker
         from server.model.loading import load_checkpoint
         from server.model.parallel.plan import ParallelPlan
-        plan = ParallelPlan(par.world_size, par.moe_tp, par.moe_ep, par.sp, par.dp, par.cp, rank=rank)
+        plan = ParallelPlan(par.world_size, par.moe_tp, par.moe_ep, par.sp, par.dp, par.cp,
+                            rank=rank)
         model, _ = load_checkpoint(model_path, dtype=torch_dtype(cfg.dtype), device=device,
                                    plan=plan)
         if plan.cp > 1:                          # its sp and cp process groups

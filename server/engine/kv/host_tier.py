@@ -1,8 +1,8 @@
 """Bookkeeping of the host-memory KV tier: which host slot holds which block.  No torch.
 
 The tier is a second level behind the device pool (kv/block_manager.py), sized in blocks by
-``cpuMemSize`` or the ``kvPoolConfig`` pool settings (kv/transfer/host_pool.py turns GB into blocks).
-It holds two kinds of slots:
+``cpuMemSize`` or the ``kvPoolConfig`` pool settings (kv/transfer/host_pool.py turns GB
+into blocks).  It holds two kinds of slots:
 
   * cached slots: a full prefix block that left the device pool (evicted from the prefix
     cache), keyed by the same MTP-aware block key the device prefix cache uses

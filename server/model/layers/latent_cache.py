@@ -41,7 +41,8 @@ class LatentCache:
         return self.data.view(-1, self.data.shape[-1])[slots].float()
 
     def block_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every stored tensor, block id first (a block moves whole: engine/kv/transfer/host_pool.py)."""
+        """Every stored tensor, block id first (a block moves whole:
+        engine/kv/transfer/host_pool.py)."""
         return (self.data,)
 
 
@@ -85,7 +86,8 @@ class Int8LatentCache:
         return torch.cat([lat, self.rope.view(-1, self.rope.shape[-1])[slots].float()], dim=-1)
 
     def block_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every stored tensor, block id first (a block moves whole: engine/kv/transfer/host_pool.py)."""
+        """Every stored tensor, block id first (a block moves whole:
+        engine/kv/transfer/host_pool.py)."""
         return (self.latent, self.scale, self.rope)
 
 

@@ -1,6 +1,6 @@
 """Whole blocks as byte rows, for moving KV between instances (PD) without a host tier.
 
-A row is what a host tier slot and a disk tier file hold (kv/transfer/host_pool.py): for every cache
+A row is what a host tier slot and a disk tier file hold (host_pool.py): for every cache
 layer, the main layers' and the MTP layer's, every tensor its cache stores per block, laid
 end to end, so a block moves whole whatever its dtype.
 """

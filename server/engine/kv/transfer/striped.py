@@ -2,7 +2,7 @@
 
 Why: a PD prefill instance exports a prompt's blocks as rows by global block id, and a
 decode instance writes pulled rows into the blocks its scheduler allocated, by global id
-(kv/transfer/kv_transfer.py, kv/transfer/block_rows.py).  With a striped pool (model/sequence_parallel.py:
+(kv_transfer.py, block_rows.py).  With a striped pool (model/parallel/sequence.py:
 global block b lives on the ranks of stripe b % n, at local block b // n; the sp ranks
 under sequence/context parallel, the dp groups under attention data parallel, kv/cache.py)
 no rank holds every block, so rows cannot be read or written by id on one rank alone.
