@@ -170,9 +170,17 @@ def torch_patches(paths: list[Path]) -> Iterator[str]:
                 aliases |= {a.asname or a.name for a in node.names}
 
         def rooted(expr: ast.expr) -> bool:
+            """Whether ``expr`` names torch or a part of it: an alias (``torch``, ``F``), or
+            another module's ``F`` / ``torch`` / ``functional`` (``prediction.F``).  A
+            ``config`` module of torch's is made to be set, through its ``patch``."""
+            parts = []
             while isinstance(expr, ast.Attribute):
+                parts.append(expr.attr)
                 expr = expr.value
-            return isinstance(expr, ast.Name) and expr.id in aliases
+            if any("config" in p for p in parts):
+                return False
+            return (isinstance(expr, ast.Name) and expr.id in aliases) or \
+                bool(parts and parts[0] in ("F", "torch", "functional"))
 
         for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else \

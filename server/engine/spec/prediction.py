@@ -31,6 +31,7 @@ makes a request need more blocks than it would without one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,11 +46,14 @@ from server.engine.spec.proposer import DraftMask, DraftPasses
 WINDOW_GAIN = 1.5
 
 
-def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tuple[int, float]:
+def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3,
+                  product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                  ) -> tuple[int, float]:
     """The most predicted drafts a step should verify on this device, and the measured
     gain of that window: ``configured``, or the largest power of two below it whose window
     of n + 1 rows, through the vocabulary head ``head`` [V, H] (a step's widest product),
     gives at least WINDOW_GAIN times one row's tokens per second; 0 when none does.
+    ``product``: how the model multiplies by its head (its products' ``linear``).
 
     Why measured: on a CPU without native bf16 (AVX2) a bf16 product of n rows costs n
     times one row (the 0.5b head: 9 ms for 1 row, 83 ms for 17), so a predicted window
@@ -62,11 +66,11 @@ def window_drafts(head: torch.Tensor, configured: int, repeats: int = 3) -> tupl
 
     def seconds(rows: int) -> float:
         x = torch.randn(rows, head.shape[1], dtype=head.dtype)
-        F.linear(x, head)                                  # warm
+        product(x, head)                                   # warm
         runs = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            F.linear(x, head)
+            product(x, head)
             runs.append(time.perf_counter() - t0)
         return sorted(runs)[len(runs) // 2]
     with torch.inference_mode():

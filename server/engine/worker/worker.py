@@ -111,7 +111,8 @@ class Worker:
         """Predicted drafts per step: as configured where a window of them pays on this
         device, fewer or none where it does not (prediction.window_drafts), agreed over a
         rank group (every rank must feed the same windows)."""
-        n, gain = window_drafts(model.lm_head.weight, cfg.prediction_draft_tokens)
+        n, gain = window_drafts(model.lm_head.weight, cfg.prediction_draft_tokens,
+                                product=model.products.linear)
         if self.group is not None:
             n = self.group.agree_min(n)
         if n == 0 and cfg.prediction_draft_tokens:
