@@ -81,7 +81,7 @@ class LLMEngine:
             world_size=cfg.parallel.world_size, moe_tp=cfg.parallel.moe_tp,
             moe_ep=cfg.parallel.moe_ep, sp=info.sp, dp=info.dp, cp=cfg.parallel.cp,
             kv_blocks_per_rank=info.kv_blocks_per_rank,
-            prediction_draft_tokens=info.prediction_draft_tokens,
+            prediction_draft_tokens=info.prediction_draft_tokens, kernels=info.kernels,
             engine_pid=os.getpid(),
             worker_pids=self.executor.worker_pids if cfg.parallel.world_size > 1 else ())
         self.blocks = blocks or make_block_manager(model.config, cfg, self.runtime)

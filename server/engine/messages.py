@@ -120,6 +120,7 @@ class WorkerInfo:
     dp: int = 1                       # dp groups the pool is split over (attention data parallel)
     kv_blocks_per_rank: int = 0       # blocks one rank holds: num_kv_blocks / (sp x dp)
     prediction_draft_tokens: int = 0  # predicted drafts a step may verify (measured; 0: none)
+    kernels: tuple[tuple[str, str], ...] = ()   # model/kernels/report.py: what the model multiplies with
 
 
 @dataclass(slots=True)

@@ -61,6 +61,7 @@ class RuntimeInfo:
     worker_pids: tuple[int, ...] = ()   # this node's rank processes (for operators' tools)
     engine_pid: int = 0                 # the process running the engine loop (front/engine_process.py)
     prediction_draft_tokens: int = 0    # predicted drafts a step may verify: the worker's measured window
+    kernels: tuple[tuple[str, str], ...] = ()   # CPU class, products, int8 backend (model/kernels/report.py)
 
     @property
     def mtp_enabled(self) -> bool:
@@ -109,6 +110,9 @@ class RuntimeInfo:
                 f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens "
                 f"(KV cache {self.kv_cache_dtype}); host KV tier {self.host_tier_text}; "
                 f"decode path {self.decode_path}"
+                + (f" (products {dict(self.kernels).get('products')}, int8 "
+                   f"{dict(self.kernels).get('int8_backend')}, CPU {dict(self.kernels).get('cpu_class')})"
+                   if self.kernels else "")
                 + (f" on {self.world_size} ranks (dp {self.dp}, cp {self.cp}, tp "
                    f"{self.world_size // (self.dp * self.cp)}, moe_tp {self.moe_tp}, "
                    f"moe_ep {self.moe_ep}, sp {self.sp})"
@@ -126,6 +130,7 @@ class RuntimeInfo:
                 "kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "kv_tokens": self.num_kv_blocks * self.block_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
+                "kernels": dict(self.kernels),
                 "lookahead_slots": self.lookahead_slots,
                 "prediction_draft_tokens": self.prediction_draft_tokens,
                 "eos_token_ids": sorted(self.eos_token_ids), "max_seq_len": self.max_seq_len,

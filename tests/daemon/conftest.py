@@ -36,7 +36,14 @@ def demo_k2_reference(tmp_path_factory):
     d = Daemon(make_config(tmp_path_factory.mktemp("demo-k2-thread"), DEMO_MODEL, model=K2),
                env={"MTP_SERVE_COMPILE": "0", "MTP_SERVE_ENGINE_PROCESS": "0"}).start()
     try:
-        assert d.status()["runtime"]["engine_pid"] == d.proc.pid
+        runtime = d.status()["runtime"]
+        assert runtime["engine_pid"] == d.proc.pid
+        # What the model multiplies with, as chosen for this CPU (model/kernels/report.py):
+        # the demo model is float32, so torch's own products; no int8 layers.
+        from server.model.kernels import CPU_CLASSES, cpu_caps
+        kernels = runtime["kernels"]
+        assert kernels["cpu_class"] == cpu_caps().cpu_class in CPU_CLASSES
+        assert (kernels["products"], kernels["int8_backend"]) == ("torch", "none")
         ref = answers(d.base)
         engine = d.status()["engine"]
         counters = (int(metric(d.metrics, "spec_decode_num_draft_tokens_total")),

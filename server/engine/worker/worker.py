@@ -44,6 +44,7 @@ from server.engine.spec.proposer import MTPProposer, NoProposer
 from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.worker.step_graphs import StepGraphs
+from server.model.kernels.report import kernel_report
 from server.model.static_decode import supports_static_decode
 
 log = logging.getLogger("server.engine")
@@ -166,7 +167,8 @@ class Worker:
                           self.kv_transfer.bytes_per_block, self.graphs.current(),
                           sp=self.sp, dp=self.dp,
                           kv_blocks_per_rank=self.num_kv_blocks // (self.sp * self.dp),
-                          prediction_draft_tokens=self.proposer.max_tokens)
+                          prediction_draft_tokens=self.proposer.max_tokens,
+                          kernels=tuple(kernel_report(self.model).items()))
 
     @property
     def policy(self) -> SpecPolicy | None:
