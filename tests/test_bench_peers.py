@@ -156,6 +156,12 @@ def test_bandwidth_share_arithmetic():
     assert harness.bandwidth_share(0, 60, 28.9) == 0
 
 
+def test_memory_yardstick_is_the_median_reading():
+    """One reading strays both ways on a shared machine; the shares use the median."""
+    readings = [{"gbps": g} for g in (16.8, 28.9, 27.5, 48.7, 29.3)]
+    assert peers.memory_yardstick(readings) == 28.9
+
+
 def test_expected_experts():
     assert harness.expected_experts(16, 4, 1) == pytest.approx(4)
     assert harness.expected_experts(16, 4, 2) == pytest.approx(16 * (1 - 0.75 ** 2))   # 7
