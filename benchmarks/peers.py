@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)      # noqa: E731
     cache = args.cache.absolute()
-    folders = {"bf16": args.model.resolve(), "int8": args.int8_model.resolve()}
+    folders = {"bf16": args.model.absolute(), "int8": args.int8_model.absolute()}
     for name, folder in folders.items():
         if not (folder / "config.json").is_file():
             ap.error(f"no checkpoint at {folder}: python -m benchmarks.models --size 0.5b --quantize w8a8_dynamic")
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                             "cmake": "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF",
                             "commands": shown_commands, "converter_notes": notes,
                             "gguf_mb": {t: round(p.stat().st_size / 1e6) for t, p in ggufs.items()}},
-              "ours": {"models": {w: harness.shown_path(f) for w, f in folders.items()},
+              "ours": {"models": {w: _shown(str(f)) for w, f in folders.items()},
                        "compile": args.compile, "decode_tokens": DECODE_TOKENS,
                        "prompt_len_decode": ours["bf16"].es.PROMPT_LEN,
                        "decode_path": {w: {m: e.runtime.decode_path for m, e in o.engines.items()}
