@@ -156,3 +156,16 @@ def test_the_cpp_operators_check_their_arguments_and_refuse_never_crash():
     for name in missing:                                    # a kernel this CPU cannot run
         with pytest.raises(RuntimeError, match="not loaded"):
             getattr(ops, name)(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+def test_head_rows_are_each_heads_product():
+    """The absorbed attention's W_UK / W_UV through the rows kernel: each (token, head) row
+    through its own head's weight, as torch's einsum over the heads."""
+    _needs("avx512_bf16")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 40, generator=g).to(torch.bfloat16)                  # [T, nH, K]
+    w = torch.randn(4, 24, 40, generator=g).to(torch.bfloat16)                 # [nH, N, K]
+    got = avx512.Avx512Products().head_rows(x, w)
+    want = torch.einsum("thk,hnk->thn", x.float(), w.float())
+    assert got.shape == (3, 4, 24) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)

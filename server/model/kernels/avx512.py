@@ -125,6 +125,19 @@ class Avx512Products(Products):
         y = op(act.contiguous(), flat, down).view(t, k, -1)                   # [T, k, H]
         return (y * weights[:, :, None].float()).sum(1).to(x.dtype)
 
+    def takes_head_rows(self, weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+    def head_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each (token, head) a row through its head's weight, read in place (bf16_rows):
+        the absorbed attention's W_UK / W_UV products, where oneDNN's bf16 bmm of a decode
+        step's few rows took 3 ms a step on the 0.5b model for 26 MB."""
+        t, nh, k = x.shape
+        heads = torch.arange(nh, device=x.device).repeat(t)
+        op = torch.ops.mtp_native.bf16_rows if ops_ready() else torch.ops.mtp_serve.bf16_rows
+        out = op(x.reshape(t * nh, k).to(torch.bfloat16).contiguous(), heads, w)
+        return out.view(t, nh, -1).to(x.dtype)
+
     def column_major(self, dtype: torch.dtype) -> bool:
         return dtype == torch.float32            # our kernel reads bf16 weights by rows
 

@@ -92,6 +92,28 @@ static void column(const uint8_t *xu, long ldx, int rows, const int8_t *w, long 
     }
 }
 
+/* One weight row through one row of x (unsigned): exact, as the blocks compute it. */
+static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acc = _mm512_setzero_si512(), sum = _mm512_setzero_si512();
+    long k64 = K & ~63L;
+    for (long k = 0; k < k64; k += 64) {
+        __m512i wv = _mm512_loadu_si512((const void *)(w + k));
+        sum = _mm512_dpbusd_epi32(sum, ones, wv);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(xu + k)), wv);
+    }
+    if (k64 < K) {
+        __m512i wv = load_tail(w + k64, K - k64);
+        sum = _mm512_dpbusd_epi32(sum, ones, wv);
+        acc = _mm512_dpbusd_epi32(acc, load_tail(xu + k64, K - k64), wv);
+    }
+    return _mm512_reduce_add_epi32(acc) - 128 * _mm512_reduce_add_epi32(sum);
+}
+
+/* Up to FEW rows (a decode window's) read each weight row once, in order, one stream per
+ * thread (avx512_bf16.c says why); more rows take the blocks. */
+#define FEW 4
+
 static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int8_t *w, long N,
                         long K, long n, int32_t *y, long ldy) {
     if (n + COLS > N) {
@@ -133,10 +155,16 @@ int i8_mm(const int8_t *x, long M, long K, long ldx, const int8_t *w, long N, in
           long ldy, int threads) {
     uint8_t *xu = unsigned_rows(x, M, K, ldx);
     if (xu == NULL) return -1;
-    long blocks = (N + COLS - 1) / COLS;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++)
-        product(xu, M, K, K, w, N, y, ldy, b);
+    if (M <= FEW) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n = 0; n < N; n++)
+            for (long m = 0; m < M; m++) y[m * ldy + n] = dot(xu + m * K, w + n * K, K);
+    } else {
+        long blocks = (N + COLS - 1) / COLS;
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (long b = 0; b < blocks; b++)
+            product(xu, M, K, K, w, N, y, ldy, b);
+    }
     free(xu);
     return 0;
 }
@@ -146,11 +174,10 @@ int i8_rows(const int8_t *x, long A, long K, const long *expert, const int8_t *w
             int32_t *y, int threads) {
     uint8_t *xu = unsigned_rows(x, A, K, K);
     if (xu == NULL) return -1;
-    long blocks = (N + COLS - 1) / COLS;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long j = 0; j < A * blocks; j++) {
-        long a = j / blocks, b = j % blocks;
-        product(xu + a * K, 1, K, K, w + expert[a] * N * K, N, y + a * N, N, b);
+    for (long j = 0; j < A * N; j++) {
+        long a = j / N, n = j % N;
+        y[j] = dot(xu + a * K, w + (expert[a] * N + n) * K, K);
     }
     free(xu);
     return 0;

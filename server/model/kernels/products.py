@@ -68,6 +68,15 @@ class Products:
         has no kernel for it (layers/experts.py then writes it as reductions)."""
         return None
 
+    def takes_head_rows(self, weight: torch.Tensor) -> bool:
+        """Whether ``head_rows`` runs a kernel for weights like ``weight`` (the absorbed
+        attention's W_UK / W_UV then get copies laid out for it: layers/attention.py)."""
+        return False
+
+    def head_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, nH, K] . w[h] [N, K]^T for each head h -> [T, nH, N] in x's dtype."""
+        return torch.einsum("thk,hnk->thn", x, w)
+
     def column_major(self, dtype: torch.dtype) -> bool:
         """Whether a weight of ``dtype`` multiplies faster held column-major (layers/linear.py)."""
         return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and self.native_half)

@@ -129,12 +129,22 @@ class MLA(nn.Module, UsesProducts):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=False)
         self.register_buffer("q_kv_a", None, persistent=False)     # stack_projections()
+        # W_UK^T [nH, kvr, dn] and W_UV [nH, dv, kvr], each head's rows contiguous, where the
+        # products multiply heads as rows (stack_projections): copies of kv_b_proj's rows.
+        self.register_buffer("w_uk_rows", None, persistent=False)
+        self.register_buffer("w_uv_rows", None, persistent=False)
 
     def stack_projections(self) -> None:
         """q_a and kv_a (both read the layer's input) as one weight, read by one product
         (linear.stacked says why)."""
         if self.q_lora_rank is not None:
             self.q_kv_a = stacked([self.q_a_proj, self.kv_a_proj_with_mqa])
+        w = self.kv_b_proj.weight
+        if self.products.takes_head_rows(w) and type(self.kv_b_proj) is Linear:
+            nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
+            heads = w.detach().view(nh, dn + self.v_dim, kvr)
+            self.w_uk_rows = heads[:, :dn].transpose(1, 2).contiguous()     # [nH, kvr, dn]
+            self.w_uv_rows = heads[:, dn:].contiguous()                     # [nH, dv, kvr]
 
     # -- shared pieces -------------------------------------------------------------------
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -231,12 +241,16 @@ class MLA(nn.Module, UsesProducts):
 
     def _latent_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """Fold W_UK into the query: [T, nH, dn], [T, nH, dr] -> [T, nH, kvr + dr]."""
+        if self.w_uk_rows is not None:           # each (token, head) a row through its head
+            return torch.cat([self.products.head_rows(q_nope, self.w_uk_rows), q_pe], dim=-1)
         nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uk = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, :dn]   # [nH, dn, kvr]
         return torch.cat([self.products.latent_query(q_nope, w_uk), q_pe], dim=-1)
 
     def _value_out(self, o: torch.Tensor) -> torch.Tensor:
         """Unfold W_UV: latent-space outputs [T, nH, kvr] -> [T, nH * dv]."""
+        if self.w_uv_rows is not None:
+            return self.products.head_rows(o, self.w_uv_rows).flatten(1)
         nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uv = self.kv_b_proj.weight.view(nh, dn + self.v_dim, kvr)[:, dn:]   # [nH, dv, kvr]
         return self.products.latent_value(o, w_uv).flatten(1)
