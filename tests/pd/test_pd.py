@@ -386,6 +386,7 @@ def test_role_api_poisoning_is_replayed_end_to_end(pd_set, colocated):
     loop.run_until_complete(server.start(sock))
     threading.Thread(target=loop.run_forever, daemon=True).start()
     evil_key = new_key()
+    paused = False
     try:
         exports.reserve("evil", n * block_bytes, _plain_digests(tokens, n))
         exports.put("evil", KVRows(n, block_bytes, layout, os.urandom(n * block_bytes)))
@@ -407,6 +408,10 @@ def test_role_api_poisoning_is_replayed_end_to_end(pd_set, colocated):
             "model": MODEL_NAME, "prompt": OTHER, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and _cached(d, OTHER) > 0
         # ... until a role change: the attacker's server as D's peer, posted with the key.
+        # The coordinator is paused meanwhile: its health pass (every 2 s) would post its own
+        # role back before a slow machine got the pull below to D.
+        c.proc.send_signal(signal.SIGSTOP)
+        paused = True
         assert _signed_post(d, "/v1/role/decode", evil_role, c.key).status_code == 200
         assert _cached(d, OTHER) == 0                   # purged, and what was computed on them
         mismatch = _metric(d, "kv_transfer_failures_total", 'reason="prompt_mismatch"')
@@ -417,12 +422,16 @@ def test_role_api_poisoning_is_replayed_end_to_end(pd_set, colocated):
         assert _metric(d, "kv_transfer_failures_total", 'reason="prompt_mismatch"') == mismatch + 1
         assert _metric(d, "prefix_cache_hit_tokens_total", 'tier="remote"') == remote
         # (4) The coordinator sees a role it did not post and posts its own again.
+        c.proc.send_signal(signal.SIGCONT)
+        paused = False
         p_port = p.status()["pd"]["kv_port"]
         t0 = time.monotonic()
         while d.status()["pd"]["peer_kv_ports"].get("127.0.0.1") != [p_port]:
             assert time.monotonic() - t0 < 15, d.status()["pd"]
             time.sleep(0.1)
     finally:
+        if paused:
+            c.proc.send_signal(signal.SIGCONT)
         loop.call_soon_threadsafe(loop.stop)
     # The victims, directly on D and through the coordinator.
     for base in (d.base, c.base):
