@@ -56,9 +56,10 @@ install_torch() {
 bootstrap_venv() {
     local extras="${1:-}"
     local stamp="$VENV/.installed${extras:+-$extras}"
-    if [ ! -x "$VENV/bin/python" ]; then
+    # A venv without pip is one whose creation was interrupted: made again from scratch.
+    if [ ! -x "$VENV/bin/python" ] || [ ! -x "$VENV/bin/pip" ]; then
         echo "[bootstrap] creating virtualenv at $VENV" >&2
-        "$PY" -m venv "$VENV"
+        "$PY" -m venv --clear "$VENV"
     fi
     # Reinstall only when pyproject.toml changed since the last install.
     if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
