@@ -169,3 +169,62 @@ def test_head_rows_are_each_heads_product():
     want = torch.einsum("thk,hnk->thn", x.float(), w.float())
     assert got.shape == (3, 4, 24) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dim, kvr, ctx_len", [(448, 384, 170), (40, 32, 50), (70, 37, 9)])
+def test_a_windows_latent_attention_is_each_rows_own_in_float32(dim, kvr, ctx_len):
+    """bf16_attend (a decode window's absorbed attention, traced): the float32 attention of
+    the bf16 inputs to float rounding, every row alone (a verify window's rows equal the
+    same rows attended one at a time), positions a row cannot see never counted, a batch
+    whose shorter sequence has padding; tails past 16 and 32 lanes (dims 70, 37)."""
+    _needs("avx512_bf16")
+    if not native.native_ops():
+        pytest.skip("ops.cpp cannot be built here")
+    g = torch.Generator().manual_seed(8)
+    heads, rows = 3, 2
+    ctx = torch.randn(2, ctx_len, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(2, rows * heads, dim, generator=g).to(torch.bfloat16)
+    last = torch.tensor([[ctx_len - 2, ctx_len - 1], [ctx_len // 2 - 1, ctx_len // 2]])   # [B, rows]
+    visible = torch.arange(ctx_len)[None, None, :] <= last[:, :, None]                 # [B, rows, S]
+    bias = torch.zeros(2, rows, ctx_len).masked_fill(~visible, float("-inf")).repeat_interleave(heads, 1)
+    scale = dim ** -0.5
+    got = torch.ops.mtp_native.bf16_attend(q, ctx, bias, scale, kvr)
+    exact = torch.bmm(torch.baddbmm(bias.double(), q.double(), ctx.double().transpose(1, 2), alpha=scale)
+                      .softmax(-1), ctx[:, :, :kvr].double())
+    assert got.dtype == torch.float32 and got.shape == (2, rows * heads, kvr)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+    alone = torch.cat([torch.ops.mtp_native.bf16_attend(q[:, r:r + 1].contiguous(), ctx,
+                                                        bias[:, r:r + 1].contiguous(), scale, kvr)
+                       for r in range(rows * heads)], dim=1)
+    assert torch.equal(alone, got)
+    # What a row cannot see does not count, whatever it holds (NaN included).
+    hidden = ctx.clone()
+    hidden[1, ctx_len // 2 + 1:] = float("nan")
+    assert torch.equal(torch.ops.mtp_native.bf16_attend(q, hidden, bias, scale, kvr)[1], got[1])
+    hidden = ctx.clone()
+    hidden[0, ctx_len - 1] = float("nan")                  # the window's second row's position
+    assert torch.equal(torch.ops.mtp_native.bf16_attend(q, hidden, bias, scale, kvr)[0, :heads],
+                       got[0, :heads])
+    # Traced in a window's form, the decode graphs' attention is this operator's.
+    lone = avx512.Avx512Products().window("lone")
+    fn = torch.compile(lambda q, ctx, bias: lone.latent_attention(q, ctx, bias, scale, kvr),
+                       dynamic=False, fullgraph=True)
+    assert torch.equal(fn(q, ctx, bias.to(torch.bfloat16)), got.to(torch.bfloat16))
+
+
+def test_bf16_attend_checks_its_arguments():
+    _needs("avx512_bf16")
+    if not native.native_ops():
+        pytest.skip("ops.cpp cannot be built here")
+    q = torch.zeros(1, 2, 32, dtype=torch.bfloat16)
+    ctx = torch.zeros(1, 5, 32, dtype=torch.bfloat16)
+    bias = torch.zeros(1, 2, 5)
+    op = torch.ops.mtp_native.bf16_attend
+    with pytest.raises(RuntimeError, match="kvr 33 outside"):
+        op(q, ctx, bias, 1.0, 33)
+    with pytest.raises(RuntimeError, match="bias is"):
+        op(q, ctx, bias[:, :, :4].contiguous(), 1.0, 16)
+    with pytest.raises(RuntimeError, match="Float"):
+        op(q, ctx, bias.to(torch.bfloat16), 1.0, 16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(q, ctx.transpose(1, 2).contiguous().transpose(1, 2), bias, 1.0, 16)

@@ -160,6 +160,19 @@ class Avx512Window(Avx512Products):
         out = op(rows, weight).view(*x.shape[:-1], weight.shape[0])
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
+    def latent_attention(self, q, ctx, bias, scale, kvr):
+        """Traced, avx512_bf16.c's ``bf16_attend``: each query row alone, scores and softmax
+        in float32, one rounding to bf16 at the end (a verify window's rows equal the same
+        rows one at a time).  oneDNN's bf16 bmms took 100-150 us a layer at batch 1 on the
+        0.5b model (12 heads, ~170 positions), ~8% of the step; the kernel ~15.  Uncompiled,
+        torch's bmms, as every backend's."""
+        if (not torch.compiler.is_compiling() or q.dtype != torch.bfloat16 or not ops_ready()
+                or q.device.type != "cpu"):
+            return super().latent_attention(q, ctx, bias, scale, kvr)
+        out = torch.ops.mtp_native.bf16_attend(q.contiguous(), ctx.to(torch.bfloat16).contiguous(),
+                                               bias.float().contiguous(), scale, kvr)
+        return out.to(q.dtype)
+
 
 def vnni_mm(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x_q int8 [M, K] . w int8 [N, K]^T -> int32 [M, N], the exact sums, through

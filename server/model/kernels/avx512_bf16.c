@@ -213,3 +213,148 @@ void bf16_rows(const uint16_t *x, long A, long K, const long *expert, const uint
         y[j] = dot(x + a * K, w + (expert[a] * N + n) * K, K);
     }
 }
+
+/* 16 bf16 values (a 32-byte load, masked to n < 16 at a tail) widened to float32. */
+static inline __m512 widen16(const uint16_t *p, long n) {
+    __mmask32 m = n >= 16 ? (__mmask32)0xFFFF : (__mmask32)((1u << n) - 1u);   /* no AVX512VL */
+    __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, (const void *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The absorbed attention of a decode window, each query row alone:
+ * out[b, r] = sum_s softmax_s(q[b, r] . ctx[b, s] * scale + bias[b, r, s]) * ctx[b, s, :kvr].
+ * q bf16 [B, R, D], ctx bf16 [B, S, D], bias float32 [B, R, S] (-inf: not visible), out
+ * float32 [B, R, kvr], p float32 [B, R, S] scratch.  Scores are ``dot``'s chains, the
+ * softmax and the weighted sum float32 in the order of s: a row's result does not depend
+ * on R or on the other rows (a verify window's rows equal the same rows one at a time).
+ * Why: oneDNN's bf16 bmm spent 100-150 us a layer on the 0.5b model's 12 heads over ~170
+ * positions (its threading, not its arithmetic), ~8% of a batch-1 decode step. */
+/* Four positions' scores at once (four independent chains, so their latencies overlap),
+ * each the same chain over k as ``dot``. */
+static inline void dot4(const uint16_t *x, const uint16_t *w, long D, float *y) {
+    __m512 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm512_setzero_ps();
+    long k32 = D & ~31L;
+    for (long k = 0; k < k32; k += 32) {
+        __m512bh xv = load_bh(x + k);
+        for (int j = 0; j < 4; j++) acc[j] = _mm512_dpbf16_ps(acc[j], xv, load_bh(w + j * D + k));
+    }
+    if (k32 < D) {
+        __m512bh xv = load_bh_tail(x + k32, D - k32);
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], xv, load_bh_tail(w + j * D + k32, D - k32));
+    }
+    for (int j = 0; j < 4; j++) y[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+#define SUM_VECS 8      /* float32 accumulators of the weighted sum: 8 chains hide FMA latency */
+
+/* e^x of 16 lanes (Cephes' expf polynomial, ~1 ulp; x <= 0 here). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first(long n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
+/* p[0..end) = softmax(p * scale + bias), -inf bias lanes exactly 0; false when nothing
+ * is visible. */
+static int softmax_row(float *p, const float *bias, long end, float scale) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 top = ninf;
+    for (long s = 0; s < end; s += 16) {
+        __mmask16 m = first(end - s);
+        __m512 b = _mm512_maskz_loadu_ps(m, bias + s);
+        __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + s), _mm512_set1_ps(scale), b);
+        /* A -inf bias wins whatever the score (a NaN row the query cannot see). */
+        v = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(m, b, ninf, _CMP_NEQ_OQ), ninf, v);
+        _mm512_mask_storeu_ps(p + s, m, v);
+        top = _mm512_max_ps(top, v);
+    }
+    float t = _mm512_reduce_max_ps(top);
+    if (t == -INFINITY) return 0;
+    __m512 vt = _mm512_set1_ps(t), sum = _mm512_setzero_ps();
+    for (long s = 0; s < end; s += 16) {
+        __mmask16 m = first(end - s);
+        __m512 v = _mm512_maskz_loadu_ps(m, p + s);
+        __mmask16 live = _mm512_mask_cmp_ps_mask(m, v, ninf, _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(v, vt)));
+        _mm512_mask_storeu_ps(p + s, m, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (long s = 0; s < end; s += 16) {
+        __mmask16 m = first(end - s);
+        _mm512_mask_storeu_ps(p + s, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + s), inv));
+    }
+    return 1;
+}
+
+/* o[0..cols) = sum_s p[s] * ctx[s, c0 + ...], vecs (<= SUM_VECS) vectors of 16, in the
+ * order of s; ``full``: every vector whole (no tail mask). */
+static inline void weighted_sum(const float *p, long end, const uint16_t *ctx, long D, long cols,
+                                float *o) {
+    __m512 acc[SUM_VECS];
+    int vecs = (int)((cols + 15) / 16);
+    for (int v = 0; v < SUM_VECS; v++) acc[v] = _mm512_setzero_ps();
+    if (cols == SUM_VECS * 16) {
+        for (long s = 0; s < end; s++) {
+            if (p[s] == 0.0f) continue;
+            __m512 w = _mm512_set1_ps(p[s]);
+            const uint16_t *row = ctx + s * D;
+            for (int v = 0; v < SUM_VECS; v++) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)(row + v * 16));
+                __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                acc[v] = _mm512_fmadd_ps(w, f, acc[v]);
+            }
+        }
+    } else {
+        for (long s = 0; s < end; s++) {
+            if (p[s] == 0.0f) continue;
+            __m512 w = _mm512_set1_ps(p[s]);
+            const uint16_t *row = ctx + s * D;
+            for (int v = 0; v < vecs; v++)
+                acc[v] = _mm512_fmadd_ps(w, widen16(row + v * 16, cols - v * 16), acc[v]);
+        }
+    }
+    for (int v = 0; v < vecs; v++)
+        _mm512_mask_storeu_ps(o + v * 16, first(cols - v * 16), acc[v]);
+}
+
+void bf16_attend(const uint16_t *q, long B, long R, long D, const uint16_t *ctx, long S,
+                 const float *bias, float scale, long kvr, float *out, float *p, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long j = 0; j < B * R; j++) {
+        long b = j / R;
+        const uint16_t *qr = q + j * D, *cb = ctx + b * S * D;
+        const float *br = bias + j * S;
+        float *pr = p + j * S, *o = out + j * kvr;
+        /* Positions past the last visible one are skipped (a batch's shorter sequences). */
+        long end = S;
+        while (end > 0 && br[end - 1] == -INFINITY) end--;
+        long s = 0;
+        for (; s + 4 <= end; s += 4) dot4(qr, cb + s * D, D, pr + s);
+        for (; s < end; s++) pr[s] = dot(qr, cb + s * D, D);
+        if (!softmax_row(pr, br, end, scale)) {            /* nothing visible: zeros */
+            for (long c = 0; c < kvr; c++) o[c] = 0.0f;
+            continue;
+        }
+        for (long c0 = 0; c0 < kvr; c0 += SUM_VECS * 16) {
+            long cols = kvr - c0 < SUM_VECS * 16 ? kvr - c0 : SUM_VECS * 16;
+            weighted_sum(pr, end, cb + c0, D, cols, o + c0);
+        }
+    }
+}

@@ -58,7 +58,8 @@ KERNELS = {
         "avx512_bf16.c", ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
         ("avx512f", "avx512bw", "avx512_bf16"),
         (("bf16_mm", _MM, None), ("bf16_rows", _ROWS, None),
-         ("bf16_experts", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _I], None))),
+         ("bf16_experts", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _I], None),
+         ("bf16_attend", [_P, _L, _L, _L, _P, _L, _P, ctypes.c_float, _L, _P, _P, _I], None))),
     "avx512_vnni": Kernel(
         "avx512_vnni.c", ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
         ("avx512f", "avx512bw", "avx512_vnni"),
@@ -157,8 +158,8 @@ def ops_ready() -> bool:
     return native_ops()
 
 
-_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16",
-                 "int8_mm", "int8_rows")
+_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "i8_mm", "i8_rows", "half_mm_bf16",
+                 "half_mm_f16", "int8_mm", "int8_rows")
 
 
 def _build_ops(cxx: str) -> Path:
@@ -197,4 +198,6 @@ def _register_fakes() -> None:
                        ("bf16_rows", rows(torch.float32)), ("i8_rows", rows(torch.int32)),
                        ("int8_rows", rows(torch.int32))):
         torch.library.register_fake(f"mtp_native::{name}")(fake)
+    torch.library.register_fake("mtp_native::bf16_attend")(
+        lambda q, ctx, bias, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr, dtype=torch.float32))
 

@@ -22,10 +22,13 @@ using mm_fn = void (*)(const void*, long, long, long, const void*, long, void*, 
 using mm_status_fn = int (*)(const void*, long, long, long, const void*, long, void*, long, int);
 using rows_fn = void (*)(const void*, long, long, const void*, const void*, long, void*, int);
 using rows_status_fn = int (*)(const void*, long, long, const void*, const void*, long, void*, int);
+using attend_fn = void (*)(const void*, long, long, long, const void*, long, const void*, float, long,
+                           void*, void*, int);
 
 struct Kernels {
   mm_fn bf16_mm = nullptr;           // avx512_bf16.c
   rows_fn bf16_rows = nullptr;
+  attend_fn bf16_attend = nullptr;
   mm_status_fn i8_mm = nullptr;      // avx512_vnni.c
   rows_status_fn i8_rows = nullptr;
   mm_fn half_mm_bf16 = nullptr;      // half_avx2.c
@@ -134,12 +137,34 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& expert, const at::Te
                       reinterpret_cast<const void*>(kernels.int8_rows), false, "int8_rows");
 }
 
+// q bf16 [B, R, D], ctx bf16 [B, S, D], bias float32 [B, R, S] -> float32 [B, R, kvr].
+at::Tensor bf16_attend(const at::Tensor& q, const at::Tensor& ctx, const at::Tensor& bias, double scale,
+                       int64_t kvr) {
+  need(reinterpret_cast<const void*>(kernels.bf16_attend), "bf16_attend");
+  for (const at::Tensor* t : {&q, &ctx})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->is_contiguous(),
+                "bf16_attend: q and ctx must be contiguous 3-d CPU tensors of BFloat16");
+  TORCH_CHECK(bias.device().is_cpu() && bias.scalar_type() == at::kFloat && bias.dim() == 3 && bias.is_contiguous(),
+              "bf16_attend: bias must be a contiguous 3-d CPU tensor of Float");
+  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), S = ctx.size(1);
+  TORCH_CHECK(ctx.size(0) == B && ctx.size(2) == D, "bf16_attend: ctx is ", ctx.sizes(), ", q ", q.sizes());
+  TORCH_CHECK(bias.size(0) == B && bias.size(1) == R && bias.size(2) == S, "bf16_attend: bias is ",
+              bias.sizes(), ", want [", B, ", ", R, ", ", S, "]");
+  TORCH_CHECK(kvr > 0 && kvr <= D, "bf16_attend: kvr ", kvr, " outside (0, ", D, "]");
+  auto out = at::empty({B, R, kvr}, q.options().dtype(at::kFloat));
+  auto p = at::empty({B, R, S}, q.options().dtype(at::kFloat));
+  kernels.bf16_attend(q.data_ptr(), B, R, D, ctx.data_ptr(), S, bias.data_ptr(), static_cast<float>(scale), kvr,
+                      out.data_ptr(), p.data_ptr(), at::get_num_threads());
+  return out;
+}
+
 }  // namespace
 
 extern "C" int mtp_set_kernel(const char* name, void* fn) {
   struct { const char* name; void** slot; } slots[] = {
       {"bf16_mm", reinterpret_cast<void**>(&kernels.bf16_mm)},
       {"bf16_rows", reinterpret_cast<void**>(&kernels.bf16_rows)},
+      {"bf16_attend", reinterpret_cast<void**>(&kernels.bf16_attend)},
       {"i8_mm", reinterpret_cast<void**>(&kernels.i8_mm)},
       {"i8_rows", reinterpret_cast<void**>(&kernels.i8_rows)},
       {"half_mm_bf16", reinterpret_cast<void**>(&kernels.half_mm_bf16)},
@@ -158,6 +183,7 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
 TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
+  m.def("bf16_attend(Tensor q, Tensor ctx, Tensor bias, float scale, int kvr) -> Tensor");
   m.def("i8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("i8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
@@ -168,6 +194,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
 TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("bf16_mm", &bf16_mm);
   m.impl("bf16_rows", &bf16_rows);
+  m.impl("bf16_attend", &bf16_attend);
   m.impl("i8_mm", &i8_mm);
   m.impl("i8_rows", &i8_rows);
   m.impl("half_mm", &half_mm);
