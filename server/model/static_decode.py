@@ -30,17 +30,25 @@ import torch
 import torch.nn.functional as F
 
 from server.model.batch import DecodeMetadata
+from server.model.layers.latent_cache import Int8LatentCache, LatentCache, int8_gather, int8_write
 
 
 def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-           slots: torch.Tensor, block_tables: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+           slots: torch.Tensor, block_tables: torch.Tensor, cache) -> torch.Tensor:
     """x [T, H] (T = B * Q, sequence-major) -> attention output [T, H]; writes the step's
-    cache rows at ``slots`` first.  ``cache`` is a float [num_blocks, block_size, D] tensor."""
+    cache rows at ``slots`` first.  ``cache``: a float [num_blocks, block_size, D] tensor, or
+    an int8 cache's (latent, scale, rope) tensors (Int8LatentCache.block_tensors), written and
+    read as that cache writes and reads them."""
     q_nope, q_pe, latent, k_pe = attn._project(x, cos, sin)
-    dim = cache.shape[-1]
-    cache.view(-1, dim).index_copy_(0, slots, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
+    rows = torch.cat([latent, k_pe], dim=-1)
+    if isinstance(cache, tuple):
+        int8_write(cache, slots, rows)
+        ctx = int8_gather(cache, block_tables).to(x.dtype)          # [B, S, D]
+    else:
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slots, rows.to(cache.dtype))
+        ctx = cache[block_tables].flatten(1, 2).to(x.dtype)        # [B, S, D]
+    dim = ctx.shape[-1]
     b = block_tables.shape[0]
-    ctx = cache[block_tables].flatten(1, 2).to(x.dtype)            # [B, S, D]
     s = ctx.shape[1]
     pos = positions.view(b, -1)                                     # [B, Q]
     q_len = pos.shape[1]
@@ -169,6 +177,11 @@ class StaticDecoder:
         # (kind, window, lone sequence) -> compiled graph; windows "q<N>" (N tokens per
         # sequence, static sizes) and a lone sequence's "many" (any length; compile_step.graph_plan)
         self._graphs: dict[tuple[str, str, bool], object] = {}
+        # The KV cache the engine gives the step ("float" or "int8", ``kv_form``), set by
+        # the worker before it asks for graphs: the graphs are made for it, and a call on
+        # the other form (another engine on this model) takes the plain functions.
+        self.kv_form = "float"
+        self._graphs_form = "float"
         # The last window and its per-token tensors (rotary tables, positions, slots), flat
         # and, once asked for, in the windowed layout: made once per window, not per layer;
         # the MTP pass of a static step reuses the main forward's window.
@@ -176,19 +189,21 @@ class StaticDecoder:
 
     @property
     def compiled(self) -> bool:
-        return bool(self._graphs)
+        """Graphs in use for the cache form the engine gives (``kv_form``)."""
+        return bool(self._graphs) and self._graphs_form == self.kv_form
 
     @property
     def static_query_len(self) -> int:
         """The longest window with static graphs for a lone sequence and a batch (0: none)."""
         def longest(lone: bool) -> int:
             return max((int(w[1:]) for _k, w, one in self._graphs if one == lone and w.startswith("q")),
-                       default=0)
+                       default=0) if self.compiled else 0
         return min(longest(True), longest(False))
 
     def use_graphs(self, graphs: dict[tuple[str, str, bool], object]) -> None:
-        """Switch to compiled graphs (between steps)."""
+        """Switch to compiled graphs (between steps), made for the cache form ``kv_form``."""
         self._graphs = dict(graphs)
+        self._graphs_form = self.kv_form
 
     def kind(self, index: int) -> str:
         """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
@@ -273,9 +288,9 @@ class StaticDecoder:
             if kind.startswith("moe"):
                 self._layers[i].mlp._stacked()
 
-    def _kind_for(self, index: int, meta: DecodeMetadata) -> str:
+    def _kind_for(self, index: int, meta: DecodeMetadata, graphs: bool = True) -> str:
         kind = self._kinds[index]
-        if index in self._gather and meta.num_seqs * meta.query_len <= self._gather_max_tokens:
+        if graphs and index in self._gather and meta.num_seqs * meta.query_len <= self._gather_max_tokens:
             gathered = "gmoe" + self._gsuffix[index]
             if (gathered, f"q{meta.query_len}", meta.num_seqs == 1) in self._graphs:
                 return gathered
@@ -319,8 +334,9 @@ class StaticDecoder:
 
     def run_layer(self, index: int, x: torch.Tensor, meta: DecodeMetadata,
                   cache: torch.Tensor) -> torch.Tensor:
-        kind = self._kind_for(index, meta)
-        fn, windowed = self._graph(kind, meta)
+        graphs = ("int8" if isinstance(cache, tuple) else "float") == self._graphs_form
+        kind = self._kind_for(index, meta, graphs)
+        fn, windowed = self._graph(kind, meta) if graphs else (self.function(kind), False)
         out = fn(*self._args(index, kind, x, self._window(meta, windowed), meta, cache, windowed))
         if kind.startswith("half"):            # routed dispatch, eager (reads counts on the host)
             x, h = out
@@ -394,15 +410,24 @@ def _rope(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[:, None, :], sin[:, None, :]
 
 
-def _data(cache) -> torch.Tensor:
-    return cache if isinstance(cache, torch.Tensor) else cache.data
+def _data(cache) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """What ``attend`` takes: a float cache's tensor, an int8 cache's three."""
+    if isinstance(cache, torch.Tensor):
+        return cache
+    return cache.block_tensors() if isinstance(cache, Int8LatentCache) else cache.data
+
+
+def kv_form(caches: list) -> str:
+    """"int8" where the caches are int8 ones, else "float": the cache a graph was made for
+    (compile_step.cache_dir keys its folder on it)."""
+    return "int8" if caches and isinstance(caches[0], Int8LatentCache) else "float"
 
 
 def supports_static_decode(model, caches: list) -> bool:
-    """Float (exact) caches: what the static functions are written for; int8 caches keep
-    the varlen path, and so do striped (sequence-parallel) caches, which ``attend`` would
-    read as whole ones (StripedLatentCache is no LatentCache).  Float and int8
-    (QuantLinear) layers both run here: int8 layers as modules inside the graphs (their
-    GEMMs are torch._int_mm or exact float ones), int8 experts gathered or routed."""
-    from server.model.layers.latent_cache import LatentCache
-    return all(isinstance(c, (torch.Tensor, LatentCache)) for c in caches)
+    """Float and int8 caches, all of one form: what ``attend`` reads.  Striped
+    (sequence-parallel) caches keep the varlen path: ``attend`` would read them as whole
+    ones (StripedLatentCache is neither).  Float and int8 (QuantLinear) layers both run
+    here: int8 layers as modules inside the graphs (their GEMMs are torch._int_mm or exact
+    float ones), int8 experts gathered or routed."""
+    return (all(isinstance(c, (torch.Tensor, LatentCache)) for c in caches)
+            or all(isinstance(c, Int8LatentCache) for c in caches))

@@ -120,3 +120,58 @@ def test_engine_int8_cache_mtp_lossless_and_prefix_hits_exact(demo):
     hits, st = run(1, True)
     assert mtp == base and hits == base
     assert st.prefix_cache_hits > 0
+
+
+@needs_demo
+@pytest.mark.parametrize("k", [0, 2])
+def test_an_int8_cache_takes_the_static_step_and_answers_as_the_varlen_path(demo, k):
+    """Issue 60: an int8 KV cache no longer sends uniform decode/verify steps down the varlen
+    path.  The static step writes and reads the int8 latent, scales and RoPE part as the
+    cache does (latent_cache.int8_write / int8_gather): staggered greedy batches give the
+    varlen path's tokens, with MTP too."""
+    from tests.engine.helpers import run_staggered
+    model, tok, prompts = demo
+
+    def run(static: bool):
+        cfg = EngineConfig(num_blocks=512, num_speculative_tokens=k, max_queue_delay_us=0,
+                           kv_cache_dtype="int8", max_seq_len=1024, static_decode=static,
+                           adaptive_speculation=False)
+        eng = LLMEngine(model, cfg, tok, eos_token_ids=set())
+        assert eng.runtime.decode_path == ("static" if static else "eager")
+        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0))
+                for i, p in enumerate(prompts[:6])]
+        return run_staggered(eng, reqs, every=2)
+
+    assert run(True) == run(False)
+
+
+@needs_demo
+def test_a_compiled_layer_on_an_int8_cache_writes_and_reads_it_as_the_plain_one(demo):
+    """The graph of a decode window over an int8 cache's three tensors (what the compiled
+    step runs): the same output and the same cache contents as the plain function."""
+    from server.engine.worker import compile_step
+    from server.model.static_decode import StaticDecoder
+    model = demo[0]
+    decoder = model.static_decoder
+    old = decoder.kv_form
+    decoder.kv_form = "int8"
+    try:
+        args = compile_step._example(model, 0, 2, True, 16, torch.device("cpu"), True)
+    finally:
+        decoder.kv_form = old
+    cache = next(a for a in args if isinstance(a, tuple))
+    g = torch.Generator().manual_seed(3)
+    for t in cache:
+        t.copy_(torch.randint(-100, 100, t.shape, generator=g).to(t.dtype) if t.dtype == torch.int8
+                else torch.rand(t.shape, generator=g).to(t.dtype) * 0.01)
+    x = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2)
+    x.copy_(torch.randn(x.shape, generator=g))
+    fn = StaticDecoder.function(decoder.kind(0))
+    plain_cache = tuple(t.clone() for t in cache)
+    plain_args = tuple(plain_cache if a is cache else a for a in args)
+    with torch.inference_mode():
+        want = fn(*plain_args)
+        got = torch.compile(fn, fullgraph=True, dynamic=False)(*args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cache, plain_cache):
+        assert torch.equal(a, b)

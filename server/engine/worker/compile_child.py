@@ -49,7 +49,8 @@ def spawn_compile_child(model, block_size: int, device: torch.device, folder: Pa
     spec = {"config": model.config, "dtypes": tensor_dtypes(model), "int8": int8_layers(model), "products": model.products.name,
             "threads": threads or torch.get_num_threads(), "block_size": block_size,
             "device": str(device), "folder": str(folder), "max_query_len": max_query_len,
-            "files": files, "plan": model.parallel_plan, "cpp_wrapper": cpp_wrapper}
+            "files": files, "plan": model.parallel_plan, "cpp_wrapper": cpp_wrapper,
+            "kv_form": model.static_decoder.kv_form}
     spec_file, log_file = stem.with_suffix(".pkl"), stem.with_suffix(".log")
     spec_file.write_bytes(pickle.dumps(spec))
     with open(log_file, "w") as out:

@@ -64,6 +64,7 @@ from server.engine.worker.compile_child import (
 )
 from server.model import static_decode
 from server.model.batch import DecodeMetadata
+from server.model.layers.latent_cache import Int8LatentCache
 from server.model.kernels.native import native_ops
 from server.model.kernels.products import Products, products_for
 
@@ -121,6 +122,9 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"threads {torch.get_num_threads()}".encode())
     h.update(repr(sorted(int8_layers(model).items())).encode())
     h.update(_plan_key(model.parallel_plan).encode())
+    # A graph reads the KV cache it was traced with: a float tensor, or an int8 cache's
+    # three (static_decode.attend).
+    h.update(f"kv {model.static_decoder.kv_form}".encode())
     # The forms a graph takes are its products' (kernels/products.py): "avx2" batch graphs
     # call half_avx2.c, "float32" ones reduce in float32, torch's call its own.
     native = device.type == "cpu" and native_ops()        # mtp_native's operators or mtp_serve's
@@ -179,14 +183,19 @@ def _example(model, index: int, q: int, lone: bool, block_size: int, device: tor
     meta = DecodeMetadata.build(starts, q, tables, block_size, device)
     cos, sin = model.rope.cos_sin(meta.positions)
     x = torch.zeros(len(starts) * q, model.config.hidden_size, dtype=dtype, device=device)
-    scratch = torch.zeros(4, block_size, model.kv_cache_dim, dtype=dtype, device=device)
+    if model.static_decoder.kv_form == "int8":
+        c = model.config
+        scratch = Int8LatentCache(4, block_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype, device).block_tensors()
+    else:
+        scratch = torch.zeros(4, block_size, model.kv_cache_dim, dtype=dtype, device=device)
     windowed = static and not lone
     args = model.static_decoder.layer_args(index, x, cos[:, None], sin[:, None], meta, scratch,
                                            windowed, kind)
     if static:
         torch._dynamo.mark_dynamic(meta.block_tables, 1)
-        torch._dynamo.mark_dynamic(scratch, 0)
-        torch._dynamo.mark_dynamic(scratch, 1)
+        for t in (scratch if isinstance(scratch, tuple) else (scratch,)):
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
     if windowed:
         # x, cos, sin, positions, slots, then the block tables
         first = next(i for i, a in enumerate(args) if a is meta.block_tables) - 5
@@ -394,6 +403,7 @@ def run_child(spec_file: Path) -> int:
     device = torch.device(spec["device"])
     model = empty_model(spec["config"], spec["dtypes"], device, spec["int8"], spec.get("plan"),
                         spec.get("products", "torch"))
+    model.static_decoder.kv_form = spec.get("kv_form", "float")
     folder = Path(spec["folder"])
     os.environ[CPP_WRAPPER_ENV] = "1" if spec["cpp_wrapper"] else "0"
     t0 = time.perf_counter()

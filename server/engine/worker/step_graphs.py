@@ -47,8 +47,8 @@ class StepGraphs:
 
     @property
     def decode_path(self) -> str:
-        """compiled, static (plain PyTorch) or eager (the varlen path, e.g. for int8 KV
-        caches or quantized layers)."""
+        """compiled, static (plain PyTorch) or eager (the varlen path, e.g. for striped
+        (sequence-parallel) caches)."""
         if not self.static_decode:
             return "eager"
         return "compiled" if self.model.static_decoder.compiled else "static"

@@ -67,28 +67,47 @@ class Int8LatentCache:
         return latent_dim + rope_dim * torch.empty((), dtype=dtype).element_size() + 4
 
     def write(self, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-        latent, k_pe = rows.split([self.latent_dim, rows.shape[-1] - self.latent_dim], dim=-1)
-        lat = latent.float()
-        scale = lat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) / 127.0
-        q = torch.round(lat / scale).clamp_(-127, 127).to(torch.int8)
-        self.latent.view(-1, self.latent_dim).index_copy_(0, slot_mapping, q)
-        self.scale.view(-1, 1).index_copy_(0, slot_mapping, scale)
-        self.rope.view(-1, self.rope.shape[-1]).index_copy_(0, slot_mapping, k_pe.to(self.rope.dtype))
+        int8_write(self.block_tensors(), slot_mapping, rows)
 
     def gather(self, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-        q = self.latent[block_tables].flatten(1, 2)[:, :max_len]
-        s = self.scale[block_tables].flatten(1, 2)[:, :max_len]
-        pe = self.rope[block_tables].flatten(1, 2)[:, :max_len]
-        return torch.cat([(q.float() * s).to(pe.dtype), pe], dim=-1)
+        return int8_gather(self.block_tensors(), block_tables)[:, :max_len]
 
     def read_slots(self, slots: list[int]) -> torch.Tensor:
         lat = self.latent.view(-1, self.latent_dim)[slots].float() * self.scale.view(-1, 1)[slots]
         return torch.cat([lat, self.rope.view(-1, self.rope.shape[-1])[slots].float()], dim=-1)
 
-    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+    def block_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every stored tensor, block id first (a block moves whole:
-        engine/kv/transfer/host_pool.py)."""
+        engine/kv/transfer/host_pool.py): (latent int8, scale float32, rope), also what the
+        static step's graphs take for this cache (static_decode.attend)."""
         return (self.latent, self.scale, self.rope)
+
+
+def int8_write(cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+               rows: torch.Tensor) -> None:
+    """rows [T, latent + rope] to ``slot_mapping`` of an int8 cache's tensors
+    (``Int8LatentCache.block_tensors``; free functions so that a graph takes them): the latent
+    quantized per token (scale = max|latent| / 127), the RoPE part as it is."""
+    latent_q, scale_t, rope = cache
+    dim = latent_q.shape[-1]
+    latent, k_pe = rows.split([dim, rows.shape[-1] - dim], dim=-1)
+    lat = latent.float()
+    scale = lat.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    q = torch.round(lat / scale).clamp(-127, 127).to(torch.int8)
+    latent_q.view(-1, dim).index_copy_(0, slot_mapping, q)
+    scale_t.view(-1, 1).index_copy_(0, slot_mapping, scale)
+    rope.view(-1, rope.shape[-1]).index_copy_(0, slot_mapping, k_pe.to(rope.dtype))
+
+
+def int8_gather(cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, blocks * block_size, latent + rope] in the RoPE part's dtype: each sequence's
+    rows dequantized."""
+    latent_q, scale, rope = cache
+    q = latent_q[block_tables].flatten(1, 2)
+    s = scale[block_tables].flatten(1, 2)
+    pe = rope[block_tables].flatten(1, 2)
+    return torch.cat([(q.float() * s).to(pe.dtype), pe], dim=-1)
 
 
 CacheLike = torch.Tensor | LatentCache | Int8LatentCache
