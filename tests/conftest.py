@@ -77,7 +77,7 @@ _WARM: dict = {"procs": [], "done": {}, "stop": False, "thread": None, "dirs": [
 # (test file, the demo model's shard under this plan (ParallelPlan's world_size, moe_tp,
 # moe_ep; rank 0) or None, max query length): the graphs those tests compile.  tp=2 ranks
 # share one graph set (compile_step._plan_key).
-_WARM_SETS = (("tests/engine/test_compiled_step.py", None, 3),
+_WARM_SETS = (("tests/engine/test_compiled_step.py", None, 2),
               ("tests/engine/test_parallel_compiled.py", (2, 2, 1), 1))
 
 
@@ -114,8 +114,8 @@ def _mark(test: str) -> str:
 
 
 def pytest_collection_finish(session):
-    """The compiled-step tests need 17 graphs of the demo model (MTP k=2) and the compiled
-    tp=2 test 6 of its shard (MTP off): about three minutes of compile on two cores when the
+    """The compiled-step tests need 13 graphs of the demo model (MTP k=1) and the compiled
+    tp=2 test 8 of its shard (MTP off): about two minutes of compile on two cores when the
     cache is cold.  The suite leaves cores idle (its tests wait on daemons and sockets), so
     one compile child at a time, at one thread, makes them from now on, and the tests wait
     (``warm_compile``) if they get there first; a graph not made yet they make themselves

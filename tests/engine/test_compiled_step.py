@@ -1,7 +1,7 @@
 """The compiled static step (torch.compile / Inductor on CPU) against the uncompiled one.
 
 Float32 outputs must be identical token for token with the compile on and off: greedy and
-seeded sampling, MTP off, k=1 and k=2, with prefills landing between decode steps.  After
+seeded sampling, MTP off and k=1, with prefills landing between decode steps.  After
 the start-up warm-up nothing recompiles (a recompile in serving would stall every request
 for seconds).  The first compile on a machine takes up to a minute; later ones read
 Inductor's on-disk cache.
@@ -38,10 +38,11 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-# k=1's compiled windows are compared with the uncompiled step by the background-graphs
-# and the daemon tests below (both k=1).  k=2 first: its graphs (windows of 1-3 tokens)
-# include every one MTP off takes, which then loads them instead of compiling again.
-@pytest.mark.parametrize("k", [2, 0])
+# k=1 first: its graphs (windows of 1-2 tokens) include every one MTP off takes, which then
+# loads them instead of compiling again.  (k=2 took 4 more graphs, ~25 s of each clean
+# checkout's cold compile, for windows that differ from k=1's only in a static size; k=2
+# is checked uncompiled in test_lossless.py and test_demo_acceptance.py.)
+@pytest.mark.parametrize("k", [1, 0])
 def test_compiled_step_emits_what_the_plain_step_emits(k, monkeypatch):
     """Also: (k + 1)-token windows, of a lone sequence and of batches, take the graphs made
     for exactly that length (static sizes), the gathered or the dense MoE by their tokens."""

@@ -123,6 +123,7 @@ def test_engine_int8_cache_mtp_lossless_and_prefix_hits_exact(demo):
 
 
 @needs_demo
+@pytest.mark.demo
 @pytest.mark.parametrize("k", [0, 2])
 def test_an_int8_cache_takes_the_static_step_and_answers_as_the_varlen_path(demo, k):
     """Issue 60: an int8 KV cache no longer sends uniform decode/verify steps down the varlen
@@ -146,6 +147,7 @@ def test_an_int8_cache_takes_the_static_step_and_answers_as_the_varlen_path(demo
 
 
 @needs_demo
+@pytest.mark.demo
 def test_a_compiled_layer_on_an_int8_cache_writes_and_reads_it_as_the_plain_one(demo):
     """The graph of a decode window over an int8 cache's three tensors (what the compiled
     step runs): the same output and the same cache contents as the plain function."""
