@@ -30,7 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from server.model.batch import DecodeMetadata
-from server.model.layers.latent_cache import Int8LatentCache, LatentCache, int8_gather, int8_write
+from server.model.layers.latent_cache import (
+    Int8LatentCache,
+    LatentCache,
+    int8_gather,
+    int8_write,
+)
 
 
 def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

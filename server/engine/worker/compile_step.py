@@ -64,9 +64,9 @@ from server.engine.worker.compile_child import (
 )
 from server.model import static_decode
 from server.model.batch import DecodeMetadata
-from server.model.layers.latent_cache import Int8LatentCache
 from server.model.kernels.native import native_ops
 from server.model.kernels.products import Products, products_for
+from server.model.layers.latent_cache import Int8LatentCache
 
 log = logging.getLogger("server.engine")
 
