@@ -164,7 +164,7 @@ class Avx512Window(Avx512Products):
         """Traced, avx512_bf16.c's ``bf16_attend``: each query row alone, scores and softmax
         in float32, one rounding to bf16 at the end (a verify window's rows equal the same
         rows one at a time).  oneDNN's bf16 bmms took 100-150 us a layer at batch 1 on the
-        0.5b model (12 heads, ~170 positions), ~8% of the step; the kernel ~15.  Uncompiled,
+        0.5b model (12 heads, ~170 positions), ~8% of the step; the kernel ~25.  Uncompiled,
         torch's bmms, as every backend's."""
         if (not torch.compiler.is_compiling() or q.dtype != torch.bfloat16 or not ops_ready()
                 or q.device.type != "cpu"):

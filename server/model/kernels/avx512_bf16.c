@@ -221,14 +221,6 @@ static inline __m512 widen16(const uint16_t *p, long n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* The absorbed attention of a decode window, each query row alone:
- * out[b, r] = sum_s softmax_s(q[b, r] . ctx[b, s] * scale + bias[b, r, s]) * ctx[b, s, :kvr].
- * q bf16 [B, R, D], ctx bf16 [B, S, D], bias float32 [B, R, S] (-inf: not visible), out
- * float32 [B, R, kvr], p float32 [B, R, S] scratch.  Scores are ``dot``'s chains, the
- * softmax and the weighted sum float32 in the order of s: a row's result does not depend
- * on R or on the other rows (a verify window's rows equal the same rows one at a time).
- * Why: oneDNN's bf16 bmm spent 100-150 us a layer on the 0.5b model's 12 heads over ~170
- * positions (its threading, not its arithmetic), ~8% of a batch-1 decode step. */
 /* Four positions' scores at once (four independent chains, so their latencies overlap),
  * each the same chain over k as ``dot``. */
 static inline void dot4(const uint16_t *x, const uint16_t *w, long D, float *y) {
@@ -303,8 +295,8 @@ static int softmax_row(float *p, const float *bias, long end, float scale) {
     return 1;
 }
 
-/* o[0..cols) = sum_s p[s] * ctx[s, c0 + ...], vecs (<= SUM_VECS) vectors of 16, in the
- * order of s; ``full``: every vector whole (no tail mask). */
+/* o[0..cols) = sum_s p[s] * ctx[s, 0..cols) (cols <= SUM_VECS x 16), in the order of s;
+ * a whole block of SUM_VECS vectors takes unmasked loads. */
 static inline void weighted_sum(const float *p, long end, const uint16_t *ctx, long D, long cols,
                                 float *o) {
     __m512 acc[SUM_VECS];
@@ -334,6 +326,15 @@ static inline void weighted_sum(const float *p, long end, const uint16_t *ctx, l
         _mm512_mask_storeu_ps(o + v * 16, first(cols - v * 16), acc[v]);
 }
 
+/* The absorbed attention of a decode window, each query row alone:
+ * out[b, r] = sum_s softmax_s(q[b, r] . ctx[b, s] * scale + bias[b, r, s]) * ctx[b, s, :kvr].
+ * q bf16 [B, R, D], ctx bf16 [B, S, D], bias float32 [B, R, S] (-inf: not visible), out
+ * float32 [B, R, kvr], p float32 [B, R, S] scratch.  Scores are ``dot``'s chains, the
+ * softmax and the weighted sum float32 in the order of s: a row's result does not depend
+ * on R or on the other rows (a verify window's rows equal the same rows one at a time).
+ * Why: oneDNN's bf16 bmm spent 100-150 us a layer on the 0.5b model's 12 heads over ~170
+ * positions (its threading, not its arithmetic), ~8% of a batch-1 decode step; this
+ * kernel ~25 us. */
 void bf16_attend(const uint16_t *q, long B, long R, long D, const uint16_t *ctx, long S,
                  const float *bias, float scale, long kvr, float *out, float *p, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
