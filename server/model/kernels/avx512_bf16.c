@@ -214,12 +214,6 @@ void bf16_rows(const uint16_t *x, long A, long K, const long *expert, const uint
     }
 }
 
-/* 16 bf16 values (a 32-byte load, masked to n < 16 at a tail) widened to float32. */
-static inline __m512 widen16(const uint16_t *p, long n) {
-    __mmask32 m = n >= 16 ? (__mmask32)0xFFFF : (__mmask32)((1u << n) - 1u);   /* no AVX512VL */
-    __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, (const void *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* Four positions' scores at once (four independent chains, so their latencies overlap),
  * each the same chain over k as ``dot``. */
@@ -258,8 +252,16 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The first min(n, 16) lanes. */
 static inline __mmask16 first(long n) {
     return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
+/* 16 bf16 values (masked to n < 16 at a tail) widened to float32: a 512-bit masked load
+ * with the first 16 lanes, so no AVX512VL is needed. */
+static inline __m512 widen16(const uint16_t *p, long n) {
+    __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)first(n), (const void *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* p[0..end) = softmax(p * scale + bias), -inf bias lanes exactly 0; false when nothing
