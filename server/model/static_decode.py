@@ -13,8 +13,10 @@ heads reading one shared cache row per key), and one of three MoE forms:
   * gathered (``gathered_moe``): each token reads only its top-k experts' weights, by
     index, inside the compiled graph (a GEMV per chosen expert, as gpt-fast runs Mixtral):
     for few tokens the step reads the active weights once and syncs nothing.  Taken when
-    tokens x top-k <= the experts (``GATHER_MAX_PER_EXPERT``) and a graph exists for it
-    (uncompiled, indexing would copy the weights).  Int8 experts of the dynamic scheme
+    tokens x top-k <= the experts (``GATHER_MAX_PER_EXPERT``), or up to
+    ``GROUPED_GATHER_MAX_TOKENS`` tokens where the products read each chosen expert once
+    for all its tokens (AVX-512 BF16's bf16_moe), and a graph exists for it (uncompiled,
+    indexing would copy the weights).  Int8 experts of the dynamic scheme
     too (quant.gathered_int8_experts: each chosen expert's int8 rows
     read once: 0.32 ms for 4 experts of [1536 x 512], 2 threads);
   * dense (``dense_moe``: every expert on every token, unchosen experts weighted 0) when
@@ -36,6 +38,7 @@ from server.model.layers.latent_cache import (
     int8_gather,
     int8_write,
 )
+from server.model.layers.linear import Linear
 
 
 def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -89,6 +92,17 @@ DENSE_MOE_WASTE = 50e6
 
 # Gathered while tokens x top-k <= this many per expert (the measured crossover is ~1.5).
 GATHER_MAX_PER_EXPERT = 1
+# Gathered up to this many tokens where the products group a window's experts (one read of
+# each chosen expert for all its tokens: Products.groups_experts): then the gathered form
+# costs the routed one's bytes without its host sync and small ops (the 0.5b model's
+# batch-8 step spent 15-20% of its time in them).
+GROUPED_GATHER_MAX_TOKENS = 64
+
+
+def _groups_experts(moe) -> bool:
+    """Whether the MoE's products run its gathered float experts grouped by expert."""
+    gate = moe.experts[0].gate_proj
+    return isinstance(gate, Linear) and moe.products.groups_experts(gate.weight.dtype)
 
 
 def gathered_moe(moe, x: torch.Tensor, *stacks: torch.Tensor) -> torch.Tensor:
@@ -282,6 +296,8 @@ class StaticDecoder:
         if cfg.n_routed_experts:
             self._gather_max_tokens = GATHER_MAX_PER_EXPERT * cfg.n_routed_experts \
                 // cfg.num_experts_per_tok
+            if self._gather and all(_groups_experts(self._layers[i].mlp) for i in self._gather):
+                self._gather_max_tokens = max(self._gather_max_tokens, GROUPED_GATHER_MAX_TOKENS)
 
     def prepare(self) -> None:
         """Build what the step reads besides the weights (the experts' stacks), at start:

@@ -87,6 +87,39 @@ def test_bf16_experts_in_one_call_and_gathered_by_index():
         torch.testing.assert_close(got[t].float(), ref, atol=0.02, rtol=0.02)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16])
+def test_a_windows_moe_in_one_operator_is_the_eager_moes_numbers(tokens):
+    """bf16_moe (the gathered MoE of a compiled step, grouped by expert): from the router's
+    choice to the weighted sum, value for value what the eager MoE computes (its sorted
+    rows through bf16_experts, weighted, index_add_ in float32), each token's alone (a
+    verify window's rows equal the same rows one at a time); a bad expert id refused."""
+    if not native.native_ops() or native.kernel_library("avx512_bf16") is None:
+        pytest.skip("avx512_bf16.c or ops.cpp cannot run here")
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i, k = 6, 72, 40, 3                              # 72, 40: tails past 16 and 32 lanes
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+    weights, idx = torch.randn(tokens, e, generator=g).softmax(-1).topk(k, dim=-1)
+    got = torch.ops.mtp_native.bf16_moe(x, weights.contiguous(), idx.contiguous(), gate_up, down)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    ys = avx512.bf16_experts(x.index_select(0, token_of), torch.bincount(flat, minlength=e).tolist(),
+                             gate_up, down)
+    want = torch.zeros(tokens, h).index_add_(0, token_of, ys * weights.reshape(-1)[order, None])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    alone = [torch.ops.mtp_native.bf16_moe(x[t:t + 1], weights[t:t + 1].contiguous(),
+                                           idx[t:t + 1].contiguous(), gate_up, down) for t in range(tokens)]
+    assert torch.equal(torch.cat(alone), got)
+    assert torch.equal(avx512.Avx512Products().gathered_experts(x, weights, idx, gate_up, down),
+                       got.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"expert id 6 outside \[0, 6\)"):
+        torch.ops.mtp_native.bf16_moe(x, weights.contiguous(), torch.full_like(idx, 6), gate_up, down)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.mtp_native.bf16_moe(x, weights.double().contiguous(), idx.contiguous(), gate_up, down)
+
+
 @pytest.mark.parametrize("k", [1536, 203, 9000, 64])
 def test_int8_sums_are_exact_and_each_rows_own(k):
     _needs("avx512_vnni")
@@ -169,6 +202,15 @@ def test_head_rows_are_each_heads_product():
     want = torch.einsum("thk,hnk->thn", x.float(), w.float())
     assert got.shape == (3, 4, 24) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+    if native.native_ops():
+        # Grouped by head (bf16_heads), past the few-row path too: each (token, head) row's
+        # value is bf16_rows' for it alone, at any number of tokens.
+        x = torch.randn(9, 4, 40, generator=g).to(torch.bfloat16)
+        heads = torch.arange(4).repeat(9)
+        rows = torch.ops.mtp_native.bf16_rows(x.reshape(36, 40), heads, w).view(9, 4, 24)
+        assert torch.equal(torch.ops.mtp_native.bf16_heads(x, w), rows)
+        with pytest.raises(RuntimeError, match="bf16_heads: x is"):
+            torch.ops.mtp_native.bf16_heads(x[:, :3].contiguous(), w)
 
 
 @pytest.mark.parametrize("dim, kvr, ctx_len", [(448, 384, 170), (40, 32, 50), (70, 37, 9)])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, kernel_operator
-from server.model.kernels.native import kernel_library, ops_ready
+from server.model.kernels.native import kernel_library, native_ops, ops_ready
 from server.model.kernels.products import Products
 
 KERNEL_ROWS = 64        # eager, up to here our kernel; past it oneDNN's bf16 GEMM (prompts)
@@ -115,27 +115,40 @@ class Avx512Products(Products):
                          gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
         if gate_up.dtype != torch.bfloat16:
             return None
+        if ops_ready():
+            # One call from the router's choice to the weighted sum (avx512_bf16.c bf16_moe):
+            # each chosen expert read once for all its tokens, the eager MoE's numbers.
+            out = torch.ops.mtp_native.bf16_moe(x.to(torch.bfloat16).contiguous(),
+                                                weights.float().contiguous(),
+                                                idx.to(torch.int64).contiguous(), gate_up, down)
+            return out.to(x.dtype)
         t, k = idx.shape
         flat = idx.reshape(-1)
         rows = x[:, None, :].expand(t, k, -1).reshape(t * k, -1)
-        op = torch.ops.mtp_native.bf16_rows if ops_ready() else torch.ops.mtp_serve.bf16_rows
+        op = torch.ops.mtp_serve.bf16_rows
         gu = op(rows.to(torch.bfloat16).contiguous(), flat, gate_up)           # [T*k, 2I]
         g, u = gu.chunk(2, dim=-1)
         act = (F.silu(g) * u).to(torch.bfloat16)
         y = op(act.contiguous(), flat, down).view(t, k, -1)                   # [T, k, H]
         return (y * weights[:, :, None].float()).sum(1).to(x.dtype)
 
+    def groups_experts(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and native_ops()
+
     def takes_head_rows(self, weight: torch.Tensor) -> bool:
         return weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
 
     def head_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Each (token, head) a row through its head's weight, read in place (bf16_rows):
-        the absorbed attention's W_UK / W_UV products, where oneDNN's bf16 bmm of a decode
-        step's few rows took 3 ms a step on the 0.5b model for 26 MB."""
+        """Each (token, head) a row through its head's weight, read in place: the absorbed
+        attention's W_UK / W_UV products, where oneDNN's bf16 bmm of a decode step's few
+        rows took 3 ms a step on the 0.5b model for 26 MB.  The C++ operator groups the
+        rows by head (bf16_heads: each head's weight read once a step, where bf16_rows
+        read it once a token: 7% of a batch-8 step); the Python one takes bf16_rows."""
+        if ops_ready():
+            return torch.ops.mtp_native.bf16_heads(x.to(torch.bfloat16).contiguous(), w).to(x.dtype)
         t, nh, k = x.shape
         heads = torch.arange(nh, device=x.device).repeat(t)
-        op = torch.ops.mtp_native.bf16_rows if ops_ready() else torch.ops.mtp_serve.bf16_rows
-        out = op(x.reshape(t * nh, k).to(torch.bfloat16).contiguous(), heads, w)
+        out = torch.ops.mtp_serve.bf16_rows(x.reshape(t * nh, k).to(torch.bfloat16).contiguous(), heads, w)
         return out.view(t, nh, -1).to(x.dtype)
 
     def column_major(self, dtype: torch.dtype) -> bool:

@@ -182,25 +182,31 @@ static void each_expert(const uint16_t *x, long ldx, const long *offsets, long E
     }
 }
 
-/* A routed MoE's experts over their rows in one call: xs bf16 [A, H] holds each expert's
- * rows in turn (expert e's are rows offsets[e] .. offsets[e + 1]); gate_up [E, 2I, H]
- * (gate rows, then up rows) and down [E, H, I] bf16.  ys[a] = down_e . bf16(silu(gate_e .
- * xs[a]) * (up_e . xs[a])), float32; gu float32 [A, 2I] and act bf16 [A, I] are scratch. */
+/* A routed MoE's experts over their rows, run by every thread of an enclosing parallel
+ * region: xs bf16 [A, H] holds each expert's rows in turn (expert e's are rows offsets[e]
+ * .. offsets[e + 1]); gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]
+ * bf16.  ys[a] = down_e . bf16(silu(gate_e . xs[a]) * (up_e . xs[a])), float32; gu float32
+ * [A, 2I] and act bf16 [A, I] are scratch.  An expert without rows is not read. */
+static void experts_body(const uint16_t *xs, long H, long I, const long *offsets, long E,
+                         const uint16_t *gate_up, const uint16_t *down, float *gu, uint16_t *act,
+                         float *ys) {
+    long A = offsets[E], I2 = 2 * I;
+    each_expert(xs, H, offsets, E, gate_up, I2, H, gu, I2);
+    #pragma omp for schedule(static)
+    for (long a = 0; a < A; a++)
+        for (long i = 0; i < I; i++) {
+            float g = gu[a * I2 + i];
+            act[a * I + i] = to_bf16(g / (1.0f + expf(-g)) * gu[a * I2 + I + i]);
+        }
+    each_expert(act, I, offsets, E, down, H, I, ys, H);
+}
+
+/* ``experts_body`` in one call (the eager MoE's sorted rows). */
 void bf16_experts(const uint16_t *xs, long H, long I, const long *offsets, long E,
                   const uint16_t *gate_up, const uint16_t *down, float *gu, uint16_t *act,
                   float *ys, int threads) {
-    long A = offsets[E], I2 = 2 * I;
     #pragma omp parallel num_threads(threads)
-    {
-        each_expert(xs, H, offsets, E, gate_up, I2, H, gu, I2);
-        #pragma omp for schedule(static)
-        for (long a = 0; a < A; a++)
-            for (long i = 0; i < I; i++) {
-                float g = gu[a * I2 + i];
-                act[a * I + i] = to_bf16(g / (1.0f + expf(-g)) * gu[a * I2 + I + i]);
-            }
-        each_expert(act, I, offsets, E, down, H, I, ys, H);
-    }
+    experts_body(xs, H, I, offsets, E, gate_up, down, gu, act, ys);
 }
 
 /* Row a of x through expert expert[a] of w bf16 [E, N, K] -> y float32 [A, N]: a window's
@@ -214,6 +220,27 @@ void bf16_rows(const uint16_t *x, long A, long K, const long *expert, const uint
     }
 }
 
+
+/* Each head's rows through that head's weight: y[t, h] = w[h] . x[t, h], x bf16 [T, nH, K],
+ * w bf16 [nH, N, K], y float32 [T, nH, N]; (head, column block) pairs over the threads.
+ * Why: the absorbed attention's W_UK / W_UV as bf16_rows read a head's weight once per
+ * token (7% of a batch-8 step on the 0.5b model); grouped by head, once a step. */
+void bf16_heads(const uint16_t *x, long T, long nh, long K, const uint16_t *w, long N, float *y,
+                int threads) {
+    long blocks = (N + COLS - 1) / COLS, ldx = nh * K, ldy = nh * N;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long j = 0; j < nh * blocks; j++) {
+        long h = j / blocks, b = j % blocks;
+        const uint16_t *xh = x + h * K, *wh = w + h * N * K;
+        float *yh = y + h * N;
+        if (T > FEW) {
+            product(xh, T, K, ldx, wh, N, yh, ldy, b);
+            continue;
+        }
+        for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)
+            for (long t = 0; t < T; t++) yh[t * ldy + n] = dot(xh + t * ldx, wh + n * K, K);
+    }
+}
 
 /* Four positions' scores at once (four independent chains, so their latencies overlap),
  * each the same chain over k as ``dot``. */
@@ -359,5 +386,44 @@ void bf16_attend(const uint16_t *q, long B, long R, long D, const uint16_t *ctx,
             long cols = kvr - c0 < SUM_VECS * 16 ? kvr - c0 : SUM_VECS * 16;
             weighted_sum(pr, end, cb + c0, D, cols, o + c0);
         }
+    }
+}
+
+/* A routed MoE of a decode window in one call, from the router's choice to the weighted
+ * sum, with no reading of the choice on the host: the graph of a step calls it.
+ * x bf16 [T, H]; the window's T * k (token, expert) pairs sorted by expert (stable, as
+ * the eager MoE's argsort): row a of the sort is token src[a]'s, expert e's rows are
+ * offsets[e] .. offsets[e + 1].  Token t's pairs are rows pairs[t * k ..] (ascending), of
+ * weights pair_weights[t * k ..].  out float32 [T, H] = sum over the token's pairs, in
+ * that order from +0, of ys[a] * weight: the eager MoE's float32 index_add_, value for
+ * value.  xs, gu, act, ys: scratch (experts_body).
+ * Why: the eager MoE read the expert counts on the host (a graph break) and spent 15-20%
+ * of a batch-8 step on the 0.5b model in its small ops; the gathered form (bf16_rows)
+ * reads an expert once per token that chose it, which past 4 tokens on 16 experts costs
+ * more bytes than it saves. */
+void bf16_moe(const uint16_t *x, long T, long H, long I, long k, const long *src,
+              const long *pairs, const float *pair_weights, const long *offsets, long E,
+              const uint16_t *gate_up, const uint16_t *down, uint16_t *xs, float *gu,
+              uint16_t *act, float *ys, float *out, int threads) {
+    long A = offsets[E];
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (long a = 0; a < A; a++)
+            for (long h = 0; h < H; h++) xs[a * H + h] = x[src[a] * H + h];
+        experts_body(xs, H, I, offsets, E, gate_up, down, gu, act, ys);
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++)
+            for (long c = 0; c < H; c += 16) {
+                __mmask16 m = first(H - c);
+                __m512 acc = _mm512_setzero_ps();
+                for (long j = 0; j < k; j++) {
+                    __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ys + pairs[t * k + j] * H + c),
+                                             _mm512_set1_ps(pair_weights[t * k + j]));
+                    __asm__("" : "+v"(p));      /* rounded product, then the add: no FMA */
+                    acc = _mm512_add_ps(acc, p);
+                }
+                _mm512_mask_storeu_ps(out + t * H + c, m, acc);
+            }
     }
 }

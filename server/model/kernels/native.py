@@ -158,8 +158,8 @@ def ops_ready() -> bool:
     return native_ops()
 
 
-_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "i8_mm", "i8_rows", "half_mm_bf16",
-                 "half_mm_f16", "int8_mm", "int8_rows")
+_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_moe", "bf16_heads", "i8_mm",
+                 "i8_rows", "half_mm_bf16", "half_mm_f16", "int8_mm", "int8_rows")
 
 
 def _build_ops(cxx: str) -> Path:
@@ -198,6 +198,11 @@ def _register_fakes() -> None:
                        ("bf16_rows", rows(torch.float32)), ("i8_rows", rows(torch.int32)),
                        ("int8_rows", rows(torch.int32))):
         torch.library.register_fake(f"mtp_native::{name}")(fake)
+    torch.library.register_fake("mtp_native::bf16_moe")(
+        lambda x, weights, idx, gate_up, down: x.new_empty(x.shape[0], gate_up.shape[2],
+                                                           dtype=torch.float32))
+    torch.library.register_fake("mtp_native::bf16_heads")(
+        lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32))
     torch.library.register_fake("mtp_native::bf16_attend")(
         lambda q, ctx, bias, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr, dtype=torch.float32))
 

@@ -11,10 +11,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -22,6 +25,10 @@ using mm_fn = void (*)(const void*, long, long, long, const void*, long, void*, 
 using mm_status_fn = int (*)(const void*, long, long, long, const void*, long, void*, long, int);
 using rows_fn = void (*)(const void*, long, long, const void*, const void*, long, void*, int);
 using rows_status_fn = int (*)(const void*, long, long, const void*, const void*, long, void*, int);
+using moe_fn = void (*)(const void*, long, long, long, long, const void*, const void*, const void*,
+                        const void*, long, const void*, const void*, void*, void*, void*, void*, void*,
+                        int);
+using heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, int);
 using attend_fn = void (*)(const void*, long, long, long, const void*, long, const void*, float, long,
                            void*, void*, int);
 
@@ -29,6 +36,8 @@ struct Kernels {
   mm_fn bf16_mm = nullptr;           // avx512_bf16.c
   rows_fn bf16_rows = nullptr;
   attend_fn bf16_attend = nullptr;
+  moe_fn bf16_moe = nullptr;
+  heads_fn bf16_heads = nullptr;
   mm_status_fn i8_mm = nullptr;      // avx512_vnni.c
   rows_status_fn i8_rows = nullptr;
   mm_fn half_mm_bf16 = nullptr;      // half_avx2.c
@@ -137,6 +146,85 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& expert, const at::Te
                       reinterpret_cast<const void*>(kernels.int8_rows), false, "int8_rows");
 }
 
+// x bf16 [T, nH, K], w bf16 [nH, N, K] -> float32 [T, nH, N]: each head's rows through its
+// own weight (avx512_bf16.c bf16_heads).
+at::Tensor bf16_heads(const at::Tensor& x, const at::Tensor& w) {
+  need(reinterpret_cast<const void*>(kernels.bf16_heads), "bf16_heads");
+  for (const at::Tensor* t : {&x, &w})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->is_contiguous(),
+                "bf16_heads: x and w must be contiguous 3-d CPU tensors of BFloat16");
+  TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2), "bf16_heads: x is ", x.sizes(), ", w ",
+              w.sizes());
+  auto y = at::empty({x.size(0), x.size(1), w.size(1)}, x.options().dtype(at::kFloat));
+  if (x.size(0) > 0)
+    kernels.bf16_heads(x.data_ptr(), x.size(0), x.size(1), x.size(2), w.data_ptr(), w.size(1), y.data_ptr(),
+                       at::get_num_threads());
+  return y;
+}
+
+// x bf16 [T, H], weights float32 [T, k], idx int64 [T, k] (the router's choice), gate_up
+// bf16 [E, 2I, H], down bf16 [E, H, I] -> float32 [T, H]: the routed experts' weighted sum
+// (avx512_bf16.c bf16_moe).  The pairs are sorted here, by expert and stably, as the eager
+// MoE sorts them, so each expert's rows and each token's sum come in the same order.
+at::Tensor bf16_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                    const at::Tensor& gate_up, const at::Tensor& down) {
+  need(reinterpret_cast<const void*>(kernels.bf16_moe), "bf16_moe");
+  for (const at::Tensor* w : {&gate_up, &down})
+    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->dim() == 3 && w->is_contiguous(),
+                "bf16_moe: experts must be contiguous 3-d CPU tensors of BFloat16");
+  const int64_t E = gate_up.size(0), I2 = gate_up.size(1), H = gate_up.size(2), I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
+              "bf16_moe: gate_up is ", gate_up.sizes(), ", down ", down.sizes());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous()
+              && x.size(1) == H, "bf16_moe: x must be a contiguous [T, ", H, "] CPU tensor of BFloat16");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.is_contiguous() && idx.size(0) == T,
+              "bf16_moe: idx must be a contiguous int64 [", T, ", k]");
+  const int64_t k = idx.size(1);
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2
+              && weights.size(0) == T && weights.size(1) == k,
+              "bf16_moe: weights must be a contiguous float32 [", T, ", ", k, "]");
+  const int64_t A = T * k;
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  auto longs = x.options().dtype(at::kLong);
+  auto offsets = at::zeros({E + 1}, longs);
+  auto src = at::empty({A}, longs), pairs = at::empty({A}, longs);
+  auto pair_weights = at::empty({A}, weights.options());
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t a = 0; a < A; a++) {
+    TORCH_CHECK(ids[a] >= 0 && ids[a] < E, "bf16_moe: expert id ", ids[a], " outside [0, ", E, ")");
+    off[ids[a] + 1]++;
+  }
+  for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+  std::vector<int64_t> next(off, off + E);
+  int64_t* s = src.data_ptr<int64_t>();
+  int64_t* rows = pairs.data_ptr<int64_t>();
+  float* pw = pair_weights.data_ptr<float>();
+  const float* wt = weights.data_ptr<float>();
+  for (int64_t a = 0; a < A; a++) {              // a = t * k + j: stable in (token, choice)
+    int64_t at_row = next[ids[a]]++;
+    s[at_row] = a / k;
+    rows[a] = at_row;
+    pw[a] = wt[a];
+  }
+  for (int64_t t = 0; t < T; t++)                // each token's rows ascending (by expert)
+    for (int64_t j = 1; j < k; j++)
+      for (int64_t i = t * k + j; i > t * k && rows[i - 1] > rows[i]; i--) {
+        std::swap(rows[i - 1], rows[i]);
+        std::swap(pw[i - 1], pw[i]);
+      }
+  auto xs = at::empty({A, H}, x.options());
+  auto gu = at::empty({A, I2}, x.options().dtype(at::kFloat));
+  auto act = at::empty({A, I}, x.options());
+  auto ys = at::empty({A, H}, x.options().dtype(at::kFloat));
+  auto out = at::empty({T, H}, x.options().dtype(at::kFloat));
+  if (T == 0) return out;
+  kernels.bf16_moe(x.data_ptr(), T, H, I, k, s, rows, pw, off, E, gate_up.data_ptr(), down.data_ptr(),
+                   xs.data_ptr(), gu.data_ptr(), act.data_ptr(), ys.data_ptr(), out.data_ptr(),
+                   at::get_num_threads());
+  return out;
+}
+
 // q bf16 [B, R, D], ctx bf16 [B, S, D], bias float32 [B, R, S] -> float32 [B, R, kvr].
 at::Tensor bf16_attend(const at::Tensor& q, const at::Tensor& ctx, const at::Tensor& bias, double scale,
                        int64_t kvr) {
@@ -165,6 +253,8 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"bf16_mm", reinterpret_cast<void**>(&kernels.bf16_mm)},
       {"bf16_rows", reinterpret_cast<void**>(&kernels.bf16_rows)},
       {"bf16_attend", reinterpret_cast<void**>(&kernels.bf16_attend)},
+      {"bf16_moe", reinterpret_cast<void**>(&kernels.bf16_moe)},
+      {"bf16_heads", reinterpret_cast<void**>(&kernels.bf16_heads)},
       {"i8_mm", reinterpret_cast<void**>(&kernels.i8_mm)},
       {"i8_rows", reinterpret_cast<void**>(&kernels.i8_rows)},
       {"half_mm_bf16", reinterpret_cast<void**>(&kernels.half_mm_bf16)},
@@ -184,6 +274,8 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("bf16_attend(Tensor q, Tensor ctx, Tensor bias, float scale, int kvr) -> Tensor");
+  m.def("bf16_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor down) -> Tensor");
+  m.def("bf16_heads(Tensor x, Tensor w) -> Tensor");
   m.def("i8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("i8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
@@ -195,6 +287,8 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("bf16_mm", &bf16_mm);
   m.impl("bf16_rows", &bf16_rows);
   m.impl("bf16_attend", &bf16_attend);
+  m.impl("bf16_moe", &bf16_moe);
+  m.impl("bf16_heads", &bf16_heads);
   m.impl("i8_mm", &i8_mm);
   m.impl("i8_rows", &i8_rows);
   m.impl("half_mm", &half_mm);

@@ -68,6 +68,12 @@ class Products:
         has no kernel for it (layers/experts.py then writes it as reductions)."""
         return None
 
+    def groups_experts(self, dtype: torch.dtype) -> bool:
+        """Whether ``gathered_experts`` on float experts of ``dtype`` reads each chosen
+        expert once for all the tokens that chose it (one grouped kernel), so the gathered
+        MoE costs no more bytes than the routed one at any number of tokens."""
+        return False
+
     def takes_head_rows(self, weight: torch.Tensor) -> bool:
         """Whether ``head_rows`` runs a kernel for weights like ``weight`` (the absorbed
         attention's W_UK / W_UV then get copies laid out for it: layers/attention.py)."""
