@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <alloca.h>
 #include <stdlib.h>
 
 #define COLS 4          /* weight rows streamed together: 4 reads in flight per thread */
@@ -163,22 +164,47 @@ static inline uint16_t to_bf16(float f) {               /* round to nearest even
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-/* Each expert's rows of x through its weight, w [E, N, K] -> y; the (expert, column
- * block) pairs shared out over the threads of the enclosing parallel region. */
+/* Rows first .. first + rows of x through columns b * COLS .. of expert e's weight. */
+static inline void expert_block(const uint16_t *x, long ldx, long first, long rows,
+                                const uint16_t *we, long N, long K, float *y, long ldy, long b) {
+    if (rows > FEW) {
+        product(x + first * ldx, rows, K, ldx, we, N, y + first * ldy, ldy, b);
+        return;
+    }
+    for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)
+        for (long m = first; m < first + rows; m++)
+            y[m * ldy + n] = dot(x + m * ldx, we + n * K, K);
+}
+
+/* Each chosen expert's rows of x through its weight, w [E, N, K] -> y; the (chosen expert,
+ * column block) pairs shared out over the threads of the enclosing parallel region.  While
+ * every expert has few rows (reading weights is the cost) each thread takes one contiguous
+ * run of them, a single stream: at 1-2 tokens a window on the 0.5b model, 10% faster than
+ * handing out blocks of 4 as threads ask (their streams interleave).  More rows, blocks as
+ * threads ask (the arithmetic differs by expert). */
 static void each_expert(const uint16_t *x, long ldx, const long *offsets, long E,
                         const uint16_t *w, long N, long K, float *y, long ldy) {
-    long blocks = (N + COLS - 1) / COLS;
-    #pragma omp for schedule(dynamic, 4)
-    for (long j = 0; j < E * blocks; j++) {
-        long e = j / blocks, b = j % blocks;
-        long first = offsets[e], rows = offsets[e + 1] - offsets[e];
-        if (rows > FEW) {
-            product(x + first * ldx, rows, K, ldx, w + e * N * K, N, y + first * ldy, ldy, b);
-            continue;
+    long blocks = (N + COLS - 1) / COLS, used = 0, most = 0;
+    long *chosen = alloca((size_t)E * sizeof(long));
+    for (long e = 0; e < E; e++) {
+        long rows = offsets[e + 1] - offsets[e];
+        if (rows > 0) chosen[used++] = e;
+        if (rows > most) most = rows;
+    }
+    if (most <= FEW) {
+        #pragma omp for schedule(static)
+        for (long j = 0; j < used * blocks; j++) {
+            long e = chosen[j / blocks];
+            expert_block(x, ldx, offsets[e], offsets[e + 1] - offsets[e], w + e * N * K, N, K, y,
+                         ldy, j % blocks);
         }
-        for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)
-            for (long m = first; m < first + rows; m++)
-                y[m * ldy + n] = dot(x + m * ldx, w + (e * N + n) * K, K);
+    } else {
+        #pragma omp for schedule(dynamic, 4)
+        for (long j = 0; j < used * blocks; j++) {
+            long e = chosen[j / blocks];
+            expert_block(x, ldx, offsets[e], offsets[e + 1] - offsets[e], w + e * N * K, N, K, y,
+                         ldy, j % blocks);
+        }
     }
 }
 
