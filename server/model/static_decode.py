@@ -14,8 +14,8 @@ heads reading one shared cache row per key), and one of three MoE forms:
     index, inside the compiled graph (a GEMV per chosen expert, as gpt-fast runs Mixtral):
     for few tokens the step reads the active weights once and syncs nothing.  Taken when
     tokens x top-k <= the experts (``GATHER_MAX_PER_EXPERT``), or up to
-    ``GROUPED_GATHER_MAX_TOKENS`` tokens where the products read each chosen expert once
-    for all its tokens (AVX-512 BF16's bf16_moe), and a graph exists for it (uncompiled,
+    ``GROUPED_GATHER_MAX_TOKENS`` tokens where the kernels read each chosen expert once
+    for all its tokens (AVX-512 BF16's bf16_moe, VNNI's i8_rows), and a graph exists for it (uncompiled,
     indexing would copy the weights).  Int8 experts of the dynamic scheme
     too (quant.gathered_int8_experts: each chosen expert's int8 rows
     read once: 0.32 ms for 4 experts of [1536 x 512], 2 threads);
@@ -39,6 +39,7 @@ from server.model.layers.latent_cache import (
     int8_write,
 )
 from server.model.layers.linear import Linear
+from server.model.quant.experts import GROUPED_ROWS
 
 
 def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -100,9 +101,13 @@ GROUPED_GATHER_MAX_TOKENS = 64
 
 
 def _groups_experts(moe) -> bool:
-    """Whether the MoE's products run its gathered float experts grouped by expert."""
+    """Whether the MoE's gathered experts run grouped by expert (each chosen expert read
+    once for all its tokens): float ones where the products say so, int8 ones on a
+    backend whose rows kernel groups them."""
     gate = moe.experts[0].gate_proj
-    return isinstance(gate, Linear) and moe.products.groups_experts(gate.weight.dtype)
+    if isinstance(gate, Linear):
+        return moe.products.groups_experts(gate.weight.dtype)
+    return getattr(gate, "backend", None) in GROUPED_ROWS
 
 
 def gathered_moe(moe, x: torch.Tensor, *stacks: torch.Tensor) -> torch.Tensor:

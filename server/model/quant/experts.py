@@ -28,6 +28,11 @@ ROWS_OPS = {
 }
 
 
+# Backends whose rows kernel reads each chosen expert once for all its rows (i8_rows
+# groups them): the gathered MoE then costs the routed one's bytes at any number of tokens.
+GROUPED_ROWS = ("vnni",)
+
+
 def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                           gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
                           down: torch.Tensor, down_scale: torch.Tensor, backend: str = "float") -> torch.Tensor:
