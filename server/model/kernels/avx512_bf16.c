@@ -158,12 +158,6 @@ void bf16_mm(const uint16_t *x, long M, long K, long ldx, const uint16_t *w, lon
         product(x, M, K, ldx, w, N, y, ldy, b);
 }
 
-static inline uint16_t to_bf16(float f) {               /* round to nearest even */
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7F800000u) == 0x7F800000u) return (uint16_t)(v.u >> 16);   /* inf, nan */
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* Rows first .. first + rows of x through columns b * COLS .. of expert e's weight. */
 static inline void expert_block(const uint16_t *x, long ldx, long first, long rows,
                                 const uint16_t *we, long N, long K, float *y, long ldy, long b) {
@@ -208,6 +202,38 @@ static void each_expert(const uint16_t *x, long ldx, const long *offsets, long E
     }
 }
 
+/* e^x of 16 lanes (Cephes' expf polynomial, ~1 ulp; -inf..88, larger x inf). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The first min(n, 16) lanes. */
+static inline __mmask16 first(long n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
+/* bf16(silu(g) * u) of 16 lanes (the first n < 16 at a tail), rounded to nearest even. */
+static inline void swiglu16(const float *g, const float *u, uint16_t *out, long n) {
+    __mmask16 m = first(n);
+    __m512 gv = _mm512_maskz_loadu_ps(m, g), uv = _mm512_maskz_loadu_ps(m, u);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv);
+    __m512i packed = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+    _mm512_mask_storeu_epi16(out, (__mmask32)m, packed);
+}
+
 /* A routed MoE's experts over their rows, run by every thread of an enclosing parallel
  * region: xs bf16 [A, H] holds each expert's rows in turn (expert e's are rows offsets[e]
  * .. offsets[e + 1]); gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]
@@ -220,10 +246,8 @@ static void experts_body(const uint16_t *xs, long H, long I, const long *offsets
     each_expert(xs, H, offsets, E, gate_up, I2, H, gu, I2);
     #pragma omp for schedule(static)
     for (long a = 0; a < A; a++)
-        for (long i = 0; i < I; i++) {
-            float g = gu[a * I2 + i];
-            act[a * I + i] = to_bf16(g / (1.0f + expf(-g)) * gu[a * I2 + I + i]);
-        }
+        for (long i = 0; i < I; i += 16)
+            swiglu16(gu + a * I2 + i, gu + a * I2 + I + i, act + a * I + i, I - i);
     each_expert(act, I, offsets, E, down, H, I, ys, H);
 }
 
@@ -287,28 +311,6 @@ static inline void dot4(const uint16_t *x, const uint16_t *w, long D, float *y) 
 }
 
 #define SUM_VECS 8      /* float32 accumulators of the weighted sum: 8 chains hide FMA latency */
-
-/* e^x of 16 lanes (Cephes' expf polynomial, ~1 ulp; x <= 0 here). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* The first min(n, 16) lanes. */
-static inline __mmask16 first(long n) {
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-}
 
 /* 16 bf16 values (masked to n < 16 at a tail) widened to float32: a 512-bit masked load
  * with the first 16 lanes, so no AVX512VL is needed. */
