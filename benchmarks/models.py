@@ -41,6 +41,8 @@ MTP layer carries copies of the embedding and head, as DeepSeek's release does. 
                 int8 per channel with dynamic per-token activations (the W8A8_DYNAMIC
                 arithmetic everywhere; training.quantize writes no all-dynamic msModelSlim
                 folder, so this is the closest);
+  w8a8_dynamic_heads  w8a8_dynamic with the vocabulary heads int8 too (``--quant-heads``),
+                as llama.cpp's q8_0 quantizes its output tensor;
   w4a8          ``--w4a8-experts``: w8a8 with the main layers' routed experts W4A8_DYNAMIC.
 training.quantize holds every tensor, a float32 copy of the model and the output at once:
 8.1 GB peak resident for the 0.5b model (50 s), so ~22 GB for the 1.6b one, more than
@@ -78,6 +80,7 @@ SIZES: dict[str, dict] = {
 HF_FIELDS = {"attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
              "use_cache": True}
 QUANTIZE = {"w8a8": [], "w8a8_dynamic": ["--format", "compressed-tensors"],
+            "w8a8_dynamic_heads": ["--format", "compressed-tensors", "--quant-heads"],
             "w4a8": ["--w4a8-experts"]}
 MARKER = "bench_model.json"
 
@@ -220,8 +223,9 @@ def quantize(src: Path, dst: Path, scheme: str, calib_samples: int = 16, quantiz
         log(f"quantizing {src} tensor by tensor (training.quantize would need ~{14 * params / 1e9:.0f} GB)")
         quantize_streaming(Path(src), Path(dst), scheme, calib_samples, log)
     else:
+        dynamic = scheme.startswith("w8a8_dynamic")              # nothing to calibrate
         cmd = [sys.executable, "-m", "training.quantize", str(src), str(dst), *QUANTIZE[scheme],
-               "--calib-samples", str(calib_samples if scheme != "w8a8_dynamic" else 1)]
+               "--calib-samples", str(1 if dynamic else calib_samples)]
         log("$ " + " ".join(cmd[1:]))
         subprocess.run(cmd, check=True, cwd=ROOT)
     info = {**json.loads((Path(src) / MARKER).read_text()), "quantize": scheme, "quantizer": quantizer,
@@ -237,9 +241,11 @@ def _kind(prefix: str, n_main: int, scheme: str) -> str:
     """training.quantize's choice of type per linear (``--quant-mtp mix``, its default)."""
     layer = int(prefix.split(".")[2]) if prefix.startswith("model.layers.") else None
     mtp = layer is not None and layer >= n_main
-    if layer is None or prefix.endswith(("kv_b_proj", "shared_head.head")):
+    if prefix == "lm_head" or prefix.endswith("shared_head.head"):
+        return "W8A8_DYNAMIC" if scheme == "w8a8_dynamic_heads" else "FLOAT"
+    if layer is None or prefix.endswith("kv_b_proj"):
         return "FLOAT"
-    if scheme == "w8a8_dynamic":                      # --format compressed-tensors
+    if scheme.startswith("w8a8_dynamic"):             # --format compressed-tensors
         return "W8A8_DYNAMIC"
     if ".self_attn." in prefix:
         return "W8A8_DYNAMIC" if mtp else "W8A8"
@@ -302,7 +308,7 @@ def quantize_streaming(src: Path, dst: Path, scheme: str, calib_samples: int = 1
     del model
     static = [p for p, k in kinds.items() if k == "W8A8"]
     ranges = _calibrate_bf16(src, static, calib_samples) if static else {}
-    ct = scheme == "w8a8_dynamic"
+    ct = scheme.startswith("w8a8_dynamic")
     dst.mkdir(parents=True, exist_ok=True)
     for old in dst.glob("*.safetensors"):
         old.unlink()
@@ -356,7 +362,7 @@ def quantize_streaming(src: Path, dst: Path, scheme: str, calib_samples: int = 1
     if ct:                                            # as training.quantize --format compressed-tensors
         (dst / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
-        cfg["quantization_config"] = compressed_tensors_config()
+        cfg["quantization_config"] = compressed_tensors_config(scheme == "w8a8_dynamic_heads")
     else:
         full = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0, **desc}
         (dst / "quant_model_description.json").write_text(json.dumps(full, indent=1))

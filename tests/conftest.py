@@ -37,7 +37,7 @@ def tiny_weights(tmp_path_factory):
 def quantized(tmp_path_factory, worker_id):
     """The demo model through training/quantize.py, once per run: msModelSlim W8A8 mixed
     (static attention, dynamic MLPs), W4A8 experts, compressed-tensors int8 (every linear
-    W8A8_DYNAMIC) and FA3 KV scales.  Name -> checkpoint directory.  Under xdist the first
+    W8A8_DYNAMIC; the vocabulary heads float, or int8 too: ``ct_heads``) and FA3 KV scales.  Name -> checkpoint directory.  Under xdist the first
     worker to ask writes them (15-20 s) into the run's shared temp folder and the others
     read them."""
     from pathlib import Path
@@ -49,11 +49,13 @@ def quantized(tmp_path_factory, worker_id):
         pytest.skip("demo model weights not present")
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if worker_id != "master" else base) / "quantized"
-    out = {name: root / name for name in ("w8a8", "w4a8", "ct", "fa3")}
+    out = {name: root / name for name in ("w8a8", "w4a8", "ct", "ct_heads", "fa3")}
     with FileLock(str(root) + ".lock"):
         if not (root / "complete").is_file():
             for name, extra in (("w8a8", []), ("w4a8", ["--w4a8-experts"]),
-                                ("ct", ["--format", "compressed-tensors"]), ("fa3", ["--fa-quant"])):
+                                ("ct", ["--format", "compressed-tensors"]),
+                                ("ct_heads", ["--format", "compressed-tensors", "--quant-heads"]),
+                                ("fa3", ["--fa-quant"])):
                 out[name].mkdir(parents=True, exist_ok=True)
                 assert quantize.main([str(demo), str(out[name]), "--calib-samples", "32", *extra]) == 0
             (root / "complete").touch()

@@ -119,13 +119,15 @@ def static_w8a8(w: torch.Tensor, lo: float, hi: float) -> dict[str, torch.Tensor
 
 
 
-def compressed_tensors_config() -> dict:
+def compressed_tensors_config(quant_heads: bool = False) -> dict:
     """config.json's ``quantization_config`` for vLLM's int8 (channel weights, dynamic
-    token activations) with the layers this recipe keeps float."""
+    token activations) with the layers this recipe keeps float (the vocabulary heads
+    among them unless ``quant_heads``)."""
+    heads = [] if quant_heads else ["lm_head", "re:.*shared_head.head$"]
     return {
         "quant_method": "compressed-tensors", "format": "int-quantized",
         "quantization_status": "compressed", "kv_cache_scheme": None,
-        "ignore": ["lm_head", "re:.*kv_b_proj$", "re:.*shared_head.head$"],
+        "ignore": [*heads, "re:.*kv_b_proj$"],
         "config_groups": {"group_0": {
             "targets": ["Linear"],
             "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w4a8-experts", action="store_true")
     ap.add_argument("--quant-mtp", choices=("mix", "float"), default="mix")
     ap.add_argument("--fa-quant", action="store_true", help="add FA3 (FAKQuant) KV scales")
+    ap.add_argument("--quant-heads", action="store_true",
+                    help="the vocabulary heads (lm_head, the MTP layers' shared_head.head) "
+                         "W8A8_DYNAMIC too, as llama.cpp's q8_0 quantizes its output tensor; "
+                         "the usual msModelSlim and compressed-tensors recipes keep them float")
     ap.add_argument("--calibration", type=Path, metavar="FILE",
                     help="UTF-8 text to calibrate the static activation ranges on (default: "
                          "chats of the demo model's training split, made by training/corpus.py)")
@@ -187,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     def kind(prefix: str) -> str:
         layer = layer_of(prefix)
         mtp = layer is not None and layer >= n_main
-        if layer is None or prefix.endswith(("kv_b_proj", "shared_head.head")):
+        if prefix == "lm_head" or prefix.endswith("shared_head.head"):
+            return "W8A8_DYNAMIC" if args.quant_heads else "FLOAT"
+        if layer is None or prefix.endswith("kv_b_proj"):
             return "FLOAT"
         if args.format == "compressed-tensors":
             return "W8A8_DYNAMIC"
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(raw)
     if args.format == "compressed-tensors":
         save_file(out, str(dst / "model.safetensors"))
-        cfg["quantization_config"] = compressed_tensors_config()
+        cfg["quantization_config"] = compressed_tensors_config(args.quant_heads)
     else:
         save_file(out, str(dst / "quant_model_weights.safetensors"))
         full = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0,

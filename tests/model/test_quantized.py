@@ -112,12 +112,39 @@ def test_w8a8_mixed_agrees_with_float_and_stays_int8(quantized):
 
 
 @pytest.mark.slow                       # held-out agreement: 50 prompts x 32 tokens
-@pytest.mark.parametrize("name,floor", [("w4a8", 0.93), ("ct", 0.95)])
+@pytest.mark.parametrize("name,floor", [("w4a8", 0.93), ("ct", 0.95), ("ct_heads", 0.95)])
 def test_w4a8_and_compressed_tensors_agree(quantized, name, floor):
     q, info = load_checkpoint(quantized[name])
     a = agreement(q)
     print(f"{name}: {info.quantization}: agreement {a:.3f}")
     assert a >= floor
+
+
+def test_int8_vocabulary_heads_load_as_int8_and_keep_mtp_lossless(quantized):
+    """compressed-tensors with the heads not in ``ignore`` (``--quant-heads``, as llama.cpp's
+    q8_0 quantizes its output tensor): lm_head and the MTP layer's shared_head.head load as
+    int8 layers of the dynamic scheme, the MTP head still the main one held once, and greedy
+    tokens with MTP k=1 equal MTP off's."""
+    q, info = load_checkpoint(quantized["ct_heads"])
+    mtp_head = q.model.layers[q.config.num_hidden_layers].shared_head.head
+    for head in (q.lm_head, mtp_head):
+        assert isinstance(head, QuantLinear) and head.weight.dtype == torch.int8
+        assert head.scheme == "w8a8_dynamic"
+    assert mtp_head.weight is q.lm_head.weight
+    f, _ = load_checkpoint(quantized["ct"])
+    assert type(f.lm_head) is Linear and f.lm_head.weight.is_floating_point()
+    assert memory(q) < memory(f) - f.lm_head.weight.numel() * 2      # a byte a weight, not four
+    prompts, _ = heldout()
+
+    def run(k):
+        cfg = EngineConfig(block_size=16, num_blocks=256, num_speculative_tokens=k, max_queue_delay_us=0,
+                           max_batch_size=8, max_seq_len=512, adaptive_speculation=False)
+        eng = LLMEngine(q, cfg, eos_token_ids=set())
+        outs = eng.generate([EngineRequest(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0))
+                             for i, p in enumerate(prompts[:6])])
+        return {r: [t for o in v for t in o.token_ids] for r, v in outs.items()}
+
+    assert run(1) == run(0)
 
 
 def test_int_mm_backend_computes_the_same_integers(quantized, monkeypatch):
