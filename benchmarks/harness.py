@@ -466,6 +466,7 @@ def weight_table(config) -> tuple[dict, list[tuple[str, int, float]]]:
     from server.model.config import DeepseekConfig
     from server.model.deepseek_v3 import DeepseekV3ForCausalLM
     from server.model.meta import meta_device
+    from server.model.quant.formats import ignored
     desc: dict = {}
     if isinstance(config, (str, Path)):
         folder = Path(config)
@@ -492,9 +493,10 @@ def weight_table(config) -> tuple[dict, list[tuple[str, int, float]]]:
             size = 4                                       # routing stays float32
         elif desc:
             size = {"W8A8": 1, "W8A8_DYNAMIC": 1, "W4A8_DYNAMIC": 0.5}.get(desc.get(name, "FLOAT"), base)
-        elif qc.get("quant_method") == "compressed-tensors" and p.dim() == 2 and not prefix.endswith(
-                ("lm_head", "kv_b_proj", "shared_head.head", "embed_tokens", "mlp.gate")):
-            size = 1
+        elif qc.get("quant_method") == "compressed-tensors" and p.dim() == 2 \
+                and not prefix.endswith(("embed_tokens", "mlp.gate")) \
+                and not ignored(prefix, qc.get("ignore", [])):
+            size = 1                                       # its ``ignore`` list is what stays float
         elif qc.get("quant_method") == "fp8" and p.dim() == 2 and (".self_attn." in name or ".mlp." in name):
             size = 1
         rows.append((name, p.numel(), size))

@@ -424,10 +424,23 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
 WORKLOADS = ("decode b1", "decode b8", "prompt", "decode b1 (batched-bench)")
 
 
+def heads_int8(folder: Path) -> bool:
+    """Whether the checkpoint's vocabulary head is int8 (training.quantize --quant-heads:
+    not in compressed-tensors' ``ignore``, or typed in msModelSlim's description), as
+    q8_0's is: then both sides read their heads a byte a weight."""
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if qc:
+        return "lm_head" not in qc.get("ignore", [])
+    desc = folder / "quant_model_description.json"
+    return desc.is_file() and json.loads(desc.read_text()).get("lm_head.weight", "FLOAT") != "FLOAT"
+
+
 def row_label(r: dict) -> str:
     if r["side"] == "llama.cpp":
         return f"llama.cpp {GGUF_OF[r['weights']]}"
     w = "bf16" if r["weights"] == "bf16" else "W8A8_DYNAMIC"
+    if r.get("int8_head"):
+        w += ", int8 head"
     return f"ours {w}, MTP {'off' if r['mode'] == 'off' else 'k=' + r['mode'][1:]}"
 
 
@@ -625,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
         return harness.step_weight_bytes(folders[weights], tokens, int(mode[1:]) if mode != "off" else 0)
 
     rows = summarize(raw, gbps, bytes_of)
+    for r in rows:
+        if r["side"] == "ours" and r["weights"] == "int8" and heads_int8(folders["int8"]):
+            r["int8_head"] = True
     from benchmarks.engine_step import first_difference
     lossless = {}                  # greedy: MTP k=1 / k=2 emit MTP off's tokens (first round)
     for (weights, b, mode), toks in first_tokens.items():

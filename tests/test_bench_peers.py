@@ -262,3 +262,26 @@ def test_peers_json_is_plain(tmp_path):
                            20.0, lambda *a: 400e6)
     dest = harness.save_report({"rows": rows}, tmp_path / "p.json")
     assert json.loads(dest.read_text())["rows"][0]["share"] == pytest.approx(0.6)
+
+
+def test_int8_heads_are_read_from_the_checkpoint_and_named_in_the_rows(tmp_path):
+    """A W8A8 copy whose vocabulary heads are int8 (training.quantize --quant-heads) is named
+    so in the table: against q8_0 it reads its head a byte a weight, as llama.cpp does."""
+    def folder(name: str, config: dict, desc: dict | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        if desc is not None:
+            (d / "quant_model_description.json").write_text(json.dumps(desc))
+        return d
+
+    ct = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    assert peers.heads_int8(folder("ct_heads", {"quantization_config": {**ct["quantization_config"],
+                                                                        "ignore": ["re:.*kv_b_proj$"]}}))
+    assert not peers.heads_int8(folder("ct", {"quantization_config": {**ct["quantization_config"],
+                                                                      "ignore": ["lm_head"]}}))
+    assert peers.heads_int8(folder("ms_heads", {}, {"lm_head.weight": "W8A8_DYNAMIC"}))
+    assert not peers.heads_int8(folder("ms", {}, {"lm_head.weight": "FLOAT"}))
+    row = {"side": "ours", "weights": "int8", "mode": "off"}
+    assert peers.row_label(row) == "ours W8A8_DYNAMIC, MTP off"
+    assert peers.row_label({**row, "int8_head": True}) == "ours W8A8_DYNAMIC, int8 head, MTP off"

@@ -118,7 +118,9 @@ def _from_description(file: Path, linear_prefixes: list[str]) -> QuantSpec:
     return spec
 
 
-def _ignored(prefix: str, ignore: list[str]) -> bool:
+def ignored(prefix: str, ignore: list[str]) -> bool:
+    """Whether compressed-tensors' ``ignore`` list (module names, suffixes or ``re:``
+    patterns) keeps the layer ``prefix`` float."""
     for pat in ignore:
         if pat.startswith("re:"):
             if re.fullmatch(pat[3:], prefix):
@@ -152,7 +154,7 @@ def _from_compressed_tensors(cfg_file: Path, qc: dict, linear_prefixes: list[str
                                "servable:\n  " + "\n  ".join(problems))
     ignore = list(qc.get("ignore") or [])
     spec = QuantSpec("compressed-tensors", cfg_file.name)
-    spec.layer_types = {p: "W8A8_DYNAMIC" for p in linear_prefixes if not _ignored(p, ignore)}
+    spec.layer_types = {p: "W8A8_DYNAMIC" for p in linear_prefixes if not ignored(p, ignore)}
     return spec
 
 
