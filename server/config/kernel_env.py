@@ -16,6 +16,10 @@ INT8_ENV = "MTP_SERVE_INT8_BACKEND"
 HALF_ENV = "MTP_SERVE_HALF_BACKEND"
 KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use our C kernels
 KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
+DRAFT_HEAD_ENV = "MTP_SERVE_DRAFT_HEAD"         # the MTP drafts' vocabulary head (quant/draft_head.py)
+# auto: an int8 copy where the head is 16-bit and an int8 kernel of ours serves this CPU;
+# model: the model's own head; int8: an int8 copy wherever an int8 backend runs.
+DRAFT_HEADS = ("auto", "model", "int8")
 
 # int_mm: torch._int_mm (oneDNN, VNNI/AMX); int8pack: torch._weight_int8pack_mm (16-bit
 # models); avx2: half_avx2.c's int8 product; vnni: avx512_vnni.c's; float: the exact
@@ -38,6 +42,7 @@ class KernelSettings:
     half_backend: str = "auto"
     half_kernel: bool = True
     kernel_cache: Path = Path.home() / ".cache" / "mtp-serve" / "kernels"
+    draft_head: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ def problems(env: Mapping[str, str]) -> list[Problem]:
         raw = env.get(name, "").strip().lower()
         if raw and raw not in ("auto",) + allowed:
             out.append(Problem(name, raw, "auto, " + ", ".join(allowed), "not a backend"))
+    head = env.get(DRAFT_HEAD_ENV, "").strip().lower()
+    if head and head not in DRAFT_HEADS:
+        out.append(Problem(DRAFT_HEAD_ENV, head, ", ".join(DRAFT_HEADS), "not a draft head"))
     kernel = env.get(KERNEL_ENV, "1").strip()
     if kernel not in ("0", "1"):
         out.append(Problem(KERNEL_ENV, kernel, "1 (build half_avx2.c), 0 (never)", "not a switch"))
@@ -78,4 +86,5 @@ def parse(env: Mapping[str, str]) -> KernelSettings:
     return KernelSettings(env.get(INT8_ENV, "").strip().lower() or "auto",
                           env.get(HALF_ENV, "").strip().lower() or "auto",
                           env.get(KERNEL_ENV, "1").strip() != "0",
-                          Path(cache) if cache else KernelSettings.kernel_cache)
+                          Path(cache) if cache else KernelSettings.kernel_cache,
+                          env.get(DRAFT_HEAD_ENV, "").strip().lower() or "auto")

@@ -180,9 +180,12 @@ class DeepseekV3ForCausalLM(nn.Module, UsesProducts):
         mtp.self_attn.write_cache(mtp.input_layernorm(x), cos[:, None, :], sin[:, None, :],
                                   meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
 
-    def mtp_compute_logits(self, h_mtp: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    def mtp_compute_logits(self, h_mtp: torch.Tensor, layer: int = 0,
+                           head: nn.Module | None = None) -> torch.Tensor:
+        """``head``: what the drafts multiply by instead of the layer's own head (an int8
+        copy of it: quant/draft_head.py)."""
         mtp = self._mtp(layer)
-        return mtp.shared_head.head(mtp.shared_head.norm(h_mtp)).float()
+        return (head or mtp.shared_head.head)(mtp.shared_head.norm(h_mtp)).float()
 
     # -- full-sequence path (no cache) -----------------------------------------------------
     def _cos_sin_full(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

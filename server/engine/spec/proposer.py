@@ -104,8 +104,12 @@ class MTPProposer:
     """Drafts with the MTP layer; holds each request's drafts on the device between steps."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
-                 policy: SpecPolicy, device: torch.device, static_decode: bool = False) -> None:
+                 policy: SpecPolicy, device: torch.device, static_decode: bool = False,
+                 draft_head: torch.nn.Module | None = None) -> None:
         self.model = model
+        # What the drafts' logits multiply by instead of the MTP layer's head (an int8 copy:
+        # quant/draft_head.py); verification always takes the model's own head.
+        self.draft_head = draft_head
         self.static_decode = static_decode     # chained passes (one token each) take the static path
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -220,7 +224,8 @@ class MTPProposer:
 
         def passes() -> DraftResult | None:
             return run_draft_passes(self.model, self.kv_caches, k, first, input_ids, prev_hidden,
-                                    last_rows, samp, self.vocab_size, chain_meta, draft_mask)
+                                    last_rows, samp, self.vocab_size, chain_meta, draft_mask,
+                                    self.draft_head)
         return DraftPasses(passes)
 
     def _first_pass(self, window: StepWindow, sampled: list[list[int]], hidden: torch.Tensor,
@@ -301,7 +306,8 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
                      input_ids: torch.Tensor, prev_hidden: torch.Tensor,
                      last_rows: torch.Tensor, sampling: list[sampler.SeqSamplingInput] | None,
                      vocab_size: int, chain_meta,
-                     draft_mask: DraftMask | None = None) -> DraftResult | None:
+                     draft_mask: DraftMask | None = None,
+                     head: torch.nn.Module | None = None) -> DraftResult | None:
     """Run the first MTP pass plus k-1 chained passes; sample one draft per sequence per pass.
 
     first / input_ids / prev_hidden: the first pass (see module docstring).
@@ -311,6 +317,7 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
     chain_meta(c) -> BatchMetadata for chained pass c (1..k-1): one token per sequence;
     chain_meta(0): the first pass's last position of each sequence.
     k == 0 only writes the first pass's MTP KV (later drafts attend to it) and returns None.
+    head: the drafts' vocabulary head, if not the MTP layer's own (quant/draft_head.py).
     """
     device = input_ids.device
     if k == 0:
@@ -333,7 +340,7 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
                 meta.token_index = meta.token_index + 1
                 _advance_min_tokens(meta, sampling, c)
             h = model.mtp_forward(ids[-1], h, chain_meta(c), kv_caches, layer=0)
-        logits = model.mtp_compute_logits(h, layer=0)
+        logits = model.mtp_compute_logits(h, layer=0, head=head)
         if c == 0 and draft_mask is not None:
             logits = draft_mask.apply(logits)
         if meta is None:

@@ -45,6 +45,7 @@ from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.worker.step_graphs import StepGraphs
 from server.model.kernels.report import kernel_report
+from server.model.quant.draft_head import draft_head
 from server.model.static_decode import kv_form, supports_static_decode
 
 log = logging.getLogger("server.engine")
@@ -99,7 +100,7 @@ class Worker:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
             mtp = MTPProposer(model, self.kv_caches, cfg.block_size, policy, self.device,
-                              self.static_decode)
+                              self.static_decode, draft_head(model))
         # Requests' predictions (OpenAI Predicted Outputs) draft in front of MTP.
         self.proposer = PredictedDrafts(mtp, self._prediction_drafts(model, cfg))
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
