@@ -183,7 +183,7 @@ class DeepseekV3ForCausalLM(nn.Module, UsesProducts):
     def mtp_compute_logits(self, h_mtp: torch.Tensor, layer: int = 0,
                            head: nn.Module | None = None) -> torch.Tensor:
         """``head``: what the drafts multiply by instead of the layer's own head (an int8
-        copy of it: quant/draft_head.py)."""
+        copy of it: engine/spec/draft_head.py)."""
         mtp = self._mtp(layer)
         return (head or mtp.shared_head.head)(mtp.shared_head.norm(h_mtp)).float()
 

@@ -1,4 +1,4 @@
-"""An int8 copy of the MTP head for the drafts only (server/model/quant/draft_head.py,
+"""An int8 copy of the MTP head for the drafts only (server/engine/spec/draft_head.py,
 ``MTP_SERVE_DRAFT_HEAD``): verification keeps the model's own head, so greedy tokens with
 MTP stay those of MTP off and acceptance stays near the model head's; a bad setting is
 refused before anything loads; "auto" leaves float32 heads alone."""
@@ -10,7 +10,7 @@ import torch
 from server.config import kernel_env
 from server.engine.protocol import SamplingParams
 from server.model.kernels import settings
-from server.model.quant import draft_head as dh
+from server.engine.spec import draft_head as dh
 from server.model.quant.linear import QuantLinear
 from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_tokens
 

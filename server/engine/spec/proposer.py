@@ -108,7 +108,7 @@ class MTPProposer:
                  draft_head: torch.nn.Module | None = None) -> None:
         self.model = model
         # What the drafts' logits multiply by instead of the MTP layer's head (an int8 copy:
-        # quant/draft_head.py); verification always takes the model's own head.
+        # engine/spec/draft_head.py); verification always takes the model's own head.
         self.draft_head = draft_head
         self.static_decode = static_decode     # chained passes (one token each) take the static path
         self.kv_caches = kv_caches
@@ -317,7 +317,7 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
     chain_meta(c) -> BatchMetadata for chained pass c (1..k-1): one token per sequence;
     chain_meta(0): the first pass's last position of each sequence.
     k == 0 only writes the first pass's MTP KV (later drafts attend to it) and returns None.
-    head: the drafts' vocabulary head, if not the MTP layer's own (quant/draft_head.py).
+    head: the drafts' vocabulary head, if not the MTP layer's own (engine/spec/draft_head.py).
     """
     device = input_ids.device
     if k == 0:

@@ -45,7 +45,7 @@ from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.worker.step_graphs import StepGraphs
 from server.model.kernels.report import kernel_report
-from server.model.quant.draft_head import draft_head
+from server.engine.spec.draft_head import draft_head
 from server.model.static_decode import kv_form, supports_static_decode
 
 log = logging.getLogger("server.engine")
