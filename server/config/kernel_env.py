@@ -16,7 +16,7 @@ INT8_ENV = "MTP_SERVE_INT8_BACKEND"
 HALF_ENV = "MTP_SERVE_HALF_BACKEND"
 KERNEL_ENV = "MTP_SERVE_HALF_KERNEL"            # 0: never build or use our C kernels
 KERNEL_CACHE_ENV = "MTP_SERVE_KERNEL_CACHE"     # where it is built (~/.cache/mtp-serve/kernels)
-DRAFT_HEAD_ENV = "MTP_SERVE_DRAFT_HEAD"         # the MTP drafts' vocabulary head (engine/spec/draft_head.py)
+DRAFT_HEAD_ENV = "MTP_SERVE_DRAFT_HEAD"         # the MTP drafts' head (engine/spec/draft_head.py)
 # auto: an int8 copy where the head is 16-bit and an int8 kernel of ours serves this CPU;
 # model: the model's own head; int8: an int8 copy wherever an int8 backend runs.
 DRAFT_HEADS = ("auto", "model", "int8")
