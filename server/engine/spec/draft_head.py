@@ -55,11 +55,16 @@ def draft_head(model) -> QuantLinear | None:
     if not getattr(model, "num_mtp_layers", 0):
         return None
     head = model._mtp(0).shared_head.head
-    setting = kernel_settings().draft_head
-    if setting == "model" or type(head) is not Linear or head.weight.device.type != "cpu":
+    settings = kernel_settings()
+    if settings.draft_head == "model" or type(head) is not Linear \
+            or head.weight.device.type != "cpu":
         return None
-    backend = fastest_int8_backend(head.weight.device, head.weight.dtype)
-    if not wants_int8(head, setting, backend):
+    # The operator's int8 backend where one is forced ($MTP_SERVE_INT8_BACKEND), else the
+    # fastest measured here (once a process; a W8A8 model's load measured it already).
+    backend = settings.int8_backend
+    if backend == "auto":
+        backend = fastest_int8_backend(head.weight.device, head.weight.dtype)
+    if not wants_int8(head, settings.draft_head, backend):
         return None
     logging.getLogger("server.model").info(
         "MTP drafts take an int8 copy of the vocabulary head (%s, %.0f MB; verification keeps "
