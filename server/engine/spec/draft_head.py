@@ -59,6 +59,8 @@ def draft_head(model) -> QuantLinear | None:
     if settings.draft_head == "model" or type(head) is not Linear \
             or head.weight.device.type != "cpu":
         return None
+    if settings.draft_head == "auto" and head.weight.dtype not in (torch.bfloat16, torch.float16):
+        return None                                # nothing to measure for a float32 head
     # The operator's int8 backend where one is forced ($MTP_SERVE_INT8_BACKEND), else the
     # fastest measured here (once a process; a W8A8 model's load measured it already).
     backend = settings.int8_backend
