@@ -16,23 +16,32 @@ never.  It costs half the head's bytes in memory (0.9 GB for DeepSeek-V3's 12928
 """
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from server.model.kernels import settings as kernel_env
 from server.model.layers.linear import Linear
+from server.model.quant.int8 import fastest_int8_backend
 from server.model.quant.linear import QuantLinear
+
+log = logging.getLogger("server.model")
 
 FAST_INT8 = ("vnni", "avx2")        # int8 backends that stream the weight a byte a value
 
 
-def wants_int8(head: nn.Module, setting: str, backend: str) -> bool:
+def wants_int8(head: nn.Module, setting: str, backend: Callable[[], str]) -> bool:
     """Whether the drafts take an int8 copy of ``head`` under ``setting`` (auto, model,
-    int8) with the int8 ``backend`` this process measured fastest."""
+    int8); ``backend()`` names this process's int8 backend, asked only where "auto" on a
+    16-bit head depends on it (it may measure)."""
     if setting == "model" or type(head) is not Linear or head.weight.device.type != "cpu":
         return False
     if setting == "int8":
         return head.weight.is_floating_point()
-    return head.weight.dtype in (torch.bfloat16, torch.float16) and backend in FAST_INT8
+    return head.weight.dtype in (torch.bfloat16, torch.float16) and backend() in FAST_INT8
 
 
 def int8_head(head: Linear, backend: str) -> QuantLinear:
@@ -48,27 +57,21 @@ def int8_head(head: Linear, backend: str) -> QuantLinear:
 def draft_head(model) -> QuantLinear | None:
     """The int8 copy the first MTP layer's drafts take under ``MTP_SERVE_DRAFT_HEAD``, or
     None (the layer's own head)."""
-    import logging
-
-    from server.model.kernels.settings import kernel_settings
-    from server.model.quant.int8 import fastest_int8_backend
     if not getattr(model, "num_mtp_layers", 0):
         return None
     head = model._mtp(0).shared_head.head
-    settings = kernel_settings()
-    if settings.draft_head == "model" or type(head) is not Linear \
-            or head.weight.device.type != "cpu":
-        return None
-    if settings.draft_head == "auto" and head.weight.dtype not in (torch.bfloat16, torch.float16):
-        return None                                # nothing to measure for a float32 head
-    # The operator's int8 backend where one is forced ($MTP_SERVE_INT8_BACKEND), else the
-    # fastest measured here (once a process; a W8A8 model's load measured it already).
-    backend = settings.int8_backend
-    if backend == "auto":
-        backend = fastest_int8_backend(head.weight.device, head.weight.dtype)
+    settings = kernel_env.kernel_settings()
+
+    @functools.cache
+    def backend() -> str:
+        # The operator's int8 backend where one is forced ($MTP_SERVE_INT8_BACKEND), else
+        # the fastest measured here (once a process; a W8A8 model's load measured it).
+        if settings.int8_backend != "auto":
+            return settings.int8_backend
+        return fastest_int8_backend(head.weight.device, head.weight.dtype)
+
     if not wants_int8(head, settings.draft_head, backend):
         return None
-    logging.getLogger("server.model").info(
-        "MTP drafts take an int8 copy of the vocabulary head (%s, %.0f MB; verification keeps "
-        "the model's own)", backend, head.weight.numel() / 1e6)
-    return int8_head(head, backend)
+    log.info("MTP drafts take an int8 copy of the vocabulary head (%s, %.0f MB; verification "
+             "keeps the model's own)", backend(), head.weight.numel() / 1e6)
+    return int8_head(head, backend())
