@@ -15,6 +15,10 @@ os.environ.setdefault("MTP_SERVE_COMPILE_CPP_WRAPPER", "0")
 # Inductor compiles in this process rather than through a pool of worker processes: on
 # two cores the pool's start-up (each worker imports torch) costs more than it saves.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor trusts the CPU's reported vector flags instead of proving each by compiling and
+# loading a test library: 8 s in every process's first compile on a clean machine (CI's),
+# several times a run.  The serving path does the same (compile_step.compile_settings).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -50,28 +50,42 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     read as that cache writes and reads them."""
     q_nope, q_pe, latent, k_pe = attn._project(x, cos, sin)
     rows = torch.cat([latent, k_pe], dim=-1)
-    if isinstance(cache, tuple):
-        int8_write(cache, slots, rows)
-        ctx = int8_gather(cache, block_tables).to(x.dtype)          # [B, S, D]
-    else:
-        cache.view(-1, cache.shape[-1]).index_copy_(0, slots, rows.to(cache.dtype))
-        ctx = cache[block_tables].flatten(1, 2).to(x.dtype)        # [B, S, D]
-    dim = ctx.shape[-1]
+    dim = rows.shape[-1]
     b = block_tables.shape[0]
-    s = ctx.shape[1]
     pos = positions.view(b, -1)                                     # [B, Q]
     q_len = pos.shape[1]
-    keys = torch.arange(s, device=x.device)
+    nh, kvr = attn.num_heads, attn.kv_lora_rank
+    if isinstance(cache, tuple):
+        int8_write(cache, slots, rows)
+    else:
+        cache.view(-1, dim).index_copy_(0, slots, rows.to(cache.dtype))
+    q = attn._latent_query(q_nope, q_pe).reshape(b, q_len * nh, dim)  # row q * nH + h
+    # Where the products read the cache in place (AVX-512 BF16), no gathered context.
+    o = None if isinstance(cache, tuple) else \
+        attn.products.paged_latent_attention(q, cache, block_tables, pos, attn.scale, kvr)
+    if o is None:
+        o = attn.products.latent_attention(q, *_gathered_context(cache, block_tables, pos, nh, x.dtype),
+                                           attn.scale, kvr)
+    o = o.reshape(b * q_len, nh, kvr)
+    return attn.o_proj(attn._value_out(o))
+
+
+def _gathered_context(cache, block_tables: torch.Tensor, pos: torch.Tensor, heads: int,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend``'s context where the products cannot read the cache in place: (every
+    sequence's cache rows gathered through its block table [B, S, D], each query row's
+    causal mask as an additive bias [B, Q * heads, S])."""
+    if isinstance(cache, tuple):
+        ctx = int8_gather(cache, block_tables).to(dtype)               # [B, S, D]
+    else:
+        ctx = cache[block_tables].flatten(1, 2).to(dtype)              # [B, S, D]
+    keys = torch.arange(ctx.shape[1], device=ctx.device)
     # Rows past a sequence's last position may hold anything (even NaN): zero them so the
     # masked scores stay finite.  The last query row of a sequence has its largest position.
     ctx = torch.where((keys[None, :] <= pos[:, -1:])[..., None], ctx, 0.0)
-    nh, kvr = attn.num_heads, attn.kv_lora_rank
-    q = attn._latent_query(q_nope, q_pe).reshape(b, q_len * nh, dim)  # row q * nH + h
     visible = keys[None, None, :] <= pos[:, :, None]                # [B, Q, S]
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
-    bias = bias.repeat_interleave(nh, dim=1)                        # [B, Q * nH, S]
-    o = attn.products.latent_attention(q, ctx, bias, attn.scale, kvr).reshape(b * q_len, nh, kvr)
-    return attn.o_proj(attn._value_out(o))
+    bias = torch.zeros(visible.shape, dtype=dtype, device=ctx.device).masked_fill(~visible, float("-inf"))
+    return ctx, bias.repeat_interleave(heads, dim=1)                # [B, Q * heads, S]
 
 
 def dense_moe(moe, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -261,6 +261,48 @@ def test_a_windows_latent_attention_is_each_rows_own_in_float32(dim, kvr, ctx_le
     assert torch.equal(fn(q, ctx, bias.to(torch.bfloat16)), got.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dim, kvr, block_size, heads", [(448, 384, 16, 12), (70, 37, 5, 3), (40, 32, 4, 17)])
+def test_the_paged_latent_attention_is_the_gathered_ones_numbers(dim, kvr, block_size, heads):
+    """bf16_attend_paged reads the cache through the block tables with the causal mask of
+    each query's position: value for value what bf16_attend gives over the gathered,
+    masked context the step built before (blocks out of order, a shorter sequence, a
+    verify window of 3 tokens, blocks of a size not a multiple of 4, NaN in rows no query
+    sees; heads scored in one group or several, of sizes the weighted sum splits)."""
+    _needs("avx512_bf16")
+    if not native.native_ops():
+        pytest.skip("ops.cpp cannot be built here")
+    from server.model.static_decode import _gathered_context
+    g = torch.Generator().manual_seed(9)
+    q_len = 3
+    cache = torch.randn(12, block_size, dim, generator=g).to(torch.bfloat16)
+    cache[0] = float("nan")                                   # padding's block: never read
+    tables = torch.tensor([[7, 2, 9, 4], [3, 11, 0, 0]])
+    pos = torch.tensor([[3 * block_size + 1, 3 * block_size + 2, 3 * block_size + 3],
+                        [block_size - 1, block_size, block_size + 1]])
+    cache[4, 4:] = float("nan")                               # past the first sequence's last row
+    q = torch.randn(2, q_len * heads, dim, generator=g).to(torch.bfloat16)
+    scale = dim ** -0.5
+    ctx, bias = _gathered_context(cache, tables, pos, heads, torch.bfloat16)
+    want = torch.ops.mtp_native.bf16_attend(q, ctx, bias.float(), scale, kvr)
+    got = torch.ops.mtp_native.bf16_attend_paged(q, cache, tables, pos, scale, kvr)
+    assert torch.equal(got, want)
+    # A lone window traced in a window's form takes it (no gathered context in its graph).
+    lone = avx512.Avx512Products().window("lone")
+    fn = torch.compile(lambda q, c, t, p: lone.paged_latent_attention(q, c, t, p, scale, kvr),
+                       dynamic=False, fullgraph=True)
+    assert torch.equal(fn(q, cache, tables, pos), want.to(torch.bfloat16))
+    assert lone.paged_latent_attention(q, cache, tables, pos, scale, kvr) is None   # eager: gathered
+    op = torch.ops.mtp_native.bf16_attend_paged
+    with pytest.raises(RuntimeError, match="block 12 outside the cache's 12"):
+        op(q, cache, torch.tensor([[7, 2, 9, 12], [3, 11, 0, 0]]), pos, scale, kvr)
+    with pytest.raises(RuntimeError, match="position .* outside the"):
+        op(q, cache, tables[:, :2].contiguous(), pos, scale, kvr)
+    with pytest.raises(RuntimeError, match="query rows are not 5 tokens"):
+        op(q, cache, tables, torch.zeros(2, 5, dtype=torch.long), scale, kvr)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(q, cache, tables.int(), pos, scale, kvr)
+
+
 def test_bf16_attend_checks_its_arguments():
     _needs("avx512_bf16")
     if not native.native_ops():

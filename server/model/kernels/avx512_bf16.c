@@ -320,13 +320,13 @@ static inline __m512 widen16(const uint16_t *p, long n) {
 }
 
 /* p[0..end) = softmax(p * scale + bias), -inf bias lanes exactly 0; false when nothing
- * is visible. */
+ * is visible.  A NULL bias is all zeros (every position before ``end`` visible). */
 static int softmax_row(float *p, const float *bias, long end, float scale) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 top = ninf;
     for (long s = 0; s < end; s += 16) {
         __mmask16 m = first(end - s);
-        __m512 b = _mm512_maskz_loadu_ps(m, bias + s);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + s) : _mm512_setzero_ps();
         __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + s), _mm512_set1_ps(scale), b);
         /* A -inf bias wins whatever the score (a NaN row the query cannot see). */
         v = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(m, b, ninf, _CMP_NEQ_OQ), ninf, v);
@@ -414,6 +414,156 @@ void bf16_attend(const uint16_t *q, long B, long R, long D, const uint16_t *ctx,
             long cols = kvr - c0 < SUM_VECS * 16 ? kvr - c0 : SUM_VECS * 16;
             weighted_sum(pr, end, cb + c0, D, cols, o + c0);
         }
+    }
+}
+
+#define GROUP_HEADS 8     /* most heads a work item of bf16_attend_paged scores together */
+#define SUM_HEADS 3       /* heads a weighted-sum pass accumulates together (3 x SUM_VECS regs) */
+
+/* Position s of a sequence: row s % bs of cache block table[s / bs]. */
+static inline const uint16_t *cache_row(const uint16_t *cache, long bs, const long *table, long D,
+                                        long s) {
+    return cache + (table[s / bs] * bs + s % bs) * D;
+}
+
+/* Scores of n <= GROUP_HEADS heads' queries (consecutive rows of D) at positions 0 ..
+ * end: p[h * S + s] = q_h . row_s, each the chain ``dot`` makes, every context row read
+ * once for all n heads.  Inlined with n a constant (``group_scores``), so the n chains
+ * live in registers. */
+static inline __attribute__((always_inline)) void scores_n(
+        const uint16_t *q, const int n, long D, const uint16_t *cache, long bs, const long *table,
+        long end, float *p, long S) {
+    long k32 = D & ~31L;
+    for (long s = 0; s < end; s++) {
+        const uint16_t *row = cache_row(cache, bs, table, D, s);
+        __m512 acc[GROUP_HEADS];
+        for (int h = 0; h < n; h++) acc[h] = _mm512_setzero_ps();
+        for (long k = 0; k < k32; k += 32) {
+            __m512bh r = load_bh(row + k);
+            for (int h = 0; h < n; h++) acc[h] = _mm512_dpbf16_ps(acc[h], load_bh(q + h * D + k), r);
+        }
+        if (k32 < D) {
+            __m512bh r = load_bh_tail(row + k32, D - k32);
+            for (int h = 0; h < n; h++)
+                acc[h] = _mm512_dpbf16_ps(acc[h], load_bh_tail(q + h * D + k32, D - k32), r);
+        }
+        for (int h = 0; h < n; h++) p[h * S + s] = _mm512_reduce_add_ps(acc[h]);
+    }
+}
+
+static void group_scores(const uint16_t *q, int n, long D, const uint16_t *cache, long bs,
+                         const long *table, long end, float *p, long S) {
+    switch (n) {
+    case 1: scores_n(q, 1, D, cache, bs, table, end, p, S); break;
+    case 2: scores_n(q, 2, D, cache, bs, table, end, p, S); break;
+    case 3: scores_n(q, 3, D, cache, bs, table, end, p, S); break;
+    case 4: scores_n(q, 4, D, cache, bs, table, end, p, S); break;
+    case 5: scores_n(q, 5, D, cache, bs, table, end, p, S); break;
+    case 6: scores_n(q, 6, D, cache, bs, table, end, p, S); break;
+    case 7: scores_n(q, 7, D, cache, bs, table, end, p, S); break;
+    default: scores_n(q, 8, D, cache, bs, table, end, p, S); break;
+    }
+}
+
+/* ``weighted_sum`` of n <= SUM_HEADS heads at once over a whole block of SUM_VECS vectors
+ * (head h: weights p + h * S, output o + h * ldo), each context row's columns c0 .. c0 +
+ * SUM_VECS x 16 loaded once for them: each head's sums the same, in the same order.
+ * Inlined with n a constant, as ``scores_n``. */
+static inline __attribute__((always_inline)) void sums_n(
+        const float *p, long S, const int n, long end, const uint16_t *cache, long bs,
+        const long *table, long D, long c0, float *o, long ldo) {
+    __m512 acc[SUM_HEADS][SUM_VECS];
+    for (int h = 0; h < n; h++)
+        for (int v = 0; v < SUM_VECS; v++) acc[h][v] = _mm512_setzero_ps();
+    for (long s = 0; s < end; s++) {
+        const uint16_t *row = cache_row(cache, bs, table, D, s) + c0;
+        __m512 f[SUM_VECS];
+        for (int v = 0; v < SUM_VECS; v++) {
+            __m256i h16 = _mm256_loadu_si256((const __m256i *)(row + v * 16));
+            f[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
+        }
+        for (int h = 0; h < n; h++) {
+            float w = p[h * S + s];
+            if (w == 0.0f) continue;
+            __m512 wv = _mm512_set1_ps(w);
+            for (int v = 0; v < SUM_VECS; v++) acc[h][v] = _mm512_fmadd_ps(wv, f[v], acc[h][v]);
+        }
+    }
+    for (int h = 0; h < n; h++)
+        for (int v = 0; v < SUM_VECS; v++) _mm512_storeu_ps(o + h * ldo + v * 16, acc[h][v]);
+}
+
+/* ``weighted_sum`` through the block table for n heads: whole blocks of columns SUM_HEADS
+ * heads at a time (``sums_n``), a tail block head by head. */
+static void group_weighted_sum(const float *p, long S, int n, long end, const uint16_t *cache, long bs,
+                               const long *table, long D, long kvr, float *o) {
+    for (long c0 = 0; c0 < kvr; c0 += SUM_VECS * 16) {
+        long cols = kvr - c0;
+        if (cols >= SUM_VECS * 16) {
+            for (int h = 0; h < n; h += SUM_HEADS) {
+                const float *ph = p + h * S;
+                float *oh = o + h * kvr + c0;
+                switch (n - h) {
+                case 1: sums_n(ph, S, 1, end, cache, bs, table, D, c0, oh, kvr); break;
+                case 2: sums_n(ph, S, 2, end, cache, bs, table, D, c0, oh, kvr); break;
+                default: sums_n(ph, S, SUM_HEADS, end, cache, bs, table, D, c0, oh, kvr); break;
+                }
+            }
+            continue;
+        }
+        for (int h = 0; h < n; h++) {
+            __m512 acc[SUM_VECS];
+            int vecs = (int)((cols + 15) / 16);
+            for (int v = 0; v < SUM_VECS; v++) acc[v] = _mm512_setzero_ps();
+            for (long s = 0; s < end; s++) {
+                float w = p[h * S + s];
+                if (w == 0.0f) continue;
+                __m512 wv = _mm512_set1_ps(w);
+                const uint16_t *row = cache_row(cache, bs, table, D, s) + c0;
+                for (int v = 0; v < vecs; v++)
+                    acc[v] = _mm512_fmadd_ps(wv, widen16(row + v * 16, cols - v * 16), acc[v]);
+            }
+            for (int v = 0; v < vecs; v++)
+                _mm512_mask_storeu_ps(o + h * kvr + c0 + v * 16, first(cols - v * 16), acc[v]);
+        }
+    }
+}
+
+/* ``bf16_attend`` reading the latent cache in place through the block tables, with the
+ * causal mask from the positions: query row r of sequence b (window token t = r / heads,
+ * heads = R / Q) sees positions 0 .. pos[b, t].  cache bf16 [blocks, bs, D], tables int64
+ * [B, nb], pos int64 [B, Q], p float32 [B, R, nb * bs] scratch.  A work item is a group of
+ * one token's heads: MLA's heads share every context row, so a row is read once a group,
+ * not once a head (bf16_attend re-read the context once a head: at 1.5K positions that,
+ * not the arithmetic, was most of a layer's ~400 us of attention on the 0.5b model).  Each
+ * head's chains are ``bf16_attend``'s, in the same order: the same numbers, without the
+ * step's gathered copy of every context, its masking and its [B, R, S] bias. */
+void bf16_attend_paged(const uint16_t *q, long B, long R, long D, const uint16_t *cache, long bs,
+                       const long *tables, long nb, const long *pos, long Q, float scale, long kvr,
+                       float *out, float *p, int threads) {
+    long heads = R / Q, S = nb * bs, tokens = B * Q;
+    /* Enough groups for every thread where the tokens are fewer, of at most GROUP_HEADS. */
+    long groups = (heads + GROUP_HEADS - 1) / GROUP_HEADS;
+    long want = (threads + tokens - 1) / tokens;
+    if (want > groups) groups = want < heads ? want : heads;
+    long size = (heads + groups - 1) / groups;
+    groups = (heads + size - 1) / size;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long item = 0; item < tokens * groups; item++) {
+        long token = item / groups, h0 = item % groups * size;
+        int n = (int)(heads - h0 < size ? heads - h0 : size);
+        long b = token / Q, j = token * heads + h0;         /* the group's first row */
+        const long *table = tables + b * nb;
+        long end = pos[token] + 1;
+        float *pr = p + j * S;
+        group_scores(q + j * D, n, D, cache, bs, table, end, pr, S);
+        int live[GROUP_HEADS];
+        for (int h = 0; h < n; h++) {
+            live[h] = softmax_row(pr + h * S, NULL, end, scale);
+            if (!live[h])                                   /* nothing visible: zeros */
+                for (long s = 0; s < end; s++) pr[h * S + s] = 0.0f;
+        }
+        group_weighted_sum(pr, S, n, end, cache, bs, table, D, kvr, out + j * kvr);
     }
 }
 

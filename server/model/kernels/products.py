@@ -54,6 +54,15 @@ class Products:
         scores = torch.baddbmm(bias.to(q.dtype), q, ctx.transpose(1, 2), alpha=scale)
         return torch.bmm(scores.softmax(-1), ctx[:, :, :kvr])
 
+    def paged_latent_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                               positions: torch.Tensor, scale: float, kvr: int) -> torch.Tensor | None:
+        """``latent_attention`` reading a float cache [blocks, block size, D] in place through
+        the block tables [B, nb], each query seeing its sequence's positions up to its own
+        (positions [B, Q]; q [B, Q * heads, D], token-major) -> [B, R, kvr] in q's dtype, or
+        None where this backend has no such kernel (the step then gathers the context and
+        masks it)."""
+        return None
+
     def experts(self, xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor | None:
         """A routed MoE's float experts over their rows in one call (xs [A, H], expert e's rows
