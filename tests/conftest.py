@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MTP_SERVE_COMPILE", "0")
 # The compiled-step tests' graphs call their kernels from Python, not a C++ wrapper: ~9 s
 # less compile a graph, and a clean checkout compiles ~30 of them cold.  The C++ wrapper
-# (the default) is compiled, saved and loaded by tests/model/test_bf16_cpu.py.
+# (the default) is compiled, saved and loaded by tests/model/test_half_cpu.py.
 os.environ.setdefault("MTP_SERVE_COMPILE_CPP_WRAPPER", "0")
 # Inductor compiles in this process rather than through a pool of worker processes: on
 # two cores the pool's start-up (each worker imports torch) costs more than it saves.
@@ -146,7 +146,7 @@ def pytest_collection_finish(session):
         if marks is not None:
             (marks / f"{_mark(test)}.wanted").touch()
     # Each set's cache folder and compile settings, read now: once tests run, one of them
-    # may set the compile environment for a while (test_bf16_cpu.py's C++ wrapper), and a
+    # may set the compile environment for a while (test_half_cpu.py's C++ wrapper), and a
     # set keyed or compiled under it is one no test asks for.
     jobs = [(test, *_warm_job(plan, q)) for test, plan, q in wanted]
 
