@@ -61,8 +61,7 @@ def attend(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         cache.view(-1, dim).index_copy_(0, slots, rows.to(cache.dtype))
     q = attn._latent_query(q_nope, q_pe).reshape(b, q_len * nh, dim)  # row q * nH + h
     # Where the products read the cache in place (AVX-512 BF16), no gathered context.
-    o = None if isinstance(cache, tuple) else \
-        attn.products.paged_latent_attention(q, cache, block_tables, pos, attn.scale, kvr)
+    o = attn.products.paged_latent_attention(q, cache, block_tables, pos, attn.scale, kvr)
     if o is None:
         o = attn.products.latent_attention(q, *_gathered_context(cache, block_tables, pos, nh, x.dtype),
                                            attn.scale, kvr)

@@ -303,6 +303,40 @@ def test_the_paged_latent_attention_is_the_gathered_ones_numbers(dim, kvr, block
         op(q, cache, tables.int(), pos, scale, kvr)
 
 
+@pytest.mark.parametrize("kvr, rope_dim, block_size, heads", [(384, 64, 16, 12), (37, 33, 5, 3)])
+def test_the_paged_attention_of_an_int8_cache_is_the_gathered_ones_numbers(kvr, rope_dim, block_size, heads):
+    """bf16_attend_paged_i8 dequantizes the rows a query can see as the step's int8_gather
+    does (bf16(int8 x scale), the RoPE part as stored) and attends over them: value for value
+    bf16_attend over the gathered int8 context; the traced window form takes it."""
+    _needs("avx512_bf16")
+    if not native.native_ops():
+        pytest.skip("ops.cpp cannot be built here")
+    from server.model.layers.latent_cache import Int8LatentCache, int8_write
+    from server.model.static_decode import _gathered_context
+    g = torch.Generator().manual_seed(10)
+    dim, q_len = kvr + rope_dim, 2
+    cache = Int8LatentCache(12, block_size, kvr, rope_dim, torch.bfloat16, "cpu").block_tensors()
+    int8_write(cache, torch.arange(12 * block_size), torch.randn(12 * block_size, dim, generator=g) * 3)
+    tables = torch.tensor([[7, 2, 9, 4], [3, 11, 0, 0]])
+    pos = torch.tensor([[3 * block_size + 1, 3 * block_size + 2], [block_size - 1, block_size]])
+    q = torch.randn(2, q_len * heads, dim, generator=g).to(torch.bfloat16)
+    scale = dim ** -0.5
+    ctx, bias = _gathered_context(cache, tables, pos, heads, torch.bfloat16)
+    want = torch.ops.mtp_native.bf16_attend(q, ctx, bias.float(), scale, kvr)
+    got = torch.ops.mtp_native.bf16_attend_paged_i8(q, *cache, tables, pos, scale, kvr)
+    assert torch.equal(got, want)
+    lone = avx512.Avx512Products().window("lone")
+    fn = torch.compile(lambda q, c, t, p: lone.paged_latent_attention(q, c, t, p, scale, kvr),
+                       dynamic=False, fullgraph=True)
+    assert torch.equal(fn(q, cache, tables, pos), want.to(torch.bfloat16))
+    latent, scales, rope = cache
+    with pytest.raises(RuntimeError, match="one value a row"):
+        torch.ops.mtp_native.bf16_attend_paged_i8(q, latent, scales[:6].contiguous(), rope, tables, pos, scale, kvr)
+    with pytest.raises(RuntimeError, match="features, q"):
+        torch.ops.mtp_native.bf16_attend_paged_i8(q, latent, scales, rope[..., 1:].contiguous(), tables, pos,
+                                                  scale, kvr)
+
+
 def test_bf16_attend_checks_its_arguments():
     _needs("avx512_bf16")
     if not native.native_ops():

@@ -187,15 +187,23 @@ class Avx512Window(Avx512Products):
         return out.to(q.dtype)
 
     def paged_latent_attention(self, q, cache, block_tables, positions, scale, kvr):
-        """Traced, avx512_bf16.c's ``bf16_attend_paged``: ``bf16_attend``'s numbers, the
-        context read in place through the block tables (no gathered copy of every sequence's
-        context, no mask or bias tensors: at 1.5K positions those cost ~300 us a layer on the
-        0.5b model)."""
-        if (not torch.compiler.is_compiling() or q.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16
+        """Traced, avx512_bf16.c's ``bf16_attend_paged`` (an int8 cache's tensors:
+        ``bf16_attend_paged_i8``, its rows dequantized as the step's int8_gather does them):
+        ``bf16_attend``'s numbers, the context read in place through the block tables (no
+        gathered copy of every sequence's context, no mask or bias tensors: at 1.5K positions
+        those cost ~300 us a layer on the 0.5b model)."""
+        int8 = isinstance(cache, tuple)
+        stored = cache[2] if int8 else cache                    # bf16 rows (the RoPE part of int8)
+        if (not torch.compiler.is_compiling() or q.dtype != torch.bfloat16 or stored.dtype != torch.bfloat16
                 or not ops_ready() or q.device.type != "cpu"):
             return None
-        out = torch.ops.mtp_native.bf16_attend_paged(q.contiguous(), cache, block_tables.long().contiguous(),
-                                                     positions.long().contiguous(), scale, kvr)
+        tables, pos = block_tables.long().contiguous(), positions.long().contiguous()
+        if int8:
+            latent, scales, rope = cache
+            out = torch.ops.mtp_native.bf16_attend_paged_i8(q.contiguous(), latent, scales, rope, tables, pos,
+                                                            scale, kvr)
+        else:
+            out = torch.ops.mtp_native.bf16_attend_paged(q.contiguous(), cache, tables, pos, scale, kvr)
         return out.to(q.dtype)
 
 

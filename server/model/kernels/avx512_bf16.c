@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <alloca.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define COLS 4          /* weight rows streamed together: 4 reads in flight per thread */
 #define MAXR 4          /* rows of x per block */
@@ -529,6 +530,28 @@ static void group_weighted_sum(const float *p, long S, int n, long end, const ui
     }
 }
 
+/* One work item of the paged attention: n heads of one token (queries q, consecutive rows
+ * of D; scores p, rows S apart; outputs o, rows kvr apart) over positions 0 .. end. */
+static void attend_group(const uint16_t *q, int n, long D, const uint16_t *cache, long bs,
+                         const long *table, long end, float scale, long kvr, float *p, long S,
+                         float *o) {
+    group_scores(q, n, D, cache, bs, table, end, p, S);
+    for (int h = 0; h < n; h++)
+        if (!softmax_row(p + h * S, NULL, end, scale))          /* nothing visible: zeros */
+            for (long s = 0; s < end; s++) p[h * S + s] = 0.0f;
+    group_weighted_sum(p, S, n, end, cache, bs, table, D, kvr, o);
+}
+
+/* Heads a work item takes: enough groups for every thread where the tokens are fewer, of at
+ * most GROUP_HEADS heads; returns the number of groups. */
+static long head_groups(long heads, long tokens, int threads, long *size) {
+    long groups = (heads + GROUP_HEADS - 1) / GROUP_HEADS;
+    long want = (threads + tokens - 1) / tokens;
+    if (want > groups) groups = want < heads ? want : heads;
+    *size = (heads + groups - 1) / groups;
+    return (heads + *size - 1) / *size;
+}
+
 /* ``bf16_attend`` reading the latent cache in place through the block tables, with the
  * causal mask from the positions: query row r of sequence b (window token t = r / heads,
  * heads = R / Q) sees positions 0 .. pos[b, t].  cache bf16 [blocks, bs, D], tables int64
@@ -541,26 +564,60 @@ static void group_weighted_sum(const float *p, long S, int n, long end, const ui
 void bf16_attend_paged(const uint16_t *q, long B, long R, long D, const uint16_t *cache, long bs,
                        const long *tables, long nb, const long *pos, long Q, float scale, long kvr,
                        float *out, float *p, int threads) {
-    long heads = R / Q, S = nb * bs, tokens = B * Q;
-    /* Enough groups for every thread where the tokens are fewer, of at most GROUP_HEADS. */
-    long groups = (heads + GROUP_HEADS - 1) / GROUP_HEADS;
-    long want = (threads + tokens - 1) / tokens;
-    if (want > groups) groups = want < heads ? want : heads;
-    long size = (heads + groups - 1) / groups;
-    groups = (heads + size - 1) / size;
+    long heads = R / Q, S = nb * bs, tokens = B * Q, size;
+    long groups = head_groups(heads, tokens, threads, &size);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long item = 0; item < tokens * groups; item++) {
         long token = item / groups, h0 = item % groups * size;
         int n = (int)(heads - h0 < size ? heads - h0 : size);
-        long b = token / Q, j = token * heads + h0;         /* the group's first row */
-        const long *table = tables + b * nb;
-        long end = pos[token] + 1;
-        float *pr = p + j * S;
-        group_scores(q + j * D, n, D, cache, bs, table, end, pr, S);
-        for (int h = 0; h < n; h++)
-            if (!softmax_row(pr + h * S, NULL, end, scale))     /* nothing visible: zeros */
-                for (long s = 0; s < end; s++) pr[h * S + s] = 0.0f;
-        group_weighted_sum(pr, S, n, end, cache, bs, table, D, kvr, out + j * kvr);
+        long j = token * heads + h0;                        /* the group's first row */
+        attend_group(q + j * D, n, D, cache, bs, tables + token / Q * nb, pos[token] + 1, scale, kvr,
+                     p + j * S, S, out + j * kvr);
+    }
+}
+
+/* ``bf16_attend_paged`` on an int8 latent cache (layers/latent_cache.py Int8LatentCache):
+ * latent int8 [blocks, bs, L], scale float32 [blocks, bs] (one a token), rope bf16 [blocks,
+ * bs, P], L + P = D.  First every sequence's rows up to its window's largest position are
+ * dequantized as the step's int8_gather does them (bf16(float(q) x scale), rounded to
+ * nearest even; the RoPE part as stored) into buf (bf16 [B, nb * bs, D]), shared out row
+ * by row; then the work items attend over them: the numbers of bf16_attend over the
+ * gathered int8 context, without the step's masked copy and bias. */
+void bf16_attend_paged_i8(const uint16_t *q, long B, long R, long D, const int8_t *latent,
+                          const float *scales, const uint16_t *rope, long bs, long L, const long *tables,
+                          long nb, const long *pos, long Q, float scale, long kvr, float *out, float *p,
+                          uint16_t *buf, int threads) {
+    long heads = R / Q, S = nb * bs, tokens = B * Q, P = D - L, size;
+    long groups = head_groups(heads, tokens, threads, &size);
+    static const long whole = 0;                            /* a sequence's rows: one block of S */
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (long r = 0; r < B * S; r++) {
+            long b = r / S, s = r % S, last = 0;
+            for (long t = 0; t < Q; t++) last = pos[b * Q + t] > last ? pos[b * Q + t] : last;
+            if (s > last) continue;                           /* no query of b sees it */
+            long slot = tables[b * nb + s / bs] * bs + s % bs;
+            const int8_t *lq = latent + slot * L;
+            __m512 sc = _mm512_set1_ps(scales[slot]);
+            uint16_t *o = buf + r * D;
+            for (long c = 0; c < L; c += 16) {
+                __mmask16 m = first(L - c);
+                __m128i b8 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8((__mmask64)m, lq + c));
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b8)), sc);
+                __m512i h = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(f));
+                _mm512_mask_storeu_epi16(o + c, (__mmask32)m, h);
+            }
+            memcpy(o + L, rope + slot * P, (size_t)P * sizeof(uint16_t));
+        }
+        #pragma omp for schedule(static)
+        for (long item = 0; item < tokens * groups; item++) {
+            long token = item / groups, h0 = item % groups * size;
+            int n = (int)(heads - h0 < size ? heads - h0 : size);
+            long j = token * heads + h0;
+            attend_group(q + j * D, n, D, buf + token / Q * S * D, S, &whole, pos[token] + 1, scale, kvr,
+                         p + j * S, S, out + j * kvr);
+        }
     }
 }
 

@@ -158,8 +158,9 @@ def ops_ready() -> bool:
     return native_ops()
 
 
-_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_attend_paged", "bf16_moe", "bf16_heads",
-                 "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16", "int8_mm", "int8_rows")
+_ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_attend_paged", "bf16_attend_paged_i8",
+                 "bf16_moe", "bf16_heads", "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16", "int8_mm",
+                 "int8_rows")
 
 
 def _build_ops(cxx: str) -> Path:
@@ -208,4 +209,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("mtp_native::bf16_attend_paged")(
         lambda q, cache, tables, pos, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr,
                                                               dtype=torch.float32))
+    torch.library.register_fake("mtp_native::bf16_attend_paged_i8")(
+        lambda q, latent, scales, rope, tables, pos, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr,
+                                                                             dtype=torch.float32))
 

@@ -33,12 +33,15 @@ using attend_fn = void (*)(const void*, long, long, long, const void*, long, con
                            void*, void*, int);
 using paged_fn = void (*)(const void*, long, long, long, const void*, long, const void*, long, const void*,
                           long, float, long, void*, void*, int);
+using paged_i8_fn = void (*)(const void*, long, long, long, const void*, const void*, const void*, long, long,
+                             const void*, long, const void*, long, float, long, void*, void*, void*, int);
 
 struct Kernels {
   mm_fn bf16_mm = nullptr;           // avx512_bf16.c
   rows_fn bf16_rows = nullptr;
   attend_fn bf16_attend = nullptr;
   paged_fn bf16_attend_paged = nullptr;
+  paged_i8_fn bf16_attend_paged_i8 = nullptr;
   moe_fn bf16_moe = nullptr;
   heads_fn bf16_heads = nullptr;
   mm_status_fn i8_mm = nullptr;      // avx512_vnni.c
@@ -252,38 +255,78 @@ at::Tensor bf16_attend(const at::Tensor& q, const at::Tensor& ctx, const at::Ten
 // q bf16 [B, R, D], cache bf16 [blocks, bs, D], tables int64 [B, nb], pos int64 [B, Q]
 // (R a multiple of Q) -> float32 [B, R, kvr]: bf16_attend over each sequence's positions
 // 0 .. pos read through its block table.  Every block a row can see is checked first.
-at::Tensor bf16_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                             const at::Tensor& pos, double scale, int64_t kvr) {
-  need(reinterpret_cast<const void*>(kernels.bf16_attend_paged), "bf16_attend_paged");
-  for (const at::Tensor* t : {&q, &cache})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->is_contiguous(),
-                "bf16_attend_paged: q and cache must be contiguous 3-d CPU tensors of BFloat16");
+// The rules both paged attentions check before a kernel reads anything: q bf16 [B, R, D],
+// tables / positions int64 [B, nb] / [B, Q] (R a multiple of Q), every position inside its
+// table and every block a query can see inside the cache's ``blocks`` of ``bs`` rows.
+void check_paged(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& pos, int64_t blocks,
+                 int64_t bs, int64_t kvr, const char* name) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.is_contiguous(),
+              name, ": q must be a contiguous 3-d CPU tensor of BFloat16");
   for (const at::Tensor* t : {&tables, &pos})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 2 && t->is_contiguous(),
-                "bf16_attend_paged: block tables and positions must be contiguous 2-d CPU tensors of int64");
-  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), blocks = cache.size(0), bs = cache.size(1);
-  const int64_t nb = tables.size(1), Q = pos.size(1);
-  TORCH_CHECK(cache.size(2) == D, "bf16_attend_paged: cache rows have ", cache.size(2), " features, q ", D);
-  TORCH_CHECK(tables.size(0) == B && pos.size(0) == B, "bf16_attend_paged: ", B, " sequences in q, ",
+                name, ": block tables and positions must be contiguous 2-d CPU tensors of int64");
+  const int64_t B = q.size(0), R = q.size(1), nb = tables.size(1), Q = pos.size(1);
+  TORCH_CHECK(tables.size(0) == B && pos.size(0) == B, name, ": ", B, " sequences in q, ",
               tables.size(0), " block tables, ", pos.size(0), " position rows");
-  TORCH_CHECK(Q > 0 && R % Q == 0, "bf16_attend_paged: ", R, " query rows are not ", Q, " tokens' heads");
-  TORCH_CHECK(kvr > 0 && kvr <= D, "bf16_attend_paged: kvr ", kvr, " outside (0, ", D, "]");
+  TORCH_CHECK(Q > 0 && R % Q == 0, name, ": ", R, " query rows are not ", Q, " tokens' heads");
+  TORCH_CHECK(kvr > 0 && kvr <= q.size(2), name, ": kvr ", kvr, " outside (0, ", q.size(2), "]");
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t* ps = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++)
     for (int64_t t = 0; t < Q; t++) {
       const int64_t p = ps[b * Q + t];
-      TORCH_CHECK(p >= 0 && p < nb * bs, "bf16_attend_paged: position ", p, " outside the ", nb * bs,
+      TORCH_CHECK(p >= 0 && p < nb * bs, name, ": position ", p, " outside the ", nb * bs,
                   " its block table holds");
       for (int64_t k = 0; k <= p / bs; k++)
-        TORCH_CHECK(tb[b * nb + k] >= 0 && tb[b * nb + k] < blocks, "bf16_attend_paged: block ",
-                    tb[b * nb + k], " outside the cache's ", blocks);
+        TORCH_CHECK(tb[b * nb + k] >= 0 && tb[b * nb + k] < blocks, name, ": block ", tb[b * nb + k],
+                    " outside the cache's ", blocks);
     }
+}
+
+at::Tensor bf16_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                             const at::Tensor& pos, double scale, int64_t kvr) {
+  need(reinterpret_cast<const void*>(kernels.bf16_attend_paged), "bf16_attend_paged");
+  TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 3 &&
+              cache.is_contiguous(), "bf16_attend_paged: cache must be a contiguous 3-d CPU tensor of BFloat16");
+  check_paged(q, tables, pos, cache.size(0), cache.size(1), kvr, "bf16_attend_paged");
+  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), bs = cache.size(1);
+  const int64_t nb = tables.size(1), Q = pos.size(1);
+  TORCH_CHECK(cache.size(2) == D, "bf16_attend_paged: cache rows have ", cache.size(2), " features, q ", D);
   auto out = at::empty({B, R, kvr}, q.options().dtype(at::kFloat));
   auto p = at::empty({B, R, nb * bs}, q.options().dtype(at::kFloat));
   if (B * R == 0) return out;
-  kernels.bf16_attend_paged(q.data_ptr(), B, R, D, cache.data_ptr(), bs, tb, nb, ps, Q,
-                            static_cast<float>(scale), kvr, out.data_ptr(), p.data_ptr(), at::get_num_threads());
+  kernels.bf16_attend_paged(q.data_ptr(), B, R, D, cache.data_ptr(), bs, tables.data_ptr(), nb,
+                            pos.data_ptr(), Q, static_cast<float>(scale), kvr, out.data_ptr(), p.data_ptr(),
+                            at::get_num_threads());
+  return out;
+}
+
+// An int8 latent cache's tensors (latent int8 [blocks, bs, L], scale float32 [blocks, bs, 1],
+// rope bf16 [blocks, bs, P], L + P = D): bf16_attend_paged over its rows dequantized.
+at::Tensor bf16_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& scales,
+                                const at::Tensor& rope, const at::Tensor& tables, const at::Tensor& pos,
+                                double scale, int64_t kvr) {
+  const char* name = "bf16_attend_paged_i8";
+  need(reinterpret_cast<const void*>(kernels.bf16_attend_paged_i8), name);
+  TORCH_CHECK(latent.device().is_cpu() && latent.scalar_type() == at::kChar && latent.dim() == 3 &&
+              latent.is_contiguous(), name, ": latent must be a contiguous 3-d CPU tensor of int8");
+  const int64_t blocks = latent.size(0), bs = latent.size(1), L = latent.size(2);
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              scales.numel() == blocks * bs, name, ": scale must be a contiguous float32 tensor of one value a row");
+  TORCH_CHECK(rope.device().is_cpu() && rope.scalar_type() == at::kBFloat16 && rope.dim() == 3 &&
+              rope.is_contiguous() && rope.size(0) == blocks && rope.size(1) == bs, name,
+              ": rope must be a contiguous [blocks, block size, P] CPU tensor of BFloat16");
+  check_paged(q, tables, pos, blocks, bs, kvr, name);
+  const int64_t B = q.size(0), R = q.size(1), D = q.size(2), nb = tables.size(1), Q = pos.size(1);
+  TORCH_CHECK(L + rope.size(2) == D, name, ": cache rows have ", L, " + ", rope.size(2), " features, q ", D);
+  const int threads = at::get_num_threads();
+  auto out = at::empty({B, R, kvr}, q.options().dtype(at::kFloat));
+  auto p = at::empty({B, R, nb * bs}, q.options().dtype(at::kFloat));
+  auto buf = at::empty({B, nb * bs, D}, q.options());
+  if (B * R == 0) return out;
+  kernels.bf16_attend_paged_i8(q.data_ptr(), B, R, D, latent.data_ptr(), scales.data_ptr(), rope.data_ptr(), bs,
+                               L, tables.data_ptr(), nb, pos.data_ptr(), Q, static_cast<float>(scale), kvr,
+                               out.data_ptr(), p.data_ptr(), buf.data_ptr(), threads);
   return out;
 }
 
@@ -295,6 +338,7 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"bf16_rows", reinterpret_cast<void**>(&kernels.bf16_rows)},
       {"bf16_attend", reinterpret_cast<void**>(&kernels.bf16_attend)},
       {"bf16_attend_paged", reinterpret_cast<void**>(&kernels.bf16_attend_paged)},
+      {"bf16_attend_paged_i8", reinterpret_cast<void**>(&kernels.bf16_attend_paged_i8)},
       {"bf16_moe", reinterpret_cast<void**>(&kernels.bf16_moe)},
       {"bf16_heads", reinterpret_cast<void**>(&kernels.bf16_heads)},
       {"i8_mm", reinterpret_cast<void**>(&kernels.i8_mm)},
@@ -317,6 +361,8 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("bf16_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("bf16_attend(Tensor q, Tensor ctx, Tensor bias, float scale, int kvr) -> Tensor");
   m.def("bf16_attend_paged(Tensor q, Tensor cache, Tensor tables, Tensor pos, float scale, int kvr) -> Tensor");
+  m.def("bf16_attend_paged_i8(Tensor q, Tensor latent, Tensor scales, Tensor rope, Tensor tables, Tensor pos, "
+        "float scale, int kvr) -> Tensor");
   m.def("bf16_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor down) -> Tensor");
   m.def("bf16_heads(Tensor x, Tensor w) -> Tensor");
   m.def("i8_mm(Tensor x, Tensor w) -> Tensor");
@@ -331,6 +377,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("bf16_rows", &bf16_rows);
   m.impl("bf16_attend", &bf16_attend);
   m.impl("bf16_attend_paged", &bf16_attend_paged);
+  m.impl("bf16_attend_paged_i8", &bf16_attend_paged_i8);
   m.impl("bf16_moe", &bf16_moe);
   m.impl("bf16_heads", &bf16_heads);
   m.impl("i8_mm", &i8_mm);

@@ -56,11 +56,11 @@ class Products:
 
     def paged_latent_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                positions: torch.Tensor, scale: float, kvr: int) -> torch.Tensor | None:
-        """``latent_attention`` reading a float cache [blocks, block size, D] in place through
-        the block tables [B, nb], each query seeing its sequence's positions up to its own
-        (positions [B, Q]; q [B, Q * heads, D], token-major) -> [B, R, kvr] in q's dtype, or
-        None where this backend has no such kernel (the step then gathers the context and
-        masks it)."""
+        """``latent_attention`` reading the cache in place through the block tables [B, nb],
+        each query seeing its sequence's positions up to its own (positions [B, Q]; q [B, Q *
+        heads, D], token-major) -> [B, R, kvr] in q's dtype, or None where this backend has no
+        such kernel (the step then gathers the context and masks it).  ``cache``: a float
+        [blocks, block size, D] tensor or an int8 cache's (latent, scale, rope) tensors."""
         return None
 
     def experts(self, xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
