@@ -428,9 +428,10 @@ def heads_int8(folder: Path) -> bool:
     """Whether the checkpoint's vocabulary head is int8 (training.quantize --quant-heads:
     not in compressed-tensors' ``ignore``, or typed in msModelSlim's description), as
     q8_0's is: then both sides read their heads a byte a weight."""
+    from server.model.quant.formats import ignored
     qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     if qc:
-        return "lm_head" not in qc.get("ignore", [])
+        return not ignored("lm_head", qc.get("ignore", []))
     desc = folder / "quant_model_description.json"
     return desc.is_file() and json.loads(desc.read_text()).get("lm_head.weight", "FLOAT") != "FLOAT"
 

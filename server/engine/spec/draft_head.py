@@ -25,7 +25,7 @@ from torch import nn
 
 from server.model.kernels import settings as kernel_env
 from server.model.layers.linear import Linear
-from server.model.quant.int8 import fastest_int8_backend
+from server.model.quant.int8 import fastest_int8_backend, quantize_rows, row_scales
 from server.model.quant.linear import QuantLinear
 
 log = logging.getLogger("server.model")
@@ -47,10 +47,10 @@ def wants_int8(head: nn.Module, setting: str, backend: Callable[[], str]) -> boo
 def int8_head(head: Linear, backend: str) -> QuantLinear:
     """``head`` [V, H] as a W8A8_DYNAMIC layer: symmetric int8 per output row."""
     w = head.weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+    scale = row_scales(w)                                            # [V, 1], as activations'
     q = QuantLinear(head.in_features, head.out_features, "w8a8_dynamic", backend=backend)
-    q.weight.data = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    q.weight_scale.data = scale.float()
+    q.weight.data = quantize_rows(w, scale).to(torch.int8).contiguous()
+    q.weight_scale.data = scale.squeeze(1)
     return q.eval()
 
 

@@ -38,6 +38,7 @@ from server.engine.kv.transfer import KVTransfer, StripePlace
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from server.engine.runtime import lookahead_slots
 from server.engine.sample import grammar
+from server.engine.spec.draft_head import draft_head
 from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.engine.spec.prediction import WINDOW_GAIN, PredictedDrafts, window_drafts
 from server.engine.spec.proposer import MTPProposer, NoProposer
@@ -45,7 +46,6 @@ from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.worker.step_graphs import StepGraphs
 from server.model.kernels.report import kernel_report
-from server.engine.spec.draft_head import draft_head
 from server.model.static_decode import kv_form, supports_static_decode
 
 log = logging.getLogger("server.engine")
