@@ -80,6 +80,8 @@ def parse_config(data: str | bytes | Mapping[str, Any], *, base_dir: str | os.Pa
     compile_wait = _compile_wait(env, issues)
     engine_process = _engine_process(env, issues)
     draft_after_emit = _switch(env, "MTP_SERVE_DRAFT_AFTER_EMIT", True, "1 (on) or 0 (off)", issues)
+    # Read where the weights are packed (model/loading/arena.py); checked here with the rest.
+    _switch(env, "MTP_SERVE_WEIGHT_ARENA", True, "1 (on) or 0 (off)", issues)
     fatal_exit_delay = _fatal_exit_delay(env, issues)
     step_timeout = _step_timeout(env, issues)
     prediction_draft_tokens = _prediction_draft_tokens(env, issues)

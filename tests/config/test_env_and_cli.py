@@ -86,7 +86,7 @@ def test_bad_monitor_mode(tmp_path):
 
 @pytest.mark.parametrize("name", ["MTP_SERVE_COMPILE", "MTP_SERVE_COMPILE_WAIT", "MTP_SERVE_ENGINE_PROCESS",
                                   "MTP_SERVE_DRAFT_AFTER_EMIT", "MTP_SERVE_FATAL_EXIT_DELAY",
-                                  "MTP_SERVE_STEP_TIMEOUT"])
+                                  "MTP_SERVE_STEP_TIMEOUT", "MTP_SERVE_WEIGHT_ARENA"])
 def test_bad_compile_switch_is_blamed(name, tmp_path):
     write_weights(tmp_path / "tiny-model")
     with pytest.raises(ConfigError) as info:

@@ -46,6 +46,7 @@ from server.engine.worker.rank_group import RankGroup, collective_error
 from server.engine.worker.runner import ModelRunner, VerifiedStep
 from server.engine.worker.step_graphs import StepGraphs
 from server.model.kernels.report import kernel_report
+from server.model.loading.arena import pack_weights
 from server.model.static_decode import kv_form, supports_static_decode
 
 log = logging.getLogger("server.engine")
@@ -94,6 +95,8 @@ class Worker:
         if self.static_decode:
             model.static_decoder.prepare()
             model.static_decoder.kv_form = kv_form(self.kv_caches)
+        if self.device.type == "cpu":
+            pack_weights(model)                 # the step's weights in one stream (loading/arena.py)
         self.graphs = StepGraphs(model, cfg, self.device, self.static_decode, 1 + k)
         mtp: MTPProposer | NoProposer = NoProposer()
         if k:

@@ -20,7 +20,12 @@ class MLP(nn.Module):
         self.register_buffer("gate_up", None, persistent=False)
 
     def stack_projections(self) -> None:
-        """Gate and up as one weight, read by one product (linear.stacked says why)."""
+        """Gate and up as one weight, read by one product (linear.stacked says why); kept
+        where they already are views of one (a routed expert's rows of its MoE's stack)."""
+        g = self.gate_up
+        if g is not None and self.gate_proj.weight.data_ptr() == g.data_ptr() \
+                and self.up_proj.weight.data_ptr() == g[self.gate_proj.out_features:].data_ptr():
+            return
         self.gate_up = stacked([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
