@@ -54,6 +54,9 @@ def test_a_served_model_holds_its_weights_in_one_arena_in_forward_order(checkpoi
     first = layers[0].self_attn.o_proj.weight.data_ptr()
     assert first < layers[1].self_attn.o_proj.weight.data_ptr() < layers[2].self_attn.o_proj.weight.data_ptr()
     assert model.model.embed_tokens.weight.data_ptr() < first < model.lm_head.weight.data_ptr()
+    # A second engine on the packed model restacks nothing and so packs nothing again.
+    assert _greedy(model, packed=True, monkeypatch=monkeypatch) == want
+    assert len(_storages(model)) == 1 and layers[0].self_attn.o_proj.weight.data_ptr() == first
 
 
 def test_routed_experts_are_held_once(checkpoint, monkeypatch):
@@ -85,7 +88,11 @@ def test_packing_again_or_switched_off_moves_nothing(checkpoint, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     objects = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
     held = sum(_storages(model).values())
-    packed = pack_weights(model)
+    with torch.inference_mode():                # as an engine may be built
+        packed = pack_weights(model)
+    # Plain tensors still: version counters (the dense MoE stack's key) and in-place edits work.
+    assert not any(p.is_inference() for p in model.parameters())
+    assert all(p._version >= 0 for p in model.parameters())
     # The same Parameter objects: a head shared by the MTP layer stays one.
     assert {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} == objects
     assert packed is not None and packed.storages > 10
@@ -93,3 +100,19 @@ def test_packing_again_or_switched_off_moves_nothing(checkpoint, monkeypatch):
     where = model.lm_head.weight.data_ptr()
     assert pack_weights(model) is None
     assert model.lm_head.weight.data_ptr() == where
+
+
+def test_a_model_that_ran_eagerly_in_inference_mode_packs_and_serves(checkpoint, monkeypatch):
+    """An eager forward inside inference mode builds the dense MoE stack; packing after it
+    leaves every weight a plain tensor the next forward can use."""
+    plain, _ = load_checkpoint(checkpoint)
+    want = _greedy(plain, packed=False, monkeypatch=monkeypatch)
+    model, _ = load_checkpoint(checkpoint)
+    ids = torch.tensor([[5, 17, 33, 2]])
+    with torch.inference_mode():
+        before = model.compute_logits(model.forward_full(ids))
+    assert any(getattr(layer.mlp, "_stack", None) is not None for layer in model.model.layers)
+    assert _greedy(model, packed=True, monkeypatch=monkeypatch) == want
+    assert len(_storages(model)) == 1
+    with torch.inference_mode():
+        assert torch.equal(model.compute_logits(model.forward_full(ids)), before)

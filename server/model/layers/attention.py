@@ -26,7 +26,7 @@ from server.model.batch import BatchMetadata
 from server.model.config import DeepseekConfig
 from server.model.kernels.products import UsesProducts
 from server.model.layers.latent_cache import CacheLike, as_cache
-from server.model.layers.linear import Linear, stacked
+from server.model.layers.linear import Linear, restacked
 from server.model.layers.norm import RMSNorm
 from server.model.layers.rotary import RotaryEmbedding
 
@@ -133,18 +133,29 @@ class MLA(nn.Module, UsesProducts):
         # products multiply heads as rows (stack_projections): copies of kv_b_proj's rows.
         self.register_buffer("w_uk_rows", None, persistent=False)
         self.register_buffer("w_uv_rows", None, persistent=False)
+        self._head_rows_of: tuple[int, int] | None = None       # the kv_b weight they copy
 
     def stack_projections(self) -> None:
         """q_a and kv_a (both read the layer's input) as one weight, read by one product
         (linear.stacked says why)."""
         if self.q_lora_rank is not None:
-            self.q_kv_a = stacked([self.q_a_proj, self.kv_a_proj_with_mqa])
+            self.q_kv_a = restacked([self.q_a_proj, self.kv_a_proj_with_mqa], self.q_kv_a)
         w = self.kv_b_proj.weight
-        if self.products.takes_head_rows(w) and type(self.kv_b_proj) is Linear:
+        # Made again only where kv_b changed since (replaced, or edited in place).
+        if self.products.takes_head_rows(w) and type(self.kv_b_proj) is Linear \
+                and self._head_rows_of != (w.data_ptr(), w._version):
+            self._head_rows_of = (w.data_ptr(), w._version)
             nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
             heads = w.detach().view(nh, dn + self.v_dim, kvr)
             self.w_uk_rows = heads[:, :dn].transpose(1, 2).contiguous()     # [nH, kvr, dn]
             self.w_uv_rows = heads[:, dn:].contiguous()                     # [nH, dv, kvr]
+
+    def weights_moved(self) -> None:
+        """The weights' bytes moved (loading/arena.py), their values as they were: W_UK / W_UV
+        still copy kv_b."""
+        if self._head_rows_of is not None:
+            w = self.kv_b_proj.weight
+            self._head_rows_of = (w.data_ptr(), w._version)
 
     # -- shared pieces -------------------------------------------------------------------
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -19,6 +19,23 @@ class Linear(nn.Linear, UsesProducts):
         return self.products.linear(x, self.weight, self.bias)
 
 
+def restacked(linears: list[nn.Module], stack: torch.Tensor | None) -> torch.Tensor | None:
+    """``stack`` where the layers' weights still are its rows in order (a second worker on
+    the same model, or a routed expert's rows of its MoE's stack: nothing is copied, and
+    weights packed into one arena stay there), else ``stacked(linears)``."""
+    if stack is not None:
+        at = stack.data_ptr()
+        for m in linears:
+            w = m.weight
+            if w.data_ptr() != at or w.dtype != stack.dtype or not w.is_contiguous():
+                break
+            at += w.nbytes
+        else:
+            if at == stack.data_ptr() + stack.nbytes:
+                return stack
+    return stacked(linears)
+
+
 def stacked(linears: list[nn.Module]) -> torch.Tensor | None:
     """The weights of ``linears`` (plain Linears over the same input, no bias) as one
     [sum of outputs, in] tensor, each layer's weight becoming a view of its rows, so one

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.model.layers.linear import Linear, stacked
+from server.model.layers.linear import Linear, restacked
 
 
 class MLP(nn.Module):
@@ -22,11 +22,7 @@ class MLP(nn.Module):
     def stack_projections(self) -> None:
         """Gate and up as one weight, read by one product (linear.stacked says why); kept
         where they already are views of one (a routed expert's rows of its MoE's stack)."""
-        g = self.gate_up
-        if g is not None and self.gate_proj.weight.data_ptr() == g.data_ptr() \
-                and self.up_proj.weight.data_ptr() == g[self.gate_proj.out_features:].data_ptr():
-            return
-        self.gate_up = stacked([self.gate_proj, self.up_proj])
+        self.gate_up = restacked([self.gate_proj, self.up_proj], self.gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -255,11 +255,14 @@ class MoE(nn.Module, UsesProducts):
         key = self._params_key()
         if self._stack_key != key:
             mlps = list(self.experts) + ([self.shared_experts] if self.shared_experts is not None else [])
-            with torch.no_grad():
+            # Plain tensors even when first asked inside inference mode (an eager forward):
+            # what holds the weights stays one kind of tensor (loading/arena.py moves them).
+            with torch.inference_mode(False), torch.no_grad():
                 gate = torch.cat([m.gate_proj.weight for m in mlps])
                 up = torch.cat([m.up_proj.weight for m in mlps])
                 down = torch.cat([m.down_proj.weight for m in mlps], dim=1)
-            routed = sum(m.gate_proj.out_features for m in self.experts)
-            self._stack = (column_major(torch.cat([gate, up]), self.products), down, (routed, gate.shape[0] - routed))
+                routed = sum(m.gate_proj.out_features for m in self.experts)
+                self._stack = (column_major(torch.cat([gate, up]), self.products), down,
+                               (routed, gate.shape[0] - routed))
             self._stack_key = key
         return self._stack
