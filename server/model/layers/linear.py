@@ -23,7 +23,7 @@ def restacked(linears: list[nn.Module], stack: torch.Tensor | None) -> torch.Ten
     """``stack`` where the layers' weights still are its rows in order (a second worker on
     the same model, or a routed expert's rows of its MoE's stack: nothing is copied, and
     weights packed into one arena stay there), else ``stacked(linears)``."""
-    if stack is not None:
+    if stack is not None and all(type(m) is Linear for m in linears):
         at = stack.data_ptr()
         for m in linears:
             w = m.weight
