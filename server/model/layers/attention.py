@@ -26,7 +26,7 @@ from server.model.batch import BatchMetadata
 from server.model.config import DeepseekConfig
 from server.model.kernels.products import UsesProducts
 from server.model.layers.latent_cache import CacheLike, as_cache
-from server.model.layers.linear import Linear, restacked
+from server.model.layers.linear import Linear, restacked, weight_key
 from server.model.layers.norm import RMSNorm
 from server.model.layers.rotary import RotaryEmbedding
 
@@ -143,8 +143,8 @@ class MLA(nn.Module, UsesProducts):
         w = self.kv_b_proj.weight
         # Made again only where kv_b changed since (replaced, or edited in place).
         if self.products.takes_head_rows(w) and type(self.kv_b_proj) is Linear \
-                and self._head_rows_of != _identity(w):
-            self._head_rows_of = _identity(w)
+                and self._head_rows_of != weight_key(w):
+            self._head_rows_of = weight_key(w)
             nh, dn, kvr = self.num_heads, self.nope_dim, self.kv_lora_rank
             heads = w.detach().view(nh, dn + self.v_dim, kvr)
             self.w_uk_rows = heads[:, :dn].transpose(1, 2).contiguous()     # [nH, kvr, dn]
@@ -154,7 +154,7 @@ class MLA(nn.Module, UsesProducts):
         """The weights' bytes moved (loading/arena.py), their values as they were: W_UK / W_UV
         still copy kv_b."""
         if self._head_rows_of is not None:
-            self._head_rows_of = _identity(self.kv_b_proj.weight)
+            self._head_rows_of = weight_key(self.kv_b_proj.weight)
 
     # -- shared pieces -------------------------------------------------------------------
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -289,8 +289,3 @@ def _unpad(x: torch.Tensor, pad_index: torch.Tensor) -> torch.Tensor:
     """Padded rows [B * Lq, ...] -> flat tokens [T, ...]."""
     return x if x.shape[0] == pad_index.shape[0] else x.index_select(0, pad_index)
 
-
-def _identity(w: torch.Tensor) -> tuple[int, int]:
-    """Where a weight's bytes are and how often it was edited in place (inference tensors
-    keep no version counter: -1, so only a new pointer counts there)."""
-    return w.data_ptr(), -1 if w.is_inference() else w._version

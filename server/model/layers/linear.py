@@ -19,6 +19,13 @@ class Linear(nn.Linear, UsesProducts):
         return self.products.linear(x, self.weight, self.bias)
 
 
+def weight_key(w: torch.Tensor) -> tuple[int, int]:
+    """Where a weight's bytes are and how often it was edited in place: what a copy made
+    from it (a stack, W_UK / W_UV) is checked against.  Inference tensors keep no version
+    counter: -1, so only a new pointer counts there."""
+    return w.data_ptr(), -1 if w.is_inference() else w._version
+
+
 def restacked(linears: list[nn.Module], stack: torch.Tensor | None) -> torch.Tensor | None:
     """``stack`` where the layers' weights still are its rows in order (a second worker on
     the same model, or a routed expert's rows of its MoE's stack: nothing is copied, and

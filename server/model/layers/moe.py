@@ -12,7 +12,7 @@ from server.model import quant
 from server.model.config import DeepseekConfig
 from server.model.kernels.products import UsesProducts
 from server.model.layers.experts import FloatExperts, Int8Experts
-from server.model.layers.linear import Linear, column_major
+from server.model.layers.linear import Linear, column_major, weight_key
 from server.model.layers.mlp import MLP
 
 # Run every expert densely when the step's dense work (tokens x all experts' MACs) is at
@@ -243,7 +243,7 @@ class MoE(nn.Module, UsesProducts):
             self._stack_key = self._params_key()
 
     def _params_key(self) -> tuple:
-        return tuple((p.data_ptr(), p._version) for p in self._stack_params)
+        return tuple(weight_key(p) for p in self._stack_params)
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """Expert weights concatenated for ``_dense``; rebuilt if any parameter changed
