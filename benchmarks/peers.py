@@ -410,14 +410,28 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
         nbytes = bytes_of(side, weights, mode, tokens)
         steps_s = tok_s / (tokens if workload == "prompt" else seqs * per_step)
         share = harness.bandwidth_share(nbytes, steps_s, gbps)
+        # Each round against the reading taken just before its job (the host's bandwidth
+        # moved between ~28 and ~58 GB/s within minutes): a share that does not depend on
+        # which level the run's median reading fell on.
+        paired = [harness.bandwidth_share(nbytes, r["tok_s"] / (tokens if workload == "prompt" else
+                                                                seqs * (r.get("tok_per_step") or 1.0)),
+                                          r["gbps_before"]) for r in runs if r.get("gbps_before")]
         rows.append({"side": side, "weights": weights, "mode": mode, "workload": workload,
                      "tok_s": tok_s, "runs": [round(r["tok_s"], 2) for r in runs],
                      "step_bytes": nbytes, "tok_per_step": per_step, "steps_s": steps_s,
-                     "stream_gbps": share * gbps, "share": share, "vs_llama_cpp": None})
-    peer = {(r["weights"], r["workload"]): r["tok_s"] for r in rows if r["side"] == "llama.cpp"}
+                     "stream_gbps": share * gbps, "share": share,
+                     "share_paired": statistics.median(paired) if paired else None,
+                     "vs_llama_cpp": None, "vs_llama_cpp_rounds": None})
+    peer = {(r["weights"], r["workload"]): r for r in rows if r["side"] == "llama.cpp"}
     for r in rows:
-        if r["side"] == "ours" and (r["weights"], r["workload"]) in peer:
-            r["vs_llama_cpp"] = r["tok_s"] / peer[(r["weights"], r["workload"])]
+        p = peer.get((r["weights"], r["workload"]))
+        if r["side"] == "ours" and p is not None:
+            r["vs_llama_cpp"] = r["tok_s"] / p["tok_s"]
+            # Round by round: the two jobs of a round ran next to each other (the rounds
+            # alternate their order), so both met the same level of the host.
+            pairs = [a / b for a, b in zip(r["runs"], p["runs"]) if b > 0]
+            r["vs_llama_cpp_rounds"] = {"median": statistics.median(pairs), "min": min(pairs),
+                                        "max": max(pairs)} if pairs else None
     return rows
 
 
@@ -483,6 +497,19 @@ def format_details(rows: list[dict]) -> str:
                    + " ".join(f"{x:.1f}" for x in r["runs"])
                    + f" | {r['step_bytes'] / 1e6:.0f} | {r['tok_per_step']:.2f} | {r['steps_s']:.1f} | "
                      f"{r['stream_gbps']:.1f} | {r['share']:.0%} | {ratio} |")
+    return "\n".join(out)
+
+
+def format_paired(rows: list[dict]) -> str:
+    """Round by round (markdown): each round's share against the reading just before its
+    job, and ours over llama.cpp's job of the same round; medians (ratio range)."""
+    out = ["| row | workload | share, each round against the reading before it | "
+           "x llama.cpp, round by round (range) |", "|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (WORKLOADS.index(r["workload"]), *_row_order(r))):
+        share = f"{r['share_paired']:.0%}" if r.get("share_paired") is not None else "-"
+        v = r.get("vs_llama_cpp_rounds")
+        ratio = f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})" if v else "-"
+        out.append(f"| {row_label(r)} | {r['workload']} | {share} | {ratio} |")
     return "\n".join(out)
 
 
@@ -592,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
             figures, b = run_peer(commands[GGUF_OF[weights]][workload])
             build_id = build_id or b
             for wl, tok_s in figures.items():
-                raw.setdefault(("llama.cpp", weights, "-", wl), []).append({"tok_s": tok_s})
+                raw.setdefault(("llama.cpp", weights, "-", wl), []).append(
+                    {"tok_s": tok_s, "gbps_before": memory[-1]["gbps"]})
             return " ".join(f"{wl} {v:.1f}" for wl, v in figures.items())
         return f"llama.cpp {GGUF_OF[weights]} {workload}", job
 
@@ -600,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         def job():
             if workload == "prompt":
                 tok_s = ours[weights].prompt_tok_s()
-                raw.setdefault(("ours", weights, "off", "prompt"), []).append({"tok_s": tok_s})
+                raw.setdefault(("ours", weights, "off", "prompt"), []).append(
+                    {"tok_s": tok_s, "gbps_before": memory[-1]["gbps"]})
                 return f"{tok_s:.1f}"
             b = int(workload[-1])
             parts = []
@@ -608,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = ours[weights].decode(mode, b)
                 first_tokens.setdefault((weights, b, mode), r.pop("tokens"))
                 r.pop("tokens", None)
+                r["gbps_before"] = memory[-1]["gbps"]
                 raw.setdefault(("ours", weights, mode, workload), []).append(r)
                 parts.append(f"{mode} {r['tok_s']:.1f}")
             return " ".join(parts)
@@ -699,6 +729,8 @@ def print_report(rep: dict) -> None:
     print(format_table(rep["rows"]))
     print()
     print(format_details(rep["rows"]))
+    print()
+    print(format_paired(rep["rows"]))
     print()
     for t, per in rep["llama_cpp"]["commands"].items():
         for wl, cmd in per.items():

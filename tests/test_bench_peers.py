@@ -220,6 +220,31 @@ def test_summarize_shares_and_ratios():
     assert "| ours bf16, MTP off | decode b1 | 30.0 |" in peers.format_details(list(rows.values()))
 
 
+def test_rounds_pair_with_the_reading_before_them_and_with_the_peer_of_their_round():
+    """A host whose bandwidth flips between two levels: each round's share is taken against
+    the reading just before its job, and ours over llama.cpp round by round, so a run whose
+    rounds fell on both levels still reads what each job met."""
+    raw = {("llama.cpp", "bf16", "-", "decode b1"): [{"tok_s": 50.0, "gbps_before": 25.0},
+                                                     {"tok_s": 100.0, "gbps_before": 50.0},
+                                                     {"tok_s": 52.0, "gbps_before": 26.0}],
+           ("ours", "bf16", "off", "decode b1"): [{"tok_s": 55.0, "tok_per_step": 1.0, "gbps_before": 25.0},
+                                                  {"tok_s": 110.0, "tok_per_step": 1.0, "gbps_before": 50.0},
+                                                  {"tok_s": 57.2, "tok_per_step": 1.0, "gbps_before": 26.0}],
+           ("ours", "bf16", "k1", "decode b1"): [{"tok_s": 60.0, "tok_per_step": 1.5, "gbps_before": 25.0}]}
+    rows = {(r["side"], r["mode"]): r for r in peers.summarize(raw, 40.0, lambda *a: 400e6)}
+    off, peer = rows[("ours", "off")], rows[("llama.cpp", "-")]
+    # every round streams 88% of the reading before it; against the run's median reading, 57%
+    assert off["share_paired"] == pytest.approx(400e6 * 55 / 25e9)
+    assert off["share"] == pytest.approx(400e6 * 57.2 / 40e9)
+    assert peer["share_paired"] == pytest.approx(0.8)
+    assert off["vs_llama_cpp_rounds"] == pytest.approx({"median": 1.1, "min": 1.1, "max": 1.1})
+    assert rows[("ours", "k1")]["share_paired"] == pytest.approx(400e6 * 40 / 25e9)   # 1.5 tokens a step
+    assert rows[("ours", "k1")]["vs_llama_cpp_rounds"]["median"] == pytest.approx(60 / 50)
+    table = peers.format_paired(list(rows.values()))
+    assert "| ours bf16, MTP off | decode b1 | 88% | 1.10x (1.10-1.10) |" in table
+    assert "| llama.cpp bf16 | decode b1 | 80% | - |" in table
+
+
 def test_cpu_flags():
     flags = peers.cpu_flags(CPUINFO)
     assert "avx512_bf16" in flags and flags[0] == "fpu"

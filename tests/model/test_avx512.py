@@ -34,6 +34,8 @@ def test_bf16_products_are_float32_sums_of_each_row_alone(n, k):
     alone = torch.cat([avx512.bf16_mm(x[i:i + 1], w) for i in range(9)])
     assert torch.equal(alone, got)
     assert torch.equal(avx512.bf16_mm(x[3:8], w), got[3:8])
+    for m in (2, 3, 4):                 # a window's few rows: one pass, a chain per row
+        assert torch.equal(avx512.bf16_mm(x[:m], w), got[:m])
 
 
 def test_the_products_take_the_kernel_for_a_windows_rows_and_onednn_past_them(monkeypatch):
@@ -77,6 +79,12 @@ def test_bf16_experts_in_one_call_and_gathered_by_index():
     alone = avx512.bf16_experts(xs[3:4], [0, 0, 1, 0, 0], gate_up, down)    # expert 2's first row
     assert torch.equal(alone[0], out[3])
     assert avx512.bf16_experts(xs, [avx512.KERNEL_ROWS + 1], gate_up[:1], down[:1]) is None
+    few = [2, 0, 3, 1, 2]               # at most 4 rows an expert: a chain per row, one pass
+    out_few = avx512.bf16_experts(xs[:8], few, gate_up, down)
+    owner = [j for j, n in enumerate(few) for _ in range(n)]
+    for a, j in enumerate(owner):
+        one = [int(m == j) for m in range(e)]
+        assert torch.equal(avx512.bf16_experts(xs[a:a + 1], one, gate_up, down)[0], out_few[a])
     # Gathered: each token through its own top-k, weighted; the same per-expert numbers.
     x = torch.randn(3, h, generator=g).to(torch.bfloat16)
     idx = torch.tensor([[0, 3], [2, 3], [4, 0]])
@@ -216,6 +224,8 @@ def test_head_rows_are_each_heads_product():
         heads = torch.arange(4).repeat(9)
         rows = torch.ops.mtp_native.bf16_rows(x.reshape(36, 40), heads, w).view(9, 4, 24)
         assert torch.equal(torch.ops.mtp_native.bf16_heads(x, w), rows)
+        for t in (1, 2, 4):                                 # the few-row path
+            assert torch.equal(torch.ops.mtp_native.bf16_heads(x[:t].contiguous(), w), rows[:t])
         with pytest.raises(RuntimeError, match="bf16_heads: x is"):
             torch.ops.mtp_native.bf16_heads(x[:, :3].contiguous(), w)
 
