@@ -140,7 +140,13 @@ def test_int8_sums_are_exact_and_each_rows_own(k):
     got = avx512.vnni_mm(x, w)
     assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ w.long().t())
     assert torch.equal(torch.cat([avx512.vnni_mm(x[i:i + 1], w) for i in range(9)]), got)
+    for m in (2, 3, 4):                 # a window's few rows: the weight summed once a row
+        assert torch.equal(avx512.vnni_mm(x[:m], w), got[:m])
     experts = torch.randint(-128, 128, (4, 33, k), dtype=torch.int8, generator=g)
+    ids = torch.tensor([2, 0, 2, 2, 0, 2, 0])               # 4 and 3 rows an expert
+    rows = avx512.vnni_rows(x[:7].float(), ids, experts)
+    assert torch.equal(rows.long(), torch.stack([x[a].long() @ experts[e].long().t()
+                                                 for a, e in enumerate(ids.tolist())]))
     ids = torch.tensor([3, 0, 0, 2, 1])
     rows = avx512.vnni_rows(x[:5].float(), ids, experts)
     assert torch.equal(rows.long(), torch.stack([x[a].long() @ experts[e].long().t()

@@ -92,8 +92,9 @@ static void column(const uint8_t *xu, long ldx, int rows, const int8_t *w, long 
     }
 }
 
-/* One weight row through one row of x (unsigned): exact, as the blocks compute it. */
-static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K) {
+/* One weight row through one row of x (unsigned): exact, as the blocks compute it; the
+ * weight row's sum goes to *wsum. */
+static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K, int32_t *wsum) {
     const __m512i ones = _mm512_set1_epi8(1);
     __m512i acc = _mm512_setzero_si512(), sum = _mm512_setzero_si512();
     long k64 = K & ~63L;
@@ -107,12 +108,57 @@ static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K) {
         sum = _mm512_dpbusd_epi32(sum, ones, wv);
         acc = _mm512_dpbusd_epi32(acc, load_tail(xu + k64, K - k64), wv);
     }
-    return _mm512_reduce_add_epi32(acc) - 128 * _mm512_reduce_add_epi32(sum);
+    *wsum = _mm512_reduce_add_epi32(sum);
+    return _mm512_reduce_add_epi32(acc) - 128 * *wsum;
 }
 
 /* Up to FEW rows (a decode window's) read each weight row once, in order, one stream per
  * thread (avx512_bf16.c says why); more rows take the blocks. */
 #define FEW 4
+
+/* Rows 1 .. R of a few-row window through a weight row the first row's pass brought into
+ * L1 and summed (``s``): R chains in one pass, no second sum. */
+#define LINE(R)                                                                           \
+static inline void line_##R(const uint8_t *xu, long ldx, const int8_t *w, long K,        \
+                            int32_t s, int32_t *y, long ldy) {                           \
+    __m512i acc[R];                                                                      \
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();                         \
+    long k64 = K & ~63L;                                                                 \
+    for (long k = 0; k < k64; k += 64) {                                                 \
+        __m512i wv = _mm512_loadu_si512((const void *)(w + k));                          \
+        for (int i = 0; i < R; i++)                                                      \
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512((const void *)(xu + i * ldx + k)), wv); \
+    }                                                                                    \
+    if (k64 < K) {                                                                       \
+        __m512i wv = load_tail(w + k64, K - k64);                                        \
+        for (int i = 0; i < R; i++)                                                      \
+            acc[i] = _mm512_dpbusd_epi32(acc[i], load_tail(xu + i * ldx + k64, K - k64), wv); \
+    }                                                                                    \
+    for (int i = 0; i < R; i++) y[i * ldy] = _mm512_reduce_add_epi32(acc[i]) - 128 * s;  \
+}
+
+LINE(1)
+LINE(2)
+LINE(3)
+
+/* Weight row w through rows 0 .. rows (at most FEW) of x into y[m * ldy]: the first row
+ * with the weight's sum, as ``dot`` (it streams the row from memory), the others from L1
+ * without summing the weight again.  Why: ``dot`` row after row summed the same weight
+ * row once a row: 4 rows through a 1536 x 1536 weight held in cache took 131 us, now 99
+ * (2 rows 73 -> 66; the sums are exact integers, so no value changes). */
+static inline void few(const uint8_t *xu, long ldx, int rows, const int8_t *w, long K,
+                       int32_t *y, long ldy) {
+    if (rows <= 0)
+        return;
+    int32_t s;
+    y[0] = dot(xu, w, K, &s);
+    switch (rows) {
+    case 1: break;
+    case 2: line_1(xu + ldx, ldx, w, K, s, y + ldy, ldy); break;
+    case 3: line_2(xu + ldx, ldx, w, K, s, y + ldy, ldy); break;
+    default: line_3(xu + ldx, ldx, w, K, s, y + ldy, ldy); break;
+    }
+}
 
 static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int8_t *w, long N,
                         long K, long n, int32_t *y, long ldy) {
@@ -158,7 +204,7 @@ int i8_mm(const int8_t *x, long M, long K, long ldx, const int8_t *w, long N, in
     if (M <= FEW) {
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (long n = 0; n < N; n++)
-            for (long m = 0; m < M; m++) y[m * ldy + n] = dot(xu + m * K, w + n * K, K);
+            few(xu, K, (int)M, w + n * K, K, y + n, ldy);
     } else {
         long blocks = (N + COLS - 1) / COLS;
         #pragma omp parallel for num_threads(threads) schedule(static)
@@ -212,8 +258,7 @@ int i8_rows(const int8_t *x, long A, long K, const long *expert, const int8_t *w
                     product(xu + first * K, rows, K, K, we, N, ys + first * N, N, b);        \
                 } else {                                                                     \
                     for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)               \
-                        for (long m = first; m < first + rows; m++)                          \
-                            ys[m * N + n] = dot(xu + m * K, we + n * K, K);                  \
+                        few(xu + first * K, K, (int)rows, we + n * K, K, ys + first * N + n, N); \
                 }                                                                            \
             }
         if (most <= FEW) {
