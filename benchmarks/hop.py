@@ -6,8 +6,9 @@ Why: the llama.cpp comparison (benchmarks.peers) is engine level, and the daemon
 minutes, so neither says what the HTTP hop, the scheduler, detokenizing and streaming
 cost.  Here one daemon (MTP off, its compiled step in use) and one in-process engine on
 the same checkpoint take turns: each round the engine decodes ``--tokens`` for
-``concurrency`` requests (the median ``engine.step()`` after the prefill), then the daemon
-streams the same number of tokens for as many concurrent requests (the median gap between
+``concurrency`` requests of random prompt ids (the median ``engine.step()`` after the
+prefill), then the daemon streams the same number of tokens for as many concurrent
+requests, each its own bench prompt of about the same length (the median gap between
 streamed chunks after the first two).  Reported per concurrency: both medians, the ratio
 of each round's pair (daemon / engine) and the median of those ratios.  Only one of the
 two runs at a time; the idle daemon waits on its queue.
@@ -30,7 +31,15 @@ import httpx
 from benchmarks import harness
 from benchmarks.models import model_dir
 
-PROMPT = "The history of the printing press began"
+
+def bench_prompts(n: int) -> list[str]:
+    """``n`` different prompts (the bench set's, cycled): every stream its own, as the
+    engine's requests are.  Why: 8 streams of one prompt decode 8 identical greedy
+    sequences, whose tokens all choose the same 4 experts a layer where 8 different ones
+    choose ~14 of the 0.5b model's 16 (the first version of this benchmark timed the
+    daemon at 0.88x the engine that way)."""
+    texts = [p[-1]["content"] for p in harness.load_prompts()["prompts"]]
+    return [texts[i % len(texts)] for i in range(n)]
 
 
 def chunk_gaps(arrivals: list[float], skip: int = 2) -> list[float]:
@@ -62,22 +71,22 @@ def engine_step_s(eng, vocab: int, batch: int, tokens: int, seed: int, prompt_le
     return statistics.median(steps)
 
 
-def daemon_tpot_s(base_url: str, model: str, concurrency: int, tokens: int) -> float:
-    """The median gap between streamed chunks over ``concurrency`` concurrent requests."""
+def daemon_tpot_s(base_url: str, model: str, prompts: list[str], tokens: int) -> float:
+    """The median gap between streamed chunks over one concurrent request a prompt."""
     gaps: list[float] = []
     lock = threading.Lock()
 
-    def one() -> None:
+    def one(prompt: str) -> None:
         arrivals = []
         with httpx.stream("POST", base_url + "/v1/completions", timeout=300,
-                          json={"model": model, "prompt": PROMPT, "max_tokens": tokens,
+                          json={"model": model, "prompt": prompt, "max_tokens": tokens,
                                 "temperature": 0, "stream": True, "ignore_eos": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data:") and "[DONE]" not in line:
                     arrivals.append(time.perf_counter())
         with lock:
             gaps.extend(chunk_gaps(arrivals))
-    threads = [threading.Thread(target=one) for _ in range(concurrency)]
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
@@ -115,17 +124,19 @@ def main(argv: list[str] | None = None) -> int:
                                             max_seq_len=2048, compile="on", compile_wait=True),
                         eos_token_ids=set())
         vocab = model.config.vocab_size
-        prompt_len = httpx.post(target.base_url + "/v1/completions", timeout=120,
-                                json={"model": model_name, "prompt": PROMPT, "max_tokens": 1}
-                                ).json()["usage"]["prompt_tokens"]
+        prompts = bench_prompts(max(levels))
+        prompt_len = int(statistics.median(
+            httpx.post(target.base_url + "/v1/completions", timeout=120,
+                       json={"model": model_name, "prompt": p, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+            for p in prompts))
         rows = {}
         for c in levels:
             engine_step_s(eng, vocab, c, args.tokens, 0, prompt_len)           # warm-up, both sides
-            daemon_tpot_s(target.base_url, model_name, c, args.tokens)
+            daemon_tpot_s(target.base_url, model_name, prompts[:c], args.tokens)
             e_s, d_s = [], []
             for r in range(args.rounds):
                 e_s.append(engine_step_s(eng, vocab, c, args.tokens, r + 1, prompt_len))
-                d_s.append(daemon_tpot_s(target.base_url, model_name, c, args.tokens))
+                d_s.append(daemon_tpot_s(target.base_url, model_name, prompts[:c], args.tokens))
                 print(f"c={c} round {r + 1}/{args.rounds}: engine step {e_s[-1] * 1e3:.2f} ms, "
                       f"daemon TPOT {d_s[-1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
             rows[str(c)] = {"engine_step_s": e_s, "daemon_tpot_s": d_s,
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         harness.stop_daemon(target)
     print(f"# benchmarks.hop {harness.machine()}  weights {harness.shown_path(args.weights)}  MTP off  "
-          f"{prompt_len}-token prompts, {args.tokens} tokens a request  {args.rounds} rounds  threads {args.threads}")
+          f"prompts of {prompt_len} tokens (median), {args.tokens} tokens a request  {args.rounds} rounds  threads {args.threads}")
     print("| concurrency | engine step (median) | daemon TPOT (median) | daemon / engine, round by round |")
     print("|---|---|---|---|")
     for c, r in rows.items():

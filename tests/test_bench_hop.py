@@ -17,3 +17,11 @@ def test_rounds_are_paired_daemon_over_engine():
     assert r["median"] == pytest.approx(1.1) and r["min"] == pytest.approx(1.05)
     assert r["max"] == pytest.approx(1.25)
     assert hop.paired([], []) == {}
+
+
+def test_every_stream_gets_its_own_prompt():
+    """8 streams of one prompt decode 8 identical greedy sequences (the same experts every
+    token): not the batch the engine side runs."""
+    ps = hop.bench_prompts(8)
+    assert len(ps) == 8 and len(set(ps)) == 8 and all(p.strip() for p in ps)
+    assert len(hop.bench_prompts(100)) == 100
