@@ -408,13 +408,15 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
         tokens = PROMPT_TOKENS if workload == "prompt" else int(re.search(r"b(\d+)", workload).group(1))
         seqs = 1 if workload == "prompt" else tokens
         nbytes = bytes_of(side, weights, mode, tokens)
-        steps_s = tok_s / (tokens if workload == "prompt" else seqs * per_step)
+
+        def steps_per_s(tok_s: float, per_step: float) -> float:
+            return tok_s / (tokens if workload == "prompt" else seqs * per_step)
+        steps_s = steps_per_s(tok_s, per_step)
         share = harness.bandwidth_share(nbytes, steps_s, gbps)
         # Each round against the reading taken just before its job (the host's bandwidth
         # moved between ~28 and ~58 GB/s within minutes): a share that does not depend on
         # which level the run's median reading fell on.
-        paired = [harness.bandwidth_share(nbytes, r["tok_s"] / (tokens if workload == "prompt" else
-                                                                seqs * (r.get("tok_per_step") or 1.0)),
+        paired = [harness.bandwidth_share(nbytes, steps_per_s(r["tok_s"], r.get("tok_per_step") or 1.0),
                                           r["gbps_before"]) for r in runs if r.get("gbps_before")]
         rows.append({"side": side, "weights": weights, "mode": mode, "workload": workload,
                      "tok_s": tok_s, "runs": [round(r["tok_s"], 2) for r in runs],

@@ -288,4 +288,3 @@ def _pad(x: torch.Tensor, pad_index: torch.Tensor, rows: int) -> torch.Tensor:
 def _unpad(x: torch.Tensor, pad_index: torch.Tensor) -> torch.Tensor:
     """Padded rows [B * Lq, ...] -> flat tokens [T, ...]."""
     return x if x.shape[0] == pad_index.shape[0] else x.index_select(0, pad_index)
-
