@@ -406,17 +406,14 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
         tok_s = statistics.median(r["tok_s"] for r in runs)
         per_step = statistics.median(r.get("tok_per_step") or 1.0 for r in runs)
         tokens = PROMPT_TOKENS if workload == "prompt" else int(re.search(r"b(\d+)", workload).group(1))
-        seqs = 1 if workload == "prompt" else tokens
         nbytes = bytes_of(side, weights, mode, tokens)
-
-        def steps_per_s(tok_s: float, per_step: float) -> float:
-            return tok_s / (tokens if workload == "prompt" else seqs * per_step)
-        steps_s = steps_per_s(tok_s, per_step)
+        steps_s = _steps_per_s(workload, tokens, tok_s, per_step)
         share = harness.bandwidth_share(nbytes, steps_s, gbps)
         # Each round against the reading taken just before its job (the host's bandwidth
         # moved between ~28 and ~58 GB/s within minutes): a share that does not depend on
         # which level the run's median reading fell on.
-        paired = [harness.bandwidth_share(nbytes, steps_per_s(r["tok_s"], r.get("tok_per_step") or 1.0),
+        paired = [harness.bandwidth_share(nbytes, _steps_per_s(workload, tokens, r["tok_s"],
+                                                               r.get("tok_per_step") or 1.0),
                                           r["gbps_before"]) for r in runs if r.get("gbps_before")]
         rows.append({"side": side, "weights": weights, "mode": mode, "workload": workload,
                      "tok_s": tok_s, "runs": [round(r["tok_s"], 2) for r in runs],
@@ -438,6 +435,12 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
 
 
 WORKLOADS = ("decode b1", "decode b8", "prompt", "decode b1 (batched-bench)")
+
+
+def _steps_per_s(workload: str, tokens: int, tok_s: float, per_step: float) -> float:
+    """Steps a second: a prompt's ``tokens`` in one step; a decode batch of ``tokens``
+    sequences, ``per_step`` tokens each a step."""
+    return tok_s / (tokens if workload == "prompt" else tokens * per_step)
 
 
 def heads_int8(folder: Path) -> bool:
