@@ -44,10 +44,16 @@ static inline const uint16_t *ahead(const uint16_t *w, int j, long K, long k) {
     return w + (k + PREFETCH >= K ? at + (COLS - 1) * K : at);
 }
 
-/* One block: ``R`` rows of x (constant) by ``COLS`` rows of w. */
+/* One block: ``R`` rows of x (constant) by ``COLS`` rows of w.  ``next``: where a pass
+ * that reads w from cache (rows MAXR .. 2 MAXR of x, ``product``) fetches the next block's
+ * weight rows into L2 as it goes, at its own offset in K; NULL: the first pass, which
+ * streams its own rows.  Why: at 5-8 rows the cached pass is all arithmetic and the memory
+ * sat idle through it (the two passes' times added up); fetching the next block meanwhile
+ * overlaps the two.  Streamed on the 2-core Zen 4, 8 rows 16.9 -> 19.5 GB/s, 16 rows
+ * 14.9 -> 16.8, 5 rows 18.1 -> 20.4; a batch-8 step 3.6% faster.  Values do not change. */
 #define BLOCK(R)                                                                          \
 static void block_##R(const uint16_t *x, long ldx, const uint16_t *w, long K, float *y,  \
-                      long ldy) {                                                        \
+                      long ldy, const uint16_t *next) {                                  \
     __m512 acc[R][COLS];                                                                 \
     for (int i = 0; i < R; i++)                                                          \
         for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_setzero_ps();                  \
@@ -55,7 +61,10 @@ static void block_##R(const uint16_t *x, long ldx, const uint16_t *w, long K, fl
     for (long k = 0; k < k32; k += 32) {                                                 \
         __m512bh wv[COLS];                                                               \
         for (int j = 0; j < COLS; j++) {                                                 \
-            _mm_prefetch((const char *)ahead(w, j, K, k), _MM_HINT_T0);                  \
+            if (next)                                                                    \
+                _mm_prefetch((const char *)(next + j * K + k), _MM_HINT_T1);             \
+            else                                                                         \
+                _mm_prefetch((const char *)ahead(w, j, K, k), _MM_HINT_T0);              \
             wv[j] = load_bh(w + j * K + k);                                              \
         }                                                                                \
         for (int i = 0; i < R; i++) {                                                    \
@@ -117,7 +126,7 @@ static inline float dot(const uint16_t *x, const uint16_t *w, long K) {
 
 /* Rows m .. m+rows of x through columns n .. n+COLS (or the tail columns) of w. */
 static inline void tile(const uint16_t *x, long ldx, long m, int rows, const uint16_t *w,
-                        long N, long K, long n, float *y, long ldy) {
+                        long N, long K, long n, float *y, long ldy, const uint16_t *next) {
     if (n + COLS > N) {
         for (long c = n; c < N; c++)
             column(x + m * ldx, ldx, rows, w + c * K, K, y + m * ldy + c, ldy);
@@ -126,10 +135,10 @@ static inline void tile(const uint16_t *x, long ldx, long m, int rows, const uin
     const uint16_t *xs = x + m * ldx, *ws = w + n * K;
     float *ys = y + m * ldy + n;
     switch (rows) {
-    case 1: block_1(xs, ldx, ws, K, ys, ldy); break;
-    case 2: block_2(xs, ldx, ws, K, ys, ldy); break;
-    case 3: block_3(xs, ldx, ws, K, ys, ldy); break;
-    default: block_4(xs, ldx, ws, K, ys, ldy); break;
+    case 1: block_1(xs, ldx, ws, K, ys, ldy, next); break;
+    case 2: block_2(xs, ldx, ws, K, ys, ldy, next); break;
+    case 3: block_3(xs, ldx, ws, K, ys, ldy, next); break;
+    default: block_4(xs, ldx, ws, K, ys, ldy, next); break;
     }
 }
 
@@ -140,7 +149,9 @@ static void product(const uint16_t *x, long M, long K, long ldx, const uint16_t 
     long n = b * COLS;
     for (long m = 0; m < M; m += MAXR) {
         int rows = M - m < MAXR ? (int)(M - m) : MAXR;
-        tile(x, ldx, m, rows, w, N, K, n, y, ldy);
+        /* The second pass fetches the next whole block (block_R says why). */
+        const uint16_t *next = m == MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
+        tile(x, ldx, m, rows, w, N, K, n, y, ldy, next);
     }
 }
 
