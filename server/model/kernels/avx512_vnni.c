@@ -36,12 +36,17 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
 }
 
 /* One step of a block over 64 bytes of K: the weight vectors (and their sums), then each
- * row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail). */
+ * row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).  ``next``: the
+ * next block's weight, fetched into L2 by a pass that reads this block from cache (as
+ * avx512_bf16.c's blocks do, which says why); NULL: the pass streams its own rows. */
 #define STEP(R, LOAD, k)                                                                  \
     {                                                                                    \
         __m512i wv[COLS];                                                                \
         for (int j = 0; j < COLS; j++) {                                                 \
-            _mm_prefetch((const char *)ahead(w, j, K, (k)), _MM_HINT_T0);                \
+            if (next)                                                                    \
+                _mm_prefetch((const char *)(next + j * K + (k)), _MM_HINT_T1);           \
+            else                                                                         \
+                _mm_prefetch((const char *)ahead(w, j, K, (k)), _MM_HINT_T0);            \
             wv[j] = LOAD(w + j * K + (k));                                               \
             sum[j] = _mm512_dpbusd_epi32(sum[j], ones, wv[j]);                           \
         }                                                                                \
@@ -56,7 +61,7 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
 
 #define BLOCK(R)                                                                          \
 static void block_##R(const uint8_t *xu, long ldx, const int8_t *w, long K, int32_t *y,  \
-                      long ldy) {                                                        \
+                      long ldy, const int8_t *next) {                                    \
     const __m512i ones = _mm512_set1_epi8(1);                                            \
     __m512i acc[R][COLS], sum[COLS];                                                     \
     for (int j = 0; j < COLS; j++) {                                                     \
@@ -161,7 +166,7 @@ static inline void few(const uint8_t *xu, long ldx, int rows, const int8_t *w, l
 }
 
 static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int8_t *w, long N,
-                        long K, long n, int32_t *y, long ldy) {
+                        long K, long n, int32_t *y, long ldy, const int8_t *next) {
     if (n + COLS > N) {
         for (long c = n; c < N; c++)
             column(xu + m * ldx, ldx, rows, w + c * K, K, y + m * ldy + c, ldy);
@@ -171,10 +176,10 @@ static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int
     const int8_t *ws = w + n * K;
     int32_t *ys = y + m * ldy + n;
     switch (rows) {
-    case 1: block_1(xs, ldx, ws, K, ys, ldy); break;
-    case 2: block_2(xs, ldx, ws, K, ys, ldy); break;
-    case 3: block_3(xs, ldx, ws, K, ys, ldy); break;
-    default: block_4(xs, ldx, ws, K, ys, ldy); break;
+    case 1: block_1(xs, ldx, ws, K, ys, ldy, next); break;
+    case 2: block_2(xs, ldx, ws, K, ys, ldy, next); break;
+    case 3: block_3(xs, ldx, ws, K, ys, ldy, next); break;
+    default: block_4(xs, ldx, ws, K, ys, ldy, next); break;
     }
 }
 
@@ -182,7 +187,9 @@ static void product(const uint8_t *xu, long M, long K, long ldx, const int8_t *w
                     int32_t *y, long ldy, long b) {
     for (long m = 0; m < M; m += MAXR) {
         int rows = M - m < MAXR ? (int)(M - m) : MAXR;
-        tile(xu, ldx, m, rows, w, N, K, b * COLS, y, ldy);
+        long n = b * COLS;
+        const int8_t *next = m == MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
+        tile(xu, ldx, m, rows, w, N, K, n, y, ldy, next);
     }
 }
 
