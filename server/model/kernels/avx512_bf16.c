@@ -44,16 +44,23 @@ static inline const uint16_t *ahead(const uint16_t *w, int j, long K, long k) {
     return w + (k + PREFETCH >= K ? at + (COLS - 1) * K : at);
 }
 
-/* One block: ``R`` rows of x (constant) by ``COLS`` rows of w.  ``next``: where a pass
- * that reads w from cache (rows MAXR .. 2 MAXR of x, ``product``) fetches the next block's
- * weight rows into L2 as it goes, at its own offset in K; NULL: the first pass, which
- * streams its own rows.  Why: at 5-8 rows the cached pass is all arithmetic and the memory
- * sat idle through it (the two passes' times added up); fetching the next block meanwhile
- * overlaps the two.  Streamed on the 2-core Zen 4, 8 rows 16.9 -> 19.5 GB/s, 16 rows
- * 14.9 -> 16.8, 5 rows 18.1 -> 20.4; a batch-8 step 3.6% faster.  Values do not change. */
+/* One block: ``R`` rows of x (constant) by ``COLS`` rows of w.  ``own``: the pass reads w
+ * from memory (the first pass over the block), and fetches its rows ahead into L1.
+ * ``next``: the next block's weight rows, fetched into L2 as this pass goes, at its own
+ * offset in K; NULL: none.  ``product`` gives it to the first two passes of 5 or more rows
+ * (the second pass reads w from cache).  Why: the passes' arithmetic and the memory took
+ * turns (their times added up, at 8 rows about half and half); fetching a block ahead
+ * overlaps them.  The first pass's requests alone left the memory idle through the
+ * second (3-4 GB/s less at 8 rows); both passes' (the second's mostly already in flight)
+ * keep it busy.  On the 2-core Zen 4, streamed (a plain read 30-33 GB/s), 8 rows: no
+ * fetch ahead 16.9 GB/s, the second pass's 19.5, both passes' 22.5-26.7 (5 rows 18 -> 20
+ * -> 22-29; 16 rows 15 -> 17 -> 14-18).  A batch-8 step of the 0.5b model, alternating
+ * in one process: no fetch against the second pass's 53.5 / 53.0 ms (k=1: 89.9 / 81.0),
+ * the second pass's against both passes' 48.3 / 44.7 (k=1: 74.7 / 77.3, within the
+ * noise).  Values do not change: only where the weight waits does. */
 #define BLOCK(R)                                                                          \
 static void block_##R(const uint16_t *x, long ldx, const uint16_t *w, long K, float *y,  \
-                      long ldy, const uint16_t *next) {                                  \
+                      long ldy, const uint16_t *next, int own) {                        \
     __m512 acc[R][COLS];                                                                 \
     for (int i = 0; i < R; i++)                                                          \
         for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_setzero_ps();                  \
@@ -63,7 +70,7 @@ static void block_##R(const uint16_t *x, long ldx, const uint16_t *w, long K, fl
         for (int j = 0; j < COLS; j++) {                                                 \
             if (next)                                                                    \
                 _mm_prefetch((const char *)(next + j * K + k), _MM_HINT_T1);             \
-            else                                                                         \
+            if (own)                                                                     \
                 _mm_prefetch((const char *)ahead(w, j, K, k), _MM_HINT_T0);              \
             wv[j] = load_bh(w + j * K + k);                                              \
         }                                                                                \
@@ -135,10 +142,10 @@ static inline void tile(const uint16_t *x, long ldx, long m, int rows, const uin
     const uint16_t *xs = x + m * ldx, *ws = w + n * K;
     float *ys = y + m * ldy + n;
     switch (rows) {
-    case 1: block_1(xs, ldx, ws, K, ys, ldy, next); break;
-    case 2: block_2(xs, ldx, ws, K, ys, ldy, next); break;
-    case 3: block_3(xs, ldx, ws, K, ys, ldy, next); break;
-    default: block_4(xs, ldx, ws, K, ys, ldy, next); break;
+    case 1: block_1(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    case 2: block_2(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    case 3: block_3(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    default: block_4(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
     }
 }
 
@@ -149,8 +156,8 @@ static void product(const uint16_t *x, long M, long K, long ldx, const uint16_t 
     long n = b * COLS;
     for (long m = 0; m < M; m += MAXR) {
         int rows = M - m < MAXR ? (int)(M - m) : MAXR;
-        /* The second pass fetches the next whole block (block_R says why). */
-        const uint16_t *next = m == MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
+        /* The first two passes fetch the next block (block_R says why). */
+        const uint16_t *next = m <= MAXR && M > MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
         tile(x, ldx, m, rows, w, N, K, n, y, ldy, next);
     }
 }
