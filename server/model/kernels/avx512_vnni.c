@@ -36,16 +36,17 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
 }
 
 /* One step of a block over 64 bytes of K: the weight vectors (and their sums), then each
- * row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).  ``next``: the
- * next block's weight, fetched into L2 by a pass that reads this block from cache (as
- * avx512_bf16.c's blocks do, which says why); NULL: the pass streams its own rows. */
+ * row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).  ``own``: the
+ * pass reads w from memory and fetches its rows ahead; ``next``: the next block's weight,
+ * fetched into L2 by the first two passes of 5 rows or more, as avx512_bf16.c's blocks
+ * do (which says why); NULL: none. */
 #define STEP(R, LOAD, k)                                                                  \
     {                                                                                    \
         __m512i wv[COLS];                                                                \
         for (int j = 0; j < COLS; j++) {                                                 \
             if (next)                                                                    \
                 _mm_prefetch((const char *)(next + j * K + (k)), _MM_HINT_T1);           \
-            else                                                                         \
+            if (own)                                                                     \
                 _mm_prefetch((const char *)ahead(w, j, K, (k)), _MM_HINT_T0);            \
             wv[j] = LOAD(w + j * K + (k));                                               \
             sum[j] = _mm512_dpbusd_epi32(sum[j], ones, wv[j]);                           \
@@ -61,7 +62,7 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
 
 #define BLOCK(R)                                                                          \
 static void block_##R(const uint8_t *xu, long ldx, const int8_t *w, long K, int32_t *y,  \
-                      long ldy, const int8_t *next) {                                    \
+                      long ldy, const int8_t *next, int own) {                           \
     const __m512i ones = _mm512_set1_epi8(1);                                            \
     __m512i acc[R][COLS], sum[COLS];                                                     \
     for (int j = 0; j < COLS; j++) {                                                     \
@@ -176,10 +177,10 @@ static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int
     const int8_t *ws = w + n * K;
     int32_t *ys = y + m * ldy + n;
     switch (rows) {
-    case 1: block_1(xs, ldx, ws, K, ys, ldy, next); break;
-    case 2: block_2(xs, ldx, ws, K, ys, ldy, next); break;
-    case 3: block_3(xs, ldx, ws, K, ys, ldy, next); break;
-    default: block_4(xs, ldx, ws, K, ys, ldy, next); break;
+    case 1: block_1(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    case 2: block_2(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    case 3: block_3(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    default: block_4(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
     }
 }
 
@@ -188,7 +189,7 @@ static void product(const uint8_t *xu, long M, long K, long ldx, const int8_t *w
     for (long m = 0; m < M; m += MAXR) {
         int rows = M - m < MAXR ? (int)(M - m) : MAXR;
         long n = b * COLS;
-        const int8_t *next = m == MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
+        const int8_t *next = m <= MAXR && M > MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
         tile(xu, ldx, m, rows, w, N, K, n, y, ldy, next);
     }
 }
