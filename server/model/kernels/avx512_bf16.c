@@ -124,6 +124,41 @@ static inline float dot(const uint16_t *x, const uint16_t *w, long K) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* Two rows of x through one weight row, both chains in one pass over K: each the chain
+ * ``dot`` makes (so the values are a lone row's), but the two in flight together, where
+ * ``dot`` row after row waited on each multiply-add's latency twice.  A 2-row window (a
+ * lone sequence's k=1 verify window; an expert two tokens chose): a batch-1 k=1 step of
+ * the 0.5b model 32.4 -> 28.6 and 35.9 -> 28.3 ms, alternating in one process; 3 and 4
+ * rows this way were no faster (3: 45.7 -> 44.7 ms a k=2 step, within the noise; 4: a
+ * batch-8 step 2.6% slower). */
+static inline void dot2(const uint16_t *x, long ldx, const uint16_t *w, long K, float *y,
+                        long ldy) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    long k32 = K & ~31L;
+    for (long k = 0; k < k32; k += 32) {
+        __m512bh wv = load_bh(w + k);
+        a0 = _mm512_dpbf16_ps(a0, load_bh(x + k), wv);
+        a1 = _mm512_dpbf16_ps(a1, load_bh(x + ldx + k), wv);
+    }
+    if (k32 < K) {
+        __m512bh wv = load_bh_tail(w + k32, K - k32);
+        a0 = _mm512_dpbf16_ps(a0, load_bh_tail(x + k32, K - k32), wv);
+        a1 = _mm512_dpbf16_ps(a1, load_bh_tail(x + ldx + k32, K - k32), wv);
+    }
+    y[0] = _mm512_reduce_add_ps(a0);
+    y[ldy] = _mm512_reduce_add_ps(a1);
+}
+
+/* Rows 0 .. rows (at most FEW) of x through one weight row into y[m * ldy]. */
+static inline void few_rows(const uint16_t *x, long ldx, long rows, const uint16_t *w, long K,
+                            float *y, long ldy) {
+    if (rows == 2) {
+        dot2(x, ldx, w, K, y, ldy);
+        return;
+    }
+    for (long m = 0; m < rows; m++) y[m * ldy] = dot(x + m * ldx, w, K);
+}
+
 /* Up to FEW rows of x, a decode window's, read each weight row once, in order, as one
  * stream per thread, and multiply it into every row from L1: on the 2-core Zen 4 a decode
  * step's weights streamed at 22-30 GB/s this way against 15-24 in blocks of 4 rows (the
@@ -168,7 +203,7 @@ void bf16_mm(const uint16_t *x, long M, long K, long ldx, const uint16_t *w, lon
     if (M <= FEW) {
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (long n = 0; n < N; n++)
-            for (long m = 0; m < M; m++) y[m * ldy + n] = dot(x + m * ldx, w + n * K, K);
+            few_rows(x, ldx, M, w + n * K, K, y + n, ldy);
         return;
     }
     long blocks = (N + COLS - 1) / COLS;
@@ -185,8 +220,7 @@ static inline void expert_block(const uint16_t *x, long ldx, long first, long ro
         return;
     }
     for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)
-        for (long m = first; m < first + rows; m++)
-            y[m * ldy + n] = dot(x + m * ldx, we + n * K, K);
+        few_rows(x + first * ldx, ldx, rows, we + n * K, K, y + first * ldy + n, ldy);
 }
 
 /* Each chosen expert's rows of x through its weight, w [E, N, K] -> y; the (chosen expert,
@@ -296,7 +330,7 @@ void bf16_heads(const uint16_t *x, long T, long nh, long K, const uint16_t *w, l
             continue;
         }
         for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)
-            for (long t = 0; t < T; t++) yh[t * ldy + n] = dot(xh + t * ldx, wh + n * K, K);
+            few_rows(xh, ldx, T, wh + n * K, K, yh + n, ldy);
     }
 }
 
