@@ -128,9 +128,9 @@ static inline float dot(const uint16_t *x, const uint16_t *w, long K) {
  * ``dot`` makes (so the values are a lone row's), but the two in flight together, where
  * ``dot`` row after row waited on each multiply-add's latency twice.  A 2-row window (a
  * lone sequence's k=1 verify window; an expert two tokens chose): a batch-1 k=1 step of
- * the 0.5b model 32.4 -> 28.6 and 35.9 -> 28.3 ms, alternating in one process; 3 and 4
- * rows this way were no faster (3: 45.7 -> 44.7 ms a k=2 step, within the noise; 4: a
- * batch-8 step 2.6% slower). */
+ * the 0.5b model 32.4 -> 28.6 and 35.9 -> 28.3 ms, alternating in one process.  3-4 rows
+ * go two at a time (``few_rows``): a k=2 step 45.5 -> 42.9 ms, a batch-8 step unchanged;
+ * 3 or 4 chains in one pass were no faster (a batch-8 step 2.6% slower at 4). */
 static inline void dot2(const uint16_t *x, long ldx, const uint16_t *w, long K, float *y,
                         long ldy) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -149,14 +149,12 @@ static inline void dot2(const uint16_t *x, long ldx, const uint16_t *w, long K, 
     y[ldy] = _mm512_reduce_add_ps(a1);
 }
 
-/* Rows 0 .. rows (at most FEW) of x through one weight row into y[m * ldy]. */
+/* Rows 0 .. rows (at most FEW) of x through one weight row into y[m * ldy], two at a time. */
 static inline void few_rows(const uint16_t *x, long ldx, long rows, const uint16_t *w, long K,
                             float *y, long ldy) {
-    if (rows == 2) {
-        dot2(x, ldx, w, K, y, ldy);
-        return;
-    }
-    for (long m = 0; m < rows; m++) y[m * ldy] = dot(x + m * ldx, w, K);
+    long m = 0;
+    for (; m + 2 <= rows; m += 2) dot2(x + m * ldx, ldx, w, K, y + m * ldy, ldy);
+    if (m < rows) y[m * ldy] = dot(x + m * ldx, w, K);
 }
 
 /* Up to FEW rows of x, a decode window's, read each weight row once, in order, as one
