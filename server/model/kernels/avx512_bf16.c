@@ -56,8 +56,8 @@ static inline const uint16_t *ahead(const uint16_t *w, int j, long K, long k) {
  * fetch ahead 16.9 GB/s, the second pass's 19.5, both passes' 22.5-26.7 (5 rows 18 -> 20
  * -> 22-29; 16 rows 15 -> 17 -> 14-18).  A batch-8 step of the 0.5b model, alternating
  * in one process: no fetch against the second pass's 53.5 / 53.0 ms (k=1: 89.9 / 81.0),
- * the second pass's against both passes' 48.3 / 44.7 (k=1: 74.7 / 77.3, within the
- * noise).  Values do not change: only where the weight waits does. */
+ * the second pass's against both passes' 48.3 / 44.7 (k=1: 92.6 / 84.1; 74.7 / 77.3 in an
+ * earlier run, within its noise).  Values do not change: only where the weight waits. */
 #define BLOCK(R)                                                                          \
 static void block_##R(const uint16_t *x, long ldx, const uint16_t *w, long K, float *y,  \
                       long ldy, const uint16_t *next, int own) {                        \
