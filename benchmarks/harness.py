@@ -384,6 +384,14 @@ def memory_bandwidth_gbps(threads: int | None = None, mib: int = 1024, reps: int
             "threads": threads or old}
 
 
+def round_ratios(numerators: list[float], denominators: list[float]) -> dict:
+    """Each round's numerator / denominator (rounds whose two jobs ran side by side, so both
+    met the same level of a host whose speed moves within minutes), as {"median", "min",
+    "max"}; {} without a round to pair."""
+    ratios = [a / b for a, b in zip(numerators, denominators) if b > 0]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)} if ratios else {}
+
+
 def bandwidth_share(step_bytes: float, steps_per_s: float, gbps: float) -> float:
     """The share of the memory's read bandwidth a row streams: the weight bytes a step
     reads x steps a second / the bandwidth (``gbps``, GB/s).  Per token: a row of T

@@ -50,8 +50,7 @@ def chunk_gaps(arrivals: list[float], skip: int = 2) -> list[float]:
 
 def paired(engine: list[float], daemon: list[float]) -> dict:
     """Each round's daemon / engine, and their median and range."""
-    ratios = [d / e for e, d in zip(engine, daemon) if e > 0]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)} if ratios else {}
+    return harness.round_ratios(daemon, engine)
 
 
 def engine_step_s(eng, vocab: int, batch: int, tokens: int, seed: int, prompt_len: int) -> float:

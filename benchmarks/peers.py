@@ -428,9 +428,7 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
             r["vs_llama_cpp"] = r["tok_s"] / p["tok_s"]
             # Round by round: the two jobs of a round ran next to each other (the rounds
             # alternate their order), so both met the same level of the host.
-            pairs = [a / b for a, b in zip(r["runs"], p["runs"]) if b > 0]
-            r["vs_llama_cpp_rounds"] = {"median": statistics.median(pairs), "min": min(pairs),
-                                        "max": max(pairs)} if pairs else None
+            r["vs_llama_cpp_rounds"] = harness.round_ratios(r["runs"], p["runs"]) or None
     return rows
 
 
