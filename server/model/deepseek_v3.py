@@ -170,15 +170,17 @@ class DeepseekV3ForCausalLM(nn.Module, UsesProducts):
         plan = self._plan(meta)
         return mtp(x, plan, meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
 
-    def mtp_write_kv(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMetadata,
+    def mtp_write_kv(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
+                     positions: torch.Tensor, slot_mapping: torch.Tensor,
                      kv_caches: list[torch.Tensor], layer: int = 0) -> None:
-        """The MTP KV that ``mtp_forward`` would write at positions[i], without running the
-        block: keeps the MTP layer's cache current on steps that draft nothing."""
+        """The MTP KV that ``mtp_forward`` would write at positions[i] (cache slot
+        slot_mapping[i]), without running the block: keeps the MTP layer's cache current
+        on steps that draft nothing, and for a prompt's positions whose outputs nothing reads."""
         mtp = self._mtp(layer)
         x = mtp.combine(self.model.embed_tokens(input_ids), prev_hidden)
-        cos, sin = self.rope.cos_sin(meta.positions)
+        cos, sin = self.rope.cos_sin(positions)
         mtp.self_attn.write_cache(mtp.input_layernorm(x), cos[:, None, :], sin[:, None, :],
-                                  meta.slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
+                                  slot_mapping, kv_caches[self.config.num_hidden_layers + layer])
 
     def mtp_compute_logits(self, h_mtp: torch.Tensor, layer: int = 0,
                            head: nn.Module | None = None) -> torch.Tensor:

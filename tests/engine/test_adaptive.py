@@ -89,7 +89,7 @@ def test_raises_k_again_when_acceptance_recovers_and_probes_periodically():
 
 def test_one_stalled_step_does_not_flip_k_but_a_lasting_change_does():
     # k=1 pays at batch 1: 1.8 tokens for 1.25x the time of a plain step.
-    p = AdaptiveK(1, probe_every=10 ** 9)
+    p = AdaptiveK(1, probe_every=16, probe_len=1)
     p.acceptance = [0.8]
     for _ in range(4):
         p.observe_step(1, 0, 0.010)
@@ -100,10 +100,42 @@ def test_one_stalled_step_does_not_flip_k_but_a_lasting_change_does():
     p.observe_step(1, 1, 0.060)
     assert p.cost[(1, 1)] == 0.0125
     assert p.num_draft_tokens(1) == 1 and p.num_switches == 0
-    # k=1 steps now really cost 3x: once they fill most of the window, k falls to 0.
-    for _ in range(p.cost_window):
-        p.observe_step(1, 1, 0.030)
-    assert p.num_draft_tokens(1) == 0 and p.num_switches == 1
+    # k=1 steps now really cost 3x.  Until k=0 is measured again that reads as a slower
+    # host (k=0 priced 3x too); probes of k=0 (every 16 decisions) show it is not, and
+    # once they fill half of k=0's window k falls to 0.
+    p.probe_len = 3
+    ks = []
+    for _ in range(60):
+        k = p.num_draft_tokens(1)
+        ks.append(k)
+        p.observe_step(1, k, 0.030 if k else 0.010)
+    assert ks[:13] == [1] * 13 and ks[13] == 0          # decision 16: the first probe of k=0
+    assert p.current == 0 and ks[-12:] == [0] * 12 and p.num_switches == 1
+
+
+def test_a_slower_host_does_not_make_the_k_measured_longer_ago_look_better():
+    # Concurrency 8: k=1 verifies 2 tokens a sequence for 1.82x a plain step's time, 1.8
+    # tokens: not worth drafting.  Then the whole host slows by 30%; only k=0, the current
+    # k, is measured.  Priced against k=0's own steps of the same minutes, k=1 slowed too.
+    p = AdaptiveK(1, probe_every=10 ** 9)
+    p.acceptance = [0.8]
+    for _ in range(8):
+        p.observe_step(8, 0, 0.034)
+        p.observe_step(8, 1, 0.062)
+    assert [p.num_draft_tokens(8) for _ in range(2)] == [0, 0]
+    for _ in range(8):
+        p.observe_step(8, 0, 0.044)
+        assert p.num_draft_tokens(8) == 0
+    assert p.priced_cost(1, 8) == pytest.approx(0.062 * 0.044 / 0.034)
+    assert p.num_switches == 1                          # only max_k -> 0 at the start
+
+
+def test_drafting_must_beat_plain_decoding_by_its_unpriced_overhead():
+    # k=1 prices 1% better than k=0 on clean steps: below the 5% drafting costs outside them.
+    p = trained(1, [0.8], lambda k: 0.030 * (1 + 0.78 * k), num_seqs=8)
+    assert p.num_draft_tokens(8) == 0
+    p = trained(1, [0.8], lambda k: 0.030 * (1 + 0.78 * k), num_seqs=8, draft_overhead=0.0)
+    assert p.num_draft_tokens(8) == 1
 
 
 class Scripted(FixedK):

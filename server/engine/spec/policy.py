@@ -6,6 +6,7 @@ execution time (cost).  No torch here.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ class FixedK:
         pass
 
 
+# The current k's steps each of another k's samples is priced against (class docstring).
+PAIRED = 3
+
+
 def _bucket(num_seqs: int) -> int:
     """Batch sizes share cost estimates by power of two: 1, 2, 3-4, 5-8, ..."""
     return 1 << max(0, num_seqs - 1).bit_length()
@@ -76,6 +81,24 @@ class AdaptiveK:
     Interference only ever adds time, so the lower median also leans to the step's own
     cost.
 
+    Why each other k is priced against the current k's steps *around its own samples*:
+    the current k is measured every step, another k only in probes, up to ``probe_every``
+    decisions ago, and a shared host's speed drifts by 20-40% over minutes.  Comparing a
+    fresh figure with a stale one chose whichever k was measured in the faster minutes: at
+    concurrency 8 (0.5b, bf16) k=0 steps read 43.3 ms against stale k=1 ones of 67.0, so
+    k=1 looked 1.16x better; the same run's medians were 38.3 and 67.7 (1.02x), and the
+    daemon served 0.82-0.84x of MTP off.  So another k is priced by the current k's cost
+    now times the median of its samples' ratios to the current k's steps nearest in time
+    to each (the current k is the clock of the host's speed).  A real change in one k's
+    own cost then shows once probes have refilled half its window, not within a few steps.
+
+    ``draft_overhead``: drafting costs what no clean step shows: each admitted prompt's
+    first draft pass, the first step after a switch, and requests whose ends drift apart
+    (a window accepts more or fewer tokens), so prompts that arrive one by one are prefilled
+    one by one.  At concurrency 8 those came to ~10% of the wall time at k=1 (admitting
+    steps 3.1 s against 1.85 s of 14.5 s for the same 40 requests).  A k > 0 is chosen
+    over k = 0 only when its priced goodput beats k = 0's by that fraction as well.
+
     Exploration: a k with no cost figure yet for this bucket, and every ``probe_every``
     decisions the k measured longest ago, is run for ``probe_len`` steps (the first step
     after a switch still verifies the old k, so it is not a clean cost sample).  A switch
@@ -85,13 +108,17 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, *, probe_every: int = 64, probe_len: int = 3,
                  cost_window: int = 8, alpha_acc: float = 0.05, margin: float = 0.03,
-                 prior_acceptance: float = 0.7) -> None:
+                 prior_acceptance: float = 0.7, draft_overhead: float = 0.05,
+                 history: int = 64) -> None:
         self.max_draft_tokens = max_k
         self.probe_every, self.probe_len = probe_every, probe_len
         self.cost_window, self.alpha_acc, self.margin = cost_window, alpha_acc, margin
+        self.draft_overhead = draft_overhead
         self.acceptance = [prior_acceptance] * max_k      # [k] conditional rate per position
         self.cost: dict[tuple[int, int], float] = {}        # (k, bucket) -> seconds per step
-        self._samples: dict[tuple[int, int], deque[float]] = {}   # (k, bucket) -> last step times
+        # (k, bucket) -> the last ``history`` clean steps, as (decision count, seconds)
+        self._samples: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self._history = max(history, cost_window)
         self._measured_at: dict[tuple[int, int], int] = {}  # (k, bucket) -> decision count
         self.current = max_k
         self._probe: tuple[int, int] | None = None          # (k, steps left)
@@ -109,10 +136,33 @@ class AdaptiveK:
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         """A decode-only step where every sequence verified ``k`` drafts and drafted ``k``."""
         key = (k, _bucket(num_seqs))
-        samples = self._samples.setdefault(key, deque(maxlen=self.cost_window))
-        samples.append(seconds)
-        self.cost[key] = statistics.median_low(samples)
+        samples = self._samples.setdefault(key, deque(maxlen=self._history))
+        samples.append((self._decisions, seconds))
+        self.cost[key] = statistics.median_low([s for _, s in self._recent(key)])
         self._measured_at[key] = self._decisions
+
+    def _recent(self, key: tuple[int, int]) -> list[tuple[int, float]]:
+        samples = self._samples[key]
+        return list(samples)[-self.cost_window:]
+
+    def priced_cost(self, k: int, num_seqs: int) -> float | None:
+        """c(k, B) as of now: the current k's cost times k's cost relative to it, each of
+        k's samples against the current k's steps nearest in time (class docstring)."""
+        b = _bucket(num_seqs)
+        c = self.cost.get((k, b))
+        ref = self._samples.get((self.current, b))
+        if c is None or k == self.current or not ref:
+            return c
+        times = [t for t, _ in ref]
+        ratios = []
+        for t, s in self._recent((k, b)):
+            i = bisect.bisect_left(times, t)
+            near = sorted(range(max(0, i - PAIRED), min(len(ref), i + PAIRED)),
+                          key=lambda j: abs(times[j] - t))[:PAIRED]
+            ratios.append(s / statistics.median(ref[j][1] for j in near))
+        # Both sides of a ratio see the host's interference: its plain median, not the
+        # lower one (which would lean to whichever k is not current, and flap).
+        return self.cost[(self.current, b)] * statistics.median(ratios)
 
     # ---- decision --------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -124,9 +174,12 @@ class AdaptiveK:
         return total
 
     def goodput(self, k: int, num_seqs: int) -> float | None:
-        """Expected tokens per second for the batch, or None without a cost figure."""
-        c = self.cost.get((k, _bucket(num_seqs)))
-        return None if c is None or c <= 0 else num_seqs * self.expected_tokens(k) / c
+        """Expected tokens per second for the batch, or None without a cost figure; a
+        k > 0 net of ``draft_overhead`` (class docstring)."""
+        c = self.priced_cost(k, num_seqs)
+        if c is None or c <= 0:
+            return None
+        return num_seqs * self.expected_tokens(k) / c / (1.0 + self.draft_overhead * (k > 0))
 
     def num_draft_tokens(self, num_seqs: int) -> int:
         self._decisions += 1

@@ -249,6 +249,9 @@ class PredictedDrafts:
         self._held.pop(request_id, None)
         self._staged.pop(request_id, None)
 
+    def flush_kv(self) -> None:
+        self.inner.flush_kv()
+
     # ---- predictions ---------------------------------------------------------------------
     def stage(self, st: RequestState, emitted: list[int]) -> int:
         """Follow ``st``'s just-committed tokens in its prediction and stage the drafts its

@@ -34,6 +34,7 @@ from server.engine.batch.metadata import build_metadata
 from server.engine.batch.request_state import RequestState
 from server.engine.batch.window import StepWindow, WindowForm
 from server.engine.sample import sampler
+from server.engine.spec.deferred_kv import DeferredMTPWrites
 from server.engine.spec.policy import SpecPolicy
 from server.model.batch import BatchMetadata, DecodeMetadata
 
@@ -99,14 +100,20 @@ class NoProposer:
     def drop(self, request_id: str) -> None:
         pass
 
+    def flush_kv(self) -> None:
+        pass
+
 
 class MTPProposer:
     """Drafts with the MTP layer; holds each request's drafts on the device between steps."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
                  policy: SpecPolicy, device: torch.device, static_decode: bool = False,
-                 draft_head: torch.nn.Module | None = None) -> None:
+                 draft_head: torch.nn.Module | None = None, defer_kv_writes: bool = False) -> None:
         self.model = model
+        # k = 0 steps' MTP KV, written many steps at a time (spec/deferred_kv.py); None:
+        # written in each step (a rank group).
+        self.deferred = DeferredMTPWrites(model, kv_caches) if defer_kv_writes else None
         # What the drafts' logits multiply by instead of the MTP layer's head (an int8 copy:
         # engine/spec/draft_head.py); verification always takes the model's own head.
         self.draft_head = draft_head
@@ -138,6 +145,11 @@ class MTPProposer:
         """Forget a request's drafts (finished or aborted; a preempted request keeps them:
         the recompute step verifies them exactly as the next decode step would have)."""
         self._held.pop(request_id, None)
+
+    def flush_kv(self) -> None:
+        """Write the held k = 0 MTP KV (spec/deferred_kv.py: when the worker must)."""
+        if self.deferred is not None:
+            self.deferred.flush()
 
     def held_drafts(self, states: list[RequestState], num_drafts: list[int], K: int,
                     device: torch.device) -> torch.Tensor:
@@ -191,7 +203,8 @@ class MTPProposer:
         committed); the model runs when the caller runs the passes.
 
         k == 0 still runs the MTP layer's first pass: it writes the MTP KV of the verified
-        positions, which later drafts attend to once k rises again.  Nothing is held until
+        positions, which later drafts attend to once k rises again (a plain decode step's
+        later, with others': spec/deferred_kv.py).  Nothing is held until
         ``commit``: a step that fails later leaves the proposer as it was.
 
         The first pass takes the main forward's form.  A static window (every request one
@@ -221,8 +234,18 @@ class MTPProposer:
                                   self.device)
 
         samp = self._draft_sampling(states, base, sampled, k)
+        deferred = self.deferred
+        # A plain decode step drafting nothing: one verified position a sequence, whose MTP
+        # KV can wait (spec/deferred_kv.py).
+        hold = deferred is not None and k == 0 and input_ids.shape[0] == len(states) \
+            and all(mm == 1 for mm in m)
 
         def passes() -> DraftResult | None:
+            if hold:
+                deferred.add(input_ids, prev_hidden, first.positions, first.slot_mapping)
+                return None
+            if deferred is not None:
+                deferred.flush()                # the drafts attend to those positions
             return run_draft_passes(self.model, self.kv_caches, k, first, input_ids, prev_hidden,
                                     last_rows, samp, self.vocab_size, chain_meta, draft_mask,
                                     self.draft_head)
@@ -321,11 +344,13 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
     """
     device = input_ids.device
     if k == 0:
-        model.mtp_write_kv(input_ids, prev_hidden, first, kv_caches, layer=0)
+        model.mtp_write_kv(input_ids, prev_hidden, first.positions, first.slot_mapping,
+                           kv_caches, layer=0)
         return None
     if input_ids.shape[0] >= SPLIT_FIRST_PASS_ROWS * last_rows.shape[0]:
         # A long first pass (module docstring): KV everywhere, the layer on the last rows.
-        model.mtp_write_kv(input_ids, prev_hidden, first, kv_caches, layer=0)
+        model.mtp_write_kv(input_ids, prev_hidden, first.positions, first.slot_mapping,
+                           kv_caches, layer=0)
         h = model.mtp_forward(input_ids[last_rows], prev_hidden[last_rows], chain_meta(0),
                               kv_caches, layer=0)
     else:

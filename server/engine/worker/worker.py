@@ -103,7 +103,8 @@ class Worker:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
             mtp = MTPProposer(model, self.kv_caches, cfg.block_size, policy, self.device,
-                              self.static_decode, draft_head(model))
+                              self.static_decode, draft_head(model),
+                              defer_kv_writes=self.group is None)
         # Requests' predictions (OpenAI Predicted Outputs) draft in front of MTP.
         self.proposer = PredictedDrafts(mtp, self._prediction_drafts(model, cfg))
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
@@ -189,6 +190,7 @@ class Worker:
         """A copy of the KV cache rows of ``request_id`` at ``positions`` in cache layer
         ``layer`` (-1: the MTP layer), for checks and debugging; call between steps."""
         self.finish_step()
+        self.proposer.flush_kv()
         st = self.requests[request_id]
         bs = self.runner.block_size
         return self.kv_caches[layer].read_slots([st.block_table[p // bs] * bs + p % bs
@@ -219,6 +221,10 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(so.step_id)
         self.finish_step()
+        if so.new_requests or so.finished_request_ids or so.preempted_request_ids \
+                or so.has_kv_transfers:
+            # Slots change owners or get copied: the held k = 0 MTP KV first (spec/deferred_kv.py).
+            self.proposer.flush_kv()
         out.failed.update(self._draft_failures)
         self._draft_failures.clear()
         out.compile_update = self.graphs.adopt()
@@ -236,6 +242,7 @@ class Worker:
         for group, res in done:
             self._commit(group, res, out)
         if exports:                           # a prompt is prefilled in one step
+            self.proposer.flush_kv()
             self._export_prompts(states, out)
         out.execute_time_s = time.perf_counter() - t0
         self._observe(so, states, done, out)
