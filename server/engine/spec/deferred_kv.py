@@ -9,10 +9,10 @@ off.  Held here instead (each step's token ids, main hidden rows, positions and 
 few KB), the writes go in one pass of many rows, whose weights are read once.
 
 The cache must hold them before anything reads it or hands its slots to another owner, so
-the worker flushes before a step that drafts (k > 0), before one whose first pass is not a
-plain decode (a prompt, predicted drafts), before any step that admits, finishes, preempts
-or moves KV (a new owner's or a copy's rows must be the final ones), and every
-``max_steps`` steps.  Only the MTP layer's cache waits: the main model's KV, which every
+they are written before any MTP pass that is not a plain k = 0 decode (drafts, a prompt,
+predicted drafts: the proposer), before any step that admits, finishes, preempts or moves
+KV, and before a prompt's KV is exported (a new owner's or a copy's rows must be the final
+ones: the worker), and every ``max_steps`` steps.  Only the MTP layer's cache waits: the main model's KV, which every
 token's output depends on, is written in the step itself, and a draft is always verified,
 so a late MTP row could only ever cost acceptance, never change a token.
 """
