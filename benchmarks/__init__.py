@@ -10,6 +10,7 @@ repository root (not installed with ``server``), one module per comparison:
     python -m benchmarks.engine_step      engine-level decode step timing, MTP off / k=1 / k=2 (GPU or CPU)
     python -m benchmarks.peers            llama.cpp beside us on the same weights (--build gets and builds it),
                                           each row's share of the memory's read bandwidth
+    python -m benchmarks.closed_loop      adaptive speculation vs MTP off, engines taking turns, closed loop
     python -m benchmarks.acceptance       MTP acceptance of seeded vs unseeded sampling
     python -m benchmarks.grammar_backends llguidance vs xgrammar: compile and per-token mask cost
     python -m benchmarks.lm_eval          lm-evaluation-harness against the daemon (the eval extra)
