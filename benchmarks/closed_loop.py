@@ -6,7 +6,7 @@ asks the same number of tokens, so under MTP off all 8 end in one step and their
 replacements are prefilled together, which any drafting undoes.  Here every mode is an
 in-process engine on one shared checkpoint; each round each of them serves ``--requests``
 requests at ``--concurrency`` streams, each replaced as it ends (greedy, the bench
-prompts in DeepSeek-V3's chat form), the modes' order reversed every other round.  A
+prompts in the checkpoint's chat template), the modes' order reversed every other round.  A
 round's tokens/s over MTP off's of the same round is the figure; ``--lengths 32-96`` gives
 each request its own length (mean 64), so that MTP off's requests drift apart as real ones do.
 
@@ -38,11 +38,14 @@ def request_lengths(spec: str):
     return lambda i: lo + (i * 37) % (hi - lo + 1)
 
 
-def chat_prompts(tokenizer_file: Path) -> list[list[int]]:
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    texts = [p[-1]["content"] for p in harness.load_prompts()["prompts"]]
-    return [tok.encode("<｜begin▁of▁sentence｜><｜User｜>" + t + "<｜Assistant｜>").ids for t in texts]
+def chat_prompts(checkpoint: Path) -> list[list[int]]:
+    """The bench prompts' last user turns, rendered by the checkpoint's chat template as
+    the daemon renders a request."""
+    from server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(checkpoint)
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p[-1]["content"]}],
+                                               tokenize=False, add_generation_prompt=True))
+            for p in harness.load_prompts()["prompts"]]
 
 
 def serve_round(eng, prompts: list[list[int]], concurrency: int, total: int, lengths,
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     from server.model import load_checkpoint
     torch.set_num_threads(args.threads)
     model, _ = load_checkpoint(str(args.weights))
-    prompts = chat_prompts(args.weights / "tokenizer.json")
+    prompts = chat_prompts(args.weights)
     lengths = request_lengths(args.lengths)
     engines = {}
     for m in modes:

@@ -121,7 +121,6 @@ class AdaptiveK:
         # (k, bucket) -> the last ``history`` clean steps, as (decision count, seconds)
         self._samples: dict[tuple[int, int], deque[tuple[int, float]]] = {}
         self._history = max(history, cost_window)
-        self._measured_at: dict[tuple[int, int], int] = {}  # (k, bucket) -> decision count
         self.current = max_k
         self._probe: tuple[int, int] | None = None          # (k, steps left)
         self._decisions = 0
@@ -141,7 +140,11 @@ class AdaptiveK:
         samples = self._samples.setdefault(key, deque(maxlen=self._history))
         samples.append((self._decisions, seconds))
         self.cost[key] = statistics.median_low([s for _, s in self._recent(key)])
-        self._measured_at[key] = self._decisions
+
+    def _last_measured(self, key: tuple[int, int]) -> int:
+        """The decision count at ``key``'s last sample; -1: never measured."""
+        samples = self._samples.get(key)
+        return samples[-1][0] if samples else -1
 
     def _recent(self, key: tuple[int, int]) -> list[tuple[int, float]]:
         samples = self._samples[key]
@@ -195,7 +198,7 @@ class AdaptiveK:
         unmeasured = [k for k in ks if (k, b) not in self.cost]
         if unmeasured or self._decisions % self.probe_every == 0:
             probe = unmeasured[0] if unmeasured else min(
-                (k for k in ks if k != self.current), key=lambda k: self._measured_at.get((k, b), -1))
+                (k for k in ks if k != self.current), key=lambda k: self._last_measured((k, b)))
             if probe != self.current or unmeasured:
                 self._probe = (probe, self.probe_len - 1) if self.probe_len > 1 else None
                 return probe

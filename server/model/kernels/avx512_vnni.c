@@ -257,21 +257,18 @@ int i8_rows(const int8_t *x, long A, long K, const long *expert, const int8_t *w
         #pragma omp for schedule(static)
         for (long a = 0; a < A; a++)
             for (long k = 0; k < K; k++) xu[a * K + k] = (uint8_t)x[order[a] * K + k] ^ 0x80u;
-        #define RUN_BLOCK(j)                                                                  \
-            {                                                                                \
-                long r = (j) / blocks, b = (j) % blocks, first = starts[r];                 \
-                long rows = starts[r + 1] - first;                                           \
-                const int8_t *we = w + expert[order[first]] * N * K;                         \
-                if (rows > FEW) {                                                            \
-                    product(xu + first * K, rows, K, K, we, N, ys + first * N, N, b);        \
-                } else {                                                                     \
-                    for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)               \
-                        few(xu + first * K, K, (int)rows, we + n * K, K, ys + first * N + n, N); \
-                }                                                                            \
-            }
         #pragma omp for schedule(static)
-        for (long j = 0; j < runs * blocks; j++) RUN_BLOCK(j)
-        #undef RUN_BLOCK
+        for (long j = 0; j < runs * blocks; j++) {
+            long r = j / blocks, b = j % blocks, first = starts[r];
+            long rows = starts[r + 1] - first;
+            const int8_t *we = w + expert[order[first]] * N * K;
+            if (rows > FEW) {
+                product(xu + first * K, rows, K, K, we, N, ys + first * N, N, b);
+            } else {
+                for (long n = b * COLS; n < b * COLS + COLS && n < N; n++)
+                    few(xu + first * K, K, (int)rows, we + n * K, K, ys + first * N + n, N);
+            }
+        }
         #pragma omp for schedule(static)
         for (long a = 0; a < A; a++) memcpy(y + order[a] * N, ys + a * N, (size_t)N * sizeof(int32_t));
     }
