@@ -82,6 +82,10 @@ class HalfCpuProducts(Products):
         if weight.dtype not in _HALF or weight.device.type != "cpu" or weight.dim() != 2 or x.dim() < 2:
             return F.linear(x, weight, bias)
         rows = x.numel() // max(1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            # Traced outside a window form (a layer compiled on its own): the kernel as the
+            # graph's operator; ``self.kernel`` would trace into the library's loading.
+            return batch_linear(x, weight, bias, self.uses_kernel)
         if rows <= KERNEL_ROWS and (out := kernel_linear(self.kernel, x, weight, bias)) is not None:
             return out
         if rows >= FLOAT32_ROWS:
@@ -90,6 +94,8 @@ class HalfCpuProducts(Products):
 
     def experts(self, xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor | None:
+        if torch.compiler.is_compiling():
+            return None
         return kernel_experts(self.kernel, xs, counts, gate_up, down)
 
     def window(self, window: str) -> Products:
