@@ -121,13 +121,17 @@ def test_each_window_traces_its_form_and_only_while_tracing(products):
     with products_for([lin], products.window("lone")):
         eager = lin(x2)                                  # not tracing: the eager products
         assert "linear" not in str(_ops(lin, x2[:1]))    # one row too: as a plain step's row
-        assert "linear" in str(_ops(lin, torch.randn(9, 32).to(torch.bfloat16)))   # over MAX_ROWS
         lin32 = Linear(32, 48, bias=False)
         use_products([lin32], products.window("lone"))
         assert "linear" in str(_ops(lin32, x2.float()))  # float32 weight
         rows = _ops(lin, x2)
         assert "linear" not in str(rows)
-        assert rows.count("sum") == 2                    # one reduction per row
+        if products.kernel is not None:                  # half_avx2.c's operator, any rows
+            assert {"mtp_native.half_mm", "mtp_serve.half_mm"} & set(rows) and "sum" not in rows
+            assert "linear" not in str(_ops(lin, torch.randn(9, 32).to(torch.bfloat16)))
+        else:
+            assert rows.count("sum") == 2                # one reduction per row
+            assert "linear" in str(_ops(lin, torch.randn(9, 32).to(torch.bfloat16)))   # over MAX_ROWS
         out = torch.compile(lin, backend="eager", dynamic=False, fullgraph=True)(x2)
     assert lin.products is products and F.linear is linear_before
     with products_for([lin], products.window("batch")):  # a batch graph: half_avx2.c's operator
@@ -225,6 +229,32 @@ def test_half_kernel_runs_a_routed_moes_experts_in_one_call():
     assert torch.equal(alone[0], out[3])
     assert half_cpu.kernel_experts(lib, xs, [half_cpu.KERNEL_ROWS + 1], gate_up[:1], down[:1]) is None
     assert half_cpu.kernel_experts(None, xs, counts, gate_up, down) is None
+
+
+def test_gathered_experts_give_the_eager_moes_numbers_for_any_window():
+    """``half_gathered`` (half_avx2.c's ``half_moe_bf16`` in one call): each token's top-k
+    experts, weighted and summed, equal to the eager MoE's float32 ``index_add_`` of the
+    same kernel's expert outputs, value for value; a token's output is the same alone and
+    among others (a window's rows are a lone row's); an expert id outside the stack is
+    refused, not read."""
+    lib = _kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    e, h, i, t, k = 6, 40, 24, 5, 3                       # h, i not multiples of 16: the tails
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    got = half_cpu.half_gathered(x, weights, idx, gate_up, down)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ys = half_cpu.kernel_experts(lib, x.float().index_select(0, order // k),
+                                 torch.bincount(flat, minlength=e).tolist(), gate_up, down)
+    want = torch.zeros(t, h).index_add_(0, order // k, ys * weights.reshape(-1)[order, None])
+    assert torch.equal(got, want)
+    assert torch.equal(half_cpu.half_gathered(x[2:3], weights[2:3], idx[2:3], gate_up, down)[0], got[2])
+    with pytest.raises((IndexError, RuntimeError)):
+        half_cpu.half_gathered(x[:1], weights[:1], torch.tensor([[0, 1, e]]), gate_up, down)
 
 
 def test_a_bf16_moe_serves_through_the_kernel_what_it_serves_without(tmp_path, monkeypatch):
@@ -347,18 +377,21 @@ class Recorded(half_cpu.HalfCpuWindow):
 def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_emits(tmp_path, monkeypatch, products):
     """A 2-token window of a lone sequence through a bf16 tiny model's first layer on these
     products: the compiled graph (compile_step, window "lone", C++ wrapper, saved and
-    loaded) reads its projections through ``rows_linear`` and W_UK / W_UV through the latent
-    reductions, and its output equals the uncompiled layer's to bf16 rounding."""
+    loaded) reads its projections through half_avx2.c's operator (without the kernel
+    ``rows_linear``) and W_UK / W_UV through the latent reductions, and its output equals
+    the uncompiled layer's to bf16 rounding."""
     from server.engine.worker import compile_step
     from server.model.loading import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
     monkeypatch.setenv(compile_step.CPP_WRAPPER_ENV, "1")    # the serving default (the suite's is 0)
     taken = _TAKEN
     taken.clear()
-    real_rows = half_cpu.rows_linear
+    real_rows, real_batch = half_cpu.rows_linear, half_cpu.batch_linear
     monkeypatch.setattr(half_cpu, "rows_linear", lambda *a: taken.append("rows_linear") or real_rows(*a))
+    monkeypatch.setattr(half_cpu, "batch_linear", lambda *a: taken.append("batch_linear") or real_batch(*a))
     model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=1), dtype=torch.bfloat16)
     use_products([model], products)
+    model.stack_projections()                                  # as the serving worker does
     device = torch.device("cpu")
     kind, index = next(iter(model.eval().static_decoder.layer_kinds().items()))
     lone = Recorded(products.kernel, "lone")
@@ -375,7 +408,8 @@ def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_em
     assert (hit, hit_again) == (False, True)
     assert model.model.layers[index].self_attn.products is products      # its own again after tracing
     again = again[0] if isinstance(again, tuple) else again
-    assert taken.count("rows_linear") >= 4 and {"latent_query", "latent_value"} <= set(taken)
+    form = "batch_linear" if products.kernel is not None else "rows_linear"   # half_avx2.c's operator
+    assert taken.count(form) >= 4 and {"latent_query", "latent_value"} <= set(taken)
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
     torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)
     assert torch.equal(again, got)

@@ -44,6 +44,20 @@ def test_sums_are_the_exact_ones_and_each_rows_own(k):
     assert torch.equal(compiled(x_q, w), got * 2)
 
 
+def test_activations_past_127_take_the_widening_path_to_the_same_exact_sums():
+    """The byte products (vpmaddubsw) need activations within +-127; a static scheme's
+    reach -128 and, with a zero point, past the int8 range: those rows are summed by the
+    widening blocks, exactly too."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (33, 100), dtype=torch.int8, generator=g)
+    x = torch.randint(-127, 128, (3, 100), generator=g).to(torch.int16)
+    x[1, 7], x[2, 3] = -128, 300
+    want = (x.double() @ w.double().t()).to(torch.int64)
+    assert torch.equal(int8.int8_kernel_mm(x, w).to(torch.int64), want)
+    expert = torch.tensor([0, 0, 0])
+    assert torch.equal(int8.int8_rows(x.float(), expert, w[None]).to(torch.int64), want)
+
+
 def test_gathered_rows_read_their_own_experts():
     g = torch.Generator().manual_seed(3)
     w = torch.randint(-128, 128, (5, 40, 96), dtype=torch.int8, generator=g)

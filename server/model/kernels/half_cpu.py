@@ -13,16 +13,17 @@ multiplies, so it costs a single-row product per row (2 threads, AMD EPYC):
 So ``HalfCpuProducts`` (a model's products, kernels/products.py), in the graphs of the
 compiled step (``window``, by the kind of window; ``HalfCpuWindow``):
 
-* ``"lone"`` (a lone sequence's window, a constant 1..MAX_ROWS rows): each ``F.linear`` is
-  one float32 reduction per row over the weight converted once (``rows_linear``); Inductor
-  fuses the rows into one kernel that loads each weight vector once for all of them.  The
-  head at 2 / 3 rows: 6.9 / 9.8 ms; a [1536 -> 3072 -> 1536] MLP at 2 rows 1.1 ms against
-  2.8.  One row takes the same form (as fast as oneDNN's), so a window of k+1 rows
-  computes each row exactly as a plain step does and MTP stays lossless in bf16 too.
-* ``"batch"`` (two sequences or more, their number symbolic): each ``F.linear`` calls
-  half_avx2.c as an operator (``batch_linear``), or without it is one float32 reduction
-  per output column and row, the rows inner: the 0.5b model's batch-16 step took 810 ms
-  with oneDNN's rows, 251 ms with the reductions, 140 with the kernel.
+* ``"lone"`` (a lone sequence's window, 1..MAX_ROWS rows) and ``"batch"`` (two sequences
+  or more, their number symbolic): each ``F.linear`` calls half_avx2.c as an operator
+  (``batch_linear``), and the routed experts are one operator from the router's choice to
+  the weighted sum (``half_gathered``: each chosen expert read once for all its tokens).
+  The lone window took Inductor's fused float32 reductions (``rows_linear``, the experts
+  as reductions too) before: on the 0.5b model (2-core Zen 3) a batch-1 step ran 39 tok/s
+  against 43 through the kernel, and greedy tokens of k=1 and MTP off parted (position
+  38 of 64); through the kernel they agree.  Without the kernel: lone, ``rows_linear``;
+  batch, one float32 reduction per output column and row, the rows inner (the 0.5b
+  model's batch-16 step: 810 ms with oneDNN's rows, 251 with the reductions, 140 with the
+  kernel).
 * ``"lone"`` and ``"batch"``: W_UK / W_UV as reductions over a head's cached weights
   (``latent_query``, ``latent_value``): 0.07 against 0.82 ms at 2 rows; the attention's
   two products over the context in float32 (``latent_attention``).
@@ -98,6 +99,20 @@ class HalfCpuProducts(Products):
             return None
         return kernel_experts(self.kernel, xs, counts, gate_up, down)
 
+    def gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                         gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+        """With the kernel, ``half_gathered`` (an operator of a traced graph): the eager
+        MoE's numbers, each chosen expert read once for all its tokens."""
+        if not self.groups_experts(gate_up.dtype):
+            return None
+        args = (x, weights.float(), idx.to(torch.int64), gate_up, down)
+        if torch.compiler.is_compiling():
+            return torch.ops.mtp_serve.half_gathered(*args).to(x.dtype)
+        return half_gathered(*args).to(x.dtype)
+
+    def groups_experts(self, dtype: torch.dtype) -> bool:
+        return self.uses_kernel and dtype in _HALF
+
     def window(self, window: str) -> Products:
         super().window(window)
         return HalfCpuWindow(self.kernel, window)
@@ -119,10 +134,12 @@ class HalfCpuWindow(HalfCpuProducts):
             return super().linear(x, weight, bias)
         if weight.dtype not in _HALF or weight.device.type != "cpu" or weight.dim() != 2:
             return F.linear(x, weight, bias)
-        if self.kind == "lone" and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            return rows_linear(x, weight, bias)
         if self.kind == "prompt":
             return float32_linear(x, weight, bias)
+        if self.kind == "lone" and x.dim() == 2 and self.uses_kernel:
+            return batch_linear(x, weight, bias)
+        if self.kind == "lone" and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            return rows_linear(x, weight, bias)
         if self.kind == "batch" and x.dim() == 2:
             return batch_linear(x, weight, bias, self.uses_kernel)
         return F.linear(x, weight, bias)
@@ -227,9 +244,64 @@ def kernel_experts(lib: ctypes.CDLL | None, xs: torch.Tensor, counts: list[int],
     gu = torch.empty(xf.shape[0], i2, dtype=torch.float32)
     out = torch.empty(xf.shape[0], h, dtype=torch.float32)
     fn = lib.half_experts_bf16 if gate_up.dtype == torch.bfloat16 else lib.half_experts_f16
-    fn(xf.data_ptr(), h, i2 // 2, offsets.data_ptr(), e, gate_up.data_ptr(), down.data_ptr(),
-       gu.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if fn(xf.data_ptr(), h, i2 // 2, offsets.data_ptr(), e, gate_up.data_ptr(), down.data_ptr(),
+          gu.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("half_avx2.c: no memory for the split rows")
     return out
+
+
+def half_gathered(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """Each token of x [T, H] through its top-k experts (weights / idx [T, k]; gate_up
+    [E, 2I, H], down [E, H, I] 16-bit) -> float32 [T, H], as one operator a compiled graph
+    calls (bf16: one call of half_avx2.c's ``half_moe_bf16``): the pairs sorted by expert
+    through ``half_experts_*`` (each chosen expert read once for all its tokens), then each token's weighted outputs added from zero in the
+    order of their experts: the eager MoE's numbers (layers/moe.py: its experts through
+    the same kernel, its float32 ``index_add_``), so a token's output does not depend on
+    the window it is in.  Where a graph built with it is loaded without the kernel, float32
+    products expert by expert."""
+    t, k = idx.shape
+    lib = half_kernel()
+    if lib is not None and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and down.is_contiguous():
+        xf = x.float().contiguous()
+        ids, wts = idx.to(torch.int64).contiguous(), weights.float().contiguous()
+        out = torch.empty(t, down.shape[1], dtype=torch.float32)
+        status = lib.half_moe_bf16(xf.data_ptr(), t, xf.shape[1], down.shape[2], k, ids.data_ptr(),
+                                   wts.data_ptr(), gate_up.shape[0], gate_up.data_ptr(), down.data_ptr(),
+                                   out.data_ptr(), torch.get_num_threads())
+        if status == 0:
+            return out
+        if status == 1:
+            raise MemoryError("half_avx2.c: no memory for the MoE's scratch")
+    if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < gate_up.shape[0]):
+        raise IndexError(f"an expert id outside [0, {gate_up.shape[0]})")
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    xs = x.float().index_select(0, order // k)
+    ys = kernel_experts(half_kernel(), xs, counts, gate_up, down)
+    if ys is None:
+        parts, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                g, u = F.linear(xs[start:start + n], gate_up[e].float()).chunk(2, dim=-1)
+                parts.append(F.linear(F.silu(g) * u, down[e].float()))
+                start += n
+        ys = torch.cat(parts) if parts else xs.new_zeros(0, down.shape[1])
+    pairs = torch.empty_like(ys)
+    pairs[order] = ys
+    pairs = pairs.view(t, k, -1) * weights.float()[:, :, None]
+    ranked = pairs.gather(1, idx.argsort(dim=1, stable=True)[:, :, None].expand_as(pairs))
+    out = torch.zeros(t, ys.shape[1], dtype=torch.float32)
+    for j in range(k):
+        out += ranked[:, j]
+    return out
+
+
+kernel_operator("half_gathered(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor down) -> Tensor",
+                half_gathered,
+                lambda x, weights, idx, gate_up, down: x.new_empty(x.shape[0], down.shape[1],
+                                                                   dtype=torch.float32))
 
 
 def half_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -254,6 +326,7 @@ def _kernel_mm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch
     xf = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(xf.shape[0], n, dtype=torch.float32)
     fn = lib.half_mm_bf16 if weight.dtype == torch.bfloat16 else lib.half_mm_f16
-    fn(xf.data_ptr(), xf.shape[0], k, xf.stride(0), weight.data_ptr(), n, out.data_ptr(), n,
-       torch.get_num_threads())
+    if fn(xf.data_ptr(), xf.shape[0], k, xf.stride(0), weight.data_ptr(), n, out.data_ptr(), n,
+          torch.get_num_threads()):
+        raise MemoryError("half_avx2.c: no memory for the split rows")
     return out

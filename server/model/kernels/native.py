@@ -50,9 +50,10 @@ class Kernel:
 KERNELS = {
     "half_avx2": Kernel(
         "half_avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"),
-        (("half_mm_bf16", _MM, None), ("half_mm_f16", _MM, None),
-         ("half_experts_bf16", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _I], None),
+        (("half_mm_bf16", _MM, ctypes.c_int), ("half_mm_f16", _MM, None),
+         ("half_experts_bf16", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _I], ctypes.c_int),
          ("half_experts_f16", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _I], None),
+         ("half_moe_bf16", [_P, _L, _L, _L, _L, _P, _P, _L, _P, _P, _P, _I], ctypes.c_int),
          ("int8_mm", _MM, None), ("int8_rows", _ROWS, None))),
     "avx512_bf16": Kernel(
         "avx512_bf16.c", ("-mavx512f", "-mavx512bw", "-mavx512bf16"),

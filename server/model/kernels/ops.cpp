@@ -46,7 +46,7 @@ struct Kernels {
   heads_fn bf16_heads = nullptr;
   mm_status_fn i8_mm = nullptr;      // avx512_vnni.c
   rows_status_fn i8_rows = nullptr;
-  mm_fn half_mm_bf16 = nullptr;      // half_avx2.c
+  mm_status_fn half_mm_bf16 = nullptr;   // half_avx2.c
   mm_fn half_mm_f16 = nullptr;
   mm_fn int8_mm = nullptr;
   rows_fn int8_rows = nullptr;
@@ -95,9 +95,16 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
 }
 
 at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
-  bool f16 = w.scalar_type() == at::kHalf;
-  return product(x, w, at::kFloat, f16 ? at::kHalf : at::kBFloat16, at::kFloat,
-                 f16 ? kernels.half_mm_f16 : kernels.half_mm_bf16, "half_mm");
+  if (w.scalar_type() == at::kHalf)
+    return product(x, w, at::kFloat, at::kHalf, at::kFloat, kernels.half_mm_f16, "half_mm");
+  need(reinterpret_cast<const void*>(kernels.half_mm_bf16), "half_mm");
+  check_matrix(w, at::kBFloat16, "half_mm");
+  check_rows(x, at::kFloat, w.size(1), "half_mm");
+  auto y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  int status = kernels.half_mm_bf16(x.data_ptr(), x.size(0), w.size(1), x.stride(0), w.data_ptr(),
+                                    w.size(0), y.data_ptr(), w.size(0), at::get_num_threads());
+  TORCH_CHECK(status == 0, "half_mm: no memory for the split rows");
+  return y;
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w) {       // x int16 (half_avx2.c)

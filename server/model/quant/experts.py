@@ -28,9 +28,10 @@ ROWS_OPS = {
 }
 
 
-# Backends whose rows kernel reads each chosen expert once for all its rows (i8_rows
-# groups them): the gathered MoE then costs the routed one's bytes at any number of tokens.
-GROUPED_ROWS = ("vnni",)
+# Backends whose rows kernel reads each chosen expert once for all its rows (i8_rows and
+# int8_rows group them): the gathered MoE then costs the routed one's bytes at any number
+# of tokens.
+GROUPED_ROWS = ("avx2", "vnni")
 
 
 def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
