@@ -255,11 +255,11 @@ def half_gathered(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
     """Each token of x [T, H] through its top-k experts (weights / idx [T, k]; gate_up
     [E, 2I, H], down [E, H, I] 16-bit) -> float32 [T, H], as one operator a compiled graph
     calls (bf16: one call of half_avx2.c's ``half_moe_bf16``): the pairs sorted by expert
-    through ``half_experts_*`` (each chosen expert read once for all its tokens), then each token's weighted outputs added from zero in the
-    order of their experts: the eager MoE's numbers (layers/moe.py: its experts through
-    the same kernel, its float32 ``index_add_``), so a token's output does not depend on
-    the window it is in.  Where a graph built with it is loaded without the kernel, float32
-    products expert by expert."""
+    through ``half_experts_*`` (each chosen expert read once for all its tokens), then
+    each token's weighted outputs added from zero in the order of their experts: the eager
+    MoE's numbers (layers/moe.py: its experts through the same kernel, its float32
+    ``index_add_``), so a token's output does not depend on the window it is in.  Where a
+    graph built with it is loaded without the kernel, float32 products expert by expert."""
     t, k = idx.shape
     lib = half_kernel()
     if lib is not None and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and down.is_contiguous():
