@@ -149,28 +149,31 @@ def test_each_window_traces_its_form_and_only_while_tracing(products):
     torch.testing.assert_close(out.float(), eager.float(), atol=0.05, rtol=0.01)
 
 
-def test_eager_products_take_the_kernel_then_float32_gemms(products, monkeypatch):
-    """Eager, products of up to KERNEL_ROWS rows take half_avx2.c, more rows the float32
-    GEMM; without the kernel, FLOAT32_ROWS rows or more take the float32 GEMM and fewer
-    F.linear's own; float32 weights always F.linear's."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eager_products_take_the_kernel_then_float32_gemms(products, monkeypatch, dtype):
+    """Eager, bf16 products of any rows take half_avx2.c (a prompt's rows as a decode
+    step's), float16 ones up to KERNEL_ROWS rows and the float32 GEMM past it; without the
+    kernel, FLOAT32_ROWS rows or more take the float32 GEMM and fewer F.linear's own;
+    float32 weights always F.linear's."""
     gemm_rows, kernel_rows = [], []
     real_f32, real_kernel = half_cpu.float32_linear, half_cpu.kernel_linear
     monkeypatch.setattr(half_cpu, "float32_linear", lambda *a: gemm_rows.append(a[0].shape[0]) or real_f32(*a))
     monkeypatch.setattr(half_cpu, "kernel_linear",
                         lambda lib, *a: (kernel_rows.append(a[0].shape[0]) if lib is not None else None)
                         or real_kernel(lib, *a))
-    w = torch.randn(48, 32).to(torch.bfloat16)
+    w = torch.randn(48, 32).to(dtype)
     rows = (1, half_cpu.FLOAT32_ROWS - 1, half_cpu.FLOAT32_ROWS, half_cpu.KERNEL_ROWS,
             half_cpu.KERNEL_ROWS + 1)
+    every = dtype == torch.bfloat16
     for p in (products, half_cpu.HalfCpuProducts(None)):
         gemm_rows.clear(), kernel_rows.clear()
         for n in rows:
-            x = torch.randn(n, 32).to(torch.bfloat16)
+            x = torch.randn(n, 32).to(dtype)
             torch.testing.assert_close(p.linear(x, w).float(), x.float() @ w.float().t(), atol=0.05, rtol=0.01)
         p.linear(torch.randn(200, 32), w.float())        # float32 weights: F.linear's
         with_kernel = p.kernel is not None
-        assert kernel_rows == (list(rows[:-1]) if with_kernel else [])
-        assert gemm_rows == list(rows[-1:] if with_kernel else rows[2:])
+        assert kernel_rows == (list(rows if every else rows[:-1]) if with_kernel else [])
+        assert gemm_rows == list(([] if every else rows[-1:]) if with_kernel else rows[2:])
 
 
 def _kernel_or_skip():
@@ -183,24 +186,30 @@ def _kernel_or_skip():
     return lib
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_kernel_is_f_linear_and_each_row_is_summed_alone(dtype):
+# (rows, N, K): rows past the streamed order's 16 (tiles of 64 rows, odd ones left over),
+# N past blocks of 16 with a tail, K past spans of 512 with a tail past the 16-wide pairs.
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (46, 101, 203)), (torch.float16, (46, 101, 203)),
+                                         (torch.bfloat16, (149, 37, 1100))])
+def test_half_kernel_is_f_linear_and_each_row_is_summed_alone(dtype, shape):
     """half_avx2.c: the float32 product over the 16-bit weight (any N, K with a tail past
     the 8-wide vectors, bias, 3-d rows), and each row's result bit for bit the same at any
-    row count: a window of k+1 rows gives each row what a one-row step gives."""
+    row count: a window of k+1 rows gives each row what a one-row step gives, and a
+    prompt's rows (bf16: tiled, not streamed) what a decode step gives."""
     lib = _kernel_or_skip()
     g = torch.Generator().manual_seed(1)
-    w = (torch.randn(101, 203, generator=g) * 0.1).to(dtype)
-    b = torch.randn(101, generator=g).to(dtype)
-    x = torch.randn(2, 23, 203, generator=g).to(dtype)
+    m, n, k = shape
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(*((2, m // 2) if m % 2 == 0 else (1, m)), k, generator=g).to(dtype)
     out = half_cpu.kernel_linear(lib, x, w, b)
-    assert out.shape == (2, 23, 101) and out.dtype == dtype
+    assert out.shape == (*x.shape[:-1], n) and out.dtype == dtype
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()),
                                atol=0.02, rtol=0.01)
-    flat = x.reshape(-1, 203)
+    flat = x.reshape(-1, k)
     alone = torch.cat([half_cpu.kernel_linear(lib, flat[i:i + 1], w, b) for i in range(len(flat))])
-    assert torch.equal(alone, out.reshape(-1, 101))
+    assert torch.equal(alone, out.reshape(-1, n))
     assert torch.equal(half_cpu.kernel_linear(lib, flat[5:7], w, b), alone[5:7])
+    assert torch.equal(half_cpu.kernel_linear(lib, flat[3:20], w, b), alone[3:20])
     assert half_cpu.kernel_linear(lib, x, w.t().contiguous().t()) is None      # column-major: not its
     assert half_cpu.kernel_linear(lib, x, w.float()) is None
     assert half_cpu.kernel_linear(None, x, w) is None
@@ -209,7 +218,8 @@ def test_half_kernel_is_f_linear_and_each_row_is_summed_alone(dtype):
 def test_half_kernel_runs_a_routed_moes_experts_in_one_call():
     """``kernel_experts``: every expert's gate/up, SiLU and down over its rows (some with
     none) in one call, the float32 products of the stacked weights; each row's result the
-    same whatever rows the other experts hold; refused past KERNEL_ROWS rows an expert and
+    same whatever rows the other experts hold (also past the streamed order's 16 rows an
+    expert, where bf16 tiles); float16 refused past KERNEL_ROWS rows an expert; nothing
     without the kernel."""
     lib = _kernel_or_skip()
     g = torch.Generator().manual_seed(2)
@@ -221,14 +231,22 @@ def test_half_kernel_runs_a_routed_moes_experts_in_one_call():
     out = half_cpu.kernel_experts(lib, xs, counts, gate_up, down)
     want, start = [], 0
     for j, n in enumerate(counts):
-        gu = xs[start:start + n].float() @ gate_up[j].float().t()
-        want.append((F.silu(gu[:, :i]) * gu[:, i:]) @ down[j].float().t())
+        want.append(_experts_reference(xs[start:start + n], gate_up[j], down[j], i))
         start += n
     torch.testing.assert_close(out, torch.cat(want), atol=1e-4, rtol=1e-4)
     alone = half_cpu.kernel_experts(lib, xs[3:4], [0, 0, 1, 0, 0], gate_up, down)  # expert 2's first row
     assert torch.equal(alone[0], out[3])
-    assert half_cpu.kernel_experts(lib, xs, [half_cpu.KERNEL_ROWS + 1], gate_up[:1], down[:1]) is None
+    many = torch.randn(half_cpu.KERNEL_ROWS + 1, h, generator=g).to(torch.bfloat16)
+    tiled = half_cpu.kernel_experts(lib, many, [0, 0, 0, len(many), 0], gate_up, down)
+    assert torch.equal(tiled[7], half_cpu.kernel_experts(lib, many[7:8], [0, 0, 0, 1, 0], gate_up, down)[0])
+    torch.testing.assert_close(tiled, _experts_reference(many, gate_up[3], down[3], i), atol=1e-4, rtol=1e-4)
+    assert half_cpu.kernel_experts(lib, many.half(), [len(many)], gate_up[:1].half(), down[:1].half()) is None
     assert half_cpu.kernel_experts(None, xs, counts, gate_up, down) is None
+
+
+def _experts_reference(x, gate_up, down, i):
+    gu = x.float() @ gate_up.float().t()
+    return (F.silu(gu[:, :i]) * gu[:, i:]) @ down.float().t()
 
 
 def test_gathered_experts_give_the_eager_moes_numbers_for_any_window():

@@ -30,13 +30,16 @@ compiled step (``window``, by the kind of window; ``HalfCpuWindow``):
 * ``"prompt"`` (a lone prompt, any length): linears and those bmms in float32.
 
 Outside graphs, a product of a 16-bit weight (the routed experts of batch windows, the
-heads, prompts) runs through ``half_avx2.c`` up to KERNEL_ROWS rows (``kernel_linear``): it converts each weight vector in registers once
-for all rows, so the weight is read once (the 0.5b model's [6144, 1536] at 4 / 16 rows:
-0.56 / 2.1 ms against 3.2 / 4.3 for a converted float32 GEMM and 3.6 / 14.3 for oneDNN's),
-and each row's sums do not depend on the others, so MTP's windows stay lossless against
-plain steps.  Past KERNEL_ROWS rows, or without the kernel (backend "float32": no C compiler, no AVX2 /
-FMA / F16C, ``MTP_SERVE_HALF_KERNEL=0``, or forced), FLOAT32_ROWS rows or more run in
-float32 (``float32_linear``), fewer through oneDNN.
+heads, prompts) runs through ``half_avx2.c`` (``kernel_linear``; float16 weights up to
+KERNEL_ROWS rows): it converts each weight vector in registers once for all rows, so the
+weight is read once (the 0.5b model's [6144, 1536] at 4 / 16 rows: 0.56 / 2.1 ms against
+3.2 / 4.3 for a converted float32 GEMM and 3.6 / 14.3 for oneDNN's), and each row's sums
+do not depend on the others, so MTP's windows stay lossless against plain steps and a
+prompt's position gets the numbers a decode step gives it, whatever part of the prompt
+was cached (bf16 at a prompt's rows: 57-61 GMAC/s on 2 Zen 3 cores, MKL's float32 GEMM over
+a converted copy 55-70).  Float16 past KERNEL_ROWS rows, or without the kernel (backend
+"float32": no C compiler, no AVX2 / FMA / F16C, ``MTP_SERVE_HALF_KERNEL=0``, or forced),
+FLOAT32_ROWS rows or more run in float32 (``float32_linear``), fewer through oneDNN.
 Float32 models never take any of it, so the lossless float32 checks are untouched; bf16
 outputs are bf16 rounding apart from oneDNN's (float32 sums in another order).
 """
@@ -57,7 +60,7 @@ MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
 # read the weight once per row (4 rows, the 0.5b model's shapes: [512, 1536] 0.22 against
 # 0.30 ms, [6144, 1536] 2.5 against 3.6, the head 14 against 19; at 3 rows oneDNN's).
 FLOAT32_ROWS = 4
-KERNEL_ROWS = 64    # eager, up to here half_avx2.c (kernel_linear); past it MKL's GEMMs
+KERNEL_ROWS = 64    # eager float16: up to here half_avx2.c (kernel_linear); past it MKL's GEMMs
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -87,7 +90,8 @@ class HalfCpuProducts(Products):
             # Traced outside a window form (a layer compiled on its own): the kernel as the
             # graph's operator; ``self.kernel`` would trace into the library's loading.
             return batch_linear(x, weight, bias, self.uses_kernel)
-        if rows <= KERNEL_ROWS and (out := kernel_linear(self.kernel, x, weight, bias)) is not None:
+        if ((rows <= KERNEL_ROWS or weight.dtype == torch.bfloat16)
+                and (out := kernel_linear(self.kernel, x, weight, bias)) is not None):
             return out
         if rows >= FLOAT32_ROWS:
             return float32_linear(x, weight, bias)
@@ -232,11 +236,12 @@ def kernel_experts(lib: ctypes.CDLL | None, xs: torch.Tensor, counts: list[int],
     """A routed MoE's experts over their rows in one half_avx2.c call (``experts`` there):
     xs [A, H], expert e's rows the e-th ``counts[e]`` of them; gate_up [E, 2I, H], down
     [E, H, I] (MoE.expert_stacks) -> float32 [A, H].  None where it does not apply (no
-    kernel, an expert with more than KERNEL_ROWS rows: a prompt's, for MKL's GEMMs)."""
+    kernel; float16 weights with an expert of more than KERNEL_ROWS rows: a prompt's, for
+    MKL's GEMMs)."""
     if (lib is None or torch.compiler.is_compiling()
             or gate_up.dtype not in _HALF or gate_up.device.type != "cpu"
             or not (gate_up.is_contiguous() and down.is_contiguous())
-            or max(counts, default=0) > KERNEL_ROWS):
+            or (gate_up.dtype != torch.bfloat16 and max(counts, default=0) > KERNEL_ROWS)):
         return None
     e, i2, h = gate_up.shape
     xf = xs.float().contiguous()
