@@ -27,15 +27,16 @@ def _exact(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x_q.double() @ w.double().t()).to(torch.int64)
 
 
-@pytest.mark.parametrize("k", [1536, 203, 9000])
-def test_sums_are_the_exact_ones_and_each_rows_own(k):
+# 37 rows: a prompt's order (blocks of weight rows through rows of x), with tails of both.
+@pytest.mark.parametrize("k,rows", [(1536, 9), (203, 9), (9000, 9), (203, 37)])
+def test_sums_are_the_exact_ones_and_each_rows_own(k, rows):
     """Any in-features (a tail past the 16-wide vectors, more than 2**24 / 128**2 of them),
     any out-features, the extremes of int8: int32 sums equal to the exact ones, and a row's
     the same alone as beside others."""
     g = torch.Generator().manual_seed(k)
     w = torch.randint(-128, 128, (101, k), dtype=torch.int8, generator=g)
     w[0] = -128
-    x_q = torch.randint(-127, 128, (9, k), dtype=torch.int8, generator=g)
+    x_q = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=g)
     x_q[0] = -127
     got = quant.int8_matmul(x_q, w, "avx2")
     assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), _exact(x_q, w))

@@ -504,14 +504,30 @@ void int8_mm(const int16_t *x, long M, long K, long ldx, const int8_t *w, long N
                    block_i8(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, rows, cols))
         return;
     }
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long n = 0; n < N; n++)
-        for (long m = 0; m < M; m += FEW) {                 /* the weight row from L1 after */
-            int8_t *rows[FEW];
-            long count = M - m < FEW ? M - m : FEW;
-            for (long i = 0; i < count; i++) rows[i] = xq + (m + i) * K;
-            i8_rows_n(rows, count, w + n * K, K, y + m * ldy + n, ldy);
-        }
+    if (M <= STREAM_ROWS) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n = 0; n < N; n++)
+            for (long m = 0; m < M; m += FEW) {             /* the weight row from L1 after */
+                int8_t *rows[FEW];
+                long count = M - m < FEW ? M - m : FEW;
+                for (long i = 0; i < count; i++) rows[i] = xq + (m + i) * K;
+                i8_rows_n(rows, count, w + n * K, K, y + m * ldy + n, ldy);
+            }
+    } else {
+        /* A prompt's rows: FEW rows of x stay in L1 while a block of BLOCK weight rows (in
+         * L2) goes through them; each weight row through every row of x read those from L2
+         * or beyond ([1536, 1536] at 256 rows: 46 -> 74 GMAC/s on 2 Zen 3 cores).  The sums
+         * are exact, so any order gives them. */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n0 = 0; n0 < N; n0 += BLOCK)
+            for (long m = 0; m < M; m += FEW) {
+                int8_t *rows[FEW];
+                long count = M - m < FEW ? M - m : FEW;
+                for (long i = 0; i < count; i++) rows[i] = xq + (m + i) * K;
+                for (long n = n0; n < n0 + BLOCK && n < N; n++)
+                    i8_rows_n(rows, count, w + n * K, K, y + m * ldy + n, ldy);
+            }
+    }
     free(xq);
 }
 
