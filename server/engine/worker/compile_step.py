@@ -55,6 +55,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from server.engine.worker.compile_child import (
     empty_model,
@@ -99,12 +100,61 @@ def compile_settings(threads: int | None = None) -> Iterator[None]:
         inductor["cpp.vec_isa_ok"] = True
     if threads is not None:
         inductor["cpp.threads"] = threads
+    if inductor_config.post_grad_custom_pre_pass is None:
+        inductor["post_grad_custom_pre_pass"] = _UnsplitKey()
     # Duck sizing would assume equal sizes are one symbol (batch 2 == 2 tokens).  Module
     # floats (softmax scale, norm eps) are constants of the model: without specialising
     # them a capture restarts once to turn them into tensors, which aot_compile cannot do.
     with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True), \
-            inductor_config.patch(inductor):
+            inductor_config.patch(inductor), outer_loops_parallel():
         yield
+
+
+_OUTER_ONLY = {"active": 0, "installed": False}
+
+
+class _UnsplitKey(CustomGraphPass):
+    """A pass that changes nothing: its uuid puts ``outer_loops_parallel`` in the key of
+    Inductor's own cache, which would otherwise hand back kernels made without it."""
+
+    def __call__(self, graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "mtp-serve: reductions unsplit (outer_loops_parallel) 1"
+
+
+@contextlib.contextmanager
+def outer_loops_parallel() -> Iterator[None]:
+    """Inductor's CPU kernels made in the context share their outer loops (rows, heads)
+    among threads, never a reduction's own loop.  Why: with fewer rows than threads
+    Inductor splits a reduction into a partial sum per thread, so a one-token window summed
+    an RMSNorm over 1536 in two halves and a two-token window each row whole: the same row
+    rounded differently, and on the 0.5b bf16 model (2 threads) greedy tokens of MTP k=1
+    parted from MTP off's at a chat prompt's 12th token.  Split reductions are the norms'
+    1536-element sums, not worth two threads.  (A private hook of torch 2.13's Inductor,
+    ``CppKernel.decide_parallel_depth``; where a torch lacks it, nothing changes.)"""
+    from torch._inductor.codegen import cpp
+    kernel = getattr(cpp, "CppKernel", None)
+    real = getattr(kernel, "decide_parallel_depth", None)
+    if real is None:
+        yield
+        return
+    if not _OUTER_ONLY["installed"]:
+        def decide_parallel_depth(self, max_parallel_depth, threads):
+            depth = real(self, max_parallel_depth, threads)
+            outer = getattr(self, "reduction_depth", None)
+            if not _OUTER_ONLY["active"] or outer is None:
+                return depth
+            keep = max(0, min(depth.parallel_depth, outer - depth.start_depth))
+            return type(depth)(parallel_depth=keep, start_depth=depth.start_depth)
+        kernel.decide_parallel_depth = decide_parallel_depth
+        _OUTER_ONLY["installed"] = True
+    _OUTER_ONLY["active"] += 1
+    try:
+        yield
+    finally:
+        _OUTER_ONLY["active"] -= 1
 
 
 def cache_dir(model, device: torch.device) -> Path:
@@ -129,6 +179,7 @@ def cache_dir(model, device: torch.device) -> Path:
     # call half_avx2.c, "float32" ones reduce in float32, torch's call its own.
     native = device.type == "cpu" and native_ops()        # mtp_native's operators or mtp_serve's
     h.update(f"products {model.products.name} native {native} cpp_wrapper {cpp_wrapper(device)}".encode())
+    h.update(b"reductions unsplit")                      # outer_loops_parallel
     for source in sorted(model_code.rglob("*")):
         if source.suffix in (".py", ".c"):
             h.update(source.relative_to(model_code).as_posix().encode() + source.read_bytes())

@@ -151,6 +151,15 @@ class HalfCpuWindow(HalfCpuProducts):
     def experts(self, xs, counts, gate_up, down):
         return None if torch.compiler.is_compiling() else super().experts(xs, counts, gate_up, down)
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """In a window, one float32 reduction per token and expert: Inductor's code for it
+        sums a token alike at any row count, where the product (a GEMV for one row, a GEMM
+        for two) summed a token's scores in another order in a 2-token window than alone,
+        so the experts' weights, and then greedy tokens, of MTP k=1 parted from MTP off's."""
+        if not torch.compiler.is_compiling() or self.kind == "prompt":
+            return super().router_logits(x, weight)
+        return (materialized(x.float())[:, None, :] * weight.float()[None]).sum(-1)
+
     def latent_query(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """In a window, a reduction over dn: a head's W_UK (the 0.5b model: 12 x 128 x 384,
         1.2 MB) stays in cache across rows, so any row count takes it; in a prompt, a

@@ -39,6 +39,11 @@ class Products:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The MoE router's scores before their activation: x [T, H] . weight [E, H]^T in
+        float32 (routing runs in float32)."""
+        return F.linear(x.float(), weight.float())
+
     def latent_query(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """The absorbed attention's W_UK product: [T, nH, dn] x [nH, dn, kvr] -> [T, nH, kvr]."""
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)

@@ -21,7 +21,7 @@ from server.model.layers.mlp import MLP
 DENSE_MOE_MAX_MACS = 1 << 24
 
 
-class MoEGate(nn.Module):
+class MoEGate(nn.Module, UsesProducts):
     """Router: scores every routed expert, keeps ``num_experts_per_tok`` per token.
 
     Variants (``topk_method``): ``greedy`` plain top-k; ``group_limited_greedy`` keeps the
@@ -53,7 +53,7 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = self.products.router_logits(x, self.weight)
         if self.scoring_func == "sigmoid":
             scores = logits.sigmoid()
         else:

@@ -1,0 +1,60 @@
+"""A row of a compiled window gets the same numbers in a one-token window as in a two-token
+one: what keeps MTP k=1's verify windows lossless against MTP off's steps.
+
+Why: on the 0.5b bf16 model with 2 threads, greedy tokens of MTP k=1 parted from MTP off's
+at a chat prompt's 12th token.  Inductor had split a lone row's RMSNorm over 1536 into a
+partial sum per thread (a two-token window gives each thread a row), and the router's
+float32 product was a GEMV for one row and a GEMM for two: both sum a row in another order.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.worker.compile_step import compile_settings
+from server.model.kernels import half_cpu, native
+
+HIDDEN, EXPERTS = 1536, 16
+
+
+def _window_step(products):
+    """An RMSNorm (a reduction over HIDDEN) and the router's scores through ``products``."""
+    gain = torch.linspace(0.5, 1.5, HIDDEN)
+    router = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(3))
+
+    def step(x):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+        return normed, products.router_logits(normed.to(x.dtype), router).sigmoid()
+    return step
+
+
+@pytest.mark.slow
+def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two():
+    """Graphs made under compile_settings for 2 threads, one for a 1-token window and one
+    for a 2-token window (static sizes, as the compiled step makes them): each of 16 rows
+    gets the same norm and router scores, bit for bit, alone as in a pair.  (With the
+    reductions split, about one row in four rounded apart.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        products = half_cpu.HalfCpuProducts(native.half_kernel()).window("lone")
+        g = torch.Generator().manual_seed(1)
+        # magnitudes over four decades: partial sums of the squares round apart
+        x = (torch.randn(16, HIDDEN, generator=g) * 10 ** (4 * torch.rand(16, HIDDEN, generator=g))).to(torch.bfloat16)
+        runs = {}
+        for rows in (1, 2):
+            torch._dynamo.reset()
+            with compile_settings(2):       # a copy each: an offset row would recompile
+                graph = torch.compile(_window_step(products), dynamic=False, fullgraph=True)
+                runs[rows] = [graph(x[i:i + rows].clone()) for i in range(0, 16, rows)]
+        alone, pairs = runs[1], runs[2]
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(16):
+        (norm1, scores1), (norm2, scores2) = alone[i], pairs[i // 2]
+        assert torch.equal(norm1[0], norm2[i % 2]), i
+        assert torch.equal(scores1[0], scores2[i % 2]), i
+    eager_norm, eager_scores = _window_step(half_cpu.HalfCpuProducts(None))(x[:2])
+    torch.testing.assert_close(pairs[0][0], eager_norm)
+    torch.testing.assert_close(pairs[0][1], eager_scores, atol=0.02, rtol=0)   # the norm's bf16 rounding
