@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from server.engine.worker.compile_step import compile_settings
-from server.model.kernels import half_cpu, native
+from server.model.kernels import avx512, half_cpu, native
 
 HIDDEN, EXPERTS = 1536, 16
 
@@ -29,8 +29,13 @@ def _window_step(products):
     return step
 
 
+def _half_cpu_window():
+    return half_cpu.HalfCpuProducts(native.half_kernel()).window("lone")
+
+
 @pytest.mark.slow
-def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two():
+@pytest.mark.parametrize("window", [_half_cpu_window, avx512.Avx512Window], ids=["avx2", "avx512"])
+def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two(window):
     """Graphs made under compile_settings for 2 threads, one for a 1-token window and one
     for a 2-token window (static sizes, as the compiled step makes them): each of 16 rows
     gets the same norm and router scores, bit for bit, alone as in a pair.  (With the
@@ -38,7 +43,7 @@ def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        products = half_cpu.HalfCpuProducts(native.half_kernel()).window("lone")
+        products = window()                 # its router form is torch's: runs on any CPU
         g = torch.Generator().manual_seed(1)
         # magnitudes over four decades: partial sums of the squares round apart
         x = (torch.randn(16, HIDDEN, generator=g) * 10 ** (4 * torch.rand(16, HIDDEN, generator=g))).to(torch.bfloat16)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, kernel_operator
 from server.model.kernels.native import kernel_library, native_ops, ops_ready
-from server.model.kernels.products import Products
+from server.model.kernels.products import Products, window_router_logits
 
 KERNEL_ROWS = 64        # eager, up to here our kernel; past it oneDNN's bf16 GEMM (prompts)
 
@@ -172,6 +172,12 @@ class Avx512Window(Avx512Products):
         op = torch.ops.mtp_native.bf16_mm if ops_ready() else torch.ops.mtp_serve.bf16_mm
         out = op(rows, weight).view(*x.shape[:-1], weight.shape[0])
         return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    def router_logits(self, x, weight):
+        """Traced, ``window_router_logits``: a token's scores alike alone and in a window."""
+        if not torch.compiler.is_compiling():
+            return super().router_logits(x, weight)
+        return window_router_logits(x, weight)
 
     def latent_attention(self, q, ctx, bias, scale, kvr):
         """Traced, avx512_bf16.c's ``bf16_attend``: each query row alone, scores and softmax

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from server.model.kernels.gemm import converted_mm, kernel_operator, materialized
 from server.model.kernels.native import half_kernel, ops_ready
-from server.model.kernels.products import Products
+from server.model.kernels.products import Products, window_router_logits
 
 MAX_ROWS = 8        # a lone window's rows unrolled in the graph (MTP k <= 7)
 # Outside graphs, from here float32 GEMMs (float32_linear) beat oneDNN's bf16 rows, which
@@ -153,13 +153,11 @@ class HalfCpuWindow(HalfCpuProducts):
         return None if torch.compiler.is_compiling() else super().experts(xs, counts, gate_up, down)
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """In a window, one float32 reduction per token and expert: Inductor's code for it
-        sums a token alike at any row count, where the product (a GEMV for one row, a GEMM
-        for two) summed a token's scores in another order in a 2-token window than alone,
-        so the experts' weights, and then greedy tokens, of MTP k=1 parted from MTP off's."""
+        """In a window, ``window_router_logits`` (a token's scores alike alone and in a
+        window: on the 0.5b model MTP k=1's greedy tokens had parted from MTP off's)."""
         if not torch.compiler.is_compiling() or self.kind == "prompt":
             return super().router_logits(x, weight)
-        return (materialized(x.float())[:, None, :] * weight.float()[None]).sum(-1)
+        return window_router_logits(x, weight)
 
     def latent_query(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """In a window, a reduction over dn: a head's W_UK (the 0.5b model: 12 x 128 x 384,

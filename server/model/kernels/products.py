@@ -111,6 +111,16 @@ class Products:
         return f"{type(self).__name__}({self.name})"
 
 
+def window_router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``Products.router_logits`` for a compiled decode window: one float32 reduction per
+    token and expert, which Inductor sums alike for a token alone or in a window (the
+    product is a GEMV for one row and a GEMM for two, summed in another order: MTP k=1's
+    verify windows then weighted experts otherwise than MTP off's steps).  The token's
+    activation is its own buffer, so a norm before it is not recomputed per expert."""
+    from server.model.kernels.gemm import materialized
+    return (materialized(x.float())[:, None, :] * weight.float()[None]).sum(-1)
+
+
 class UsesProducts:
     """A module that multiplies through the ``products`` it is given (``use_products``)."""
 
