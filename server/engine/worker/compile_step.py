@@ -181,7 +181,7 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"products {model.products.name} native {native} cpp_wrapper {cpp_wrapper(device)}".encode())
     h.update(b"reductions unsplit")                      # outer_loops_parallel
     for source in sorted(model_code.rglob("*")):
-        if source.suffix in (".py", ".c"):
+        if source.suffix in (".py", ".c", ".h"):
             h.update(source.relative_to(model_code).as_posix().encode() + source.read_bytes())
     return root / h.hexdigest()[:24]
 

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "expert_runs.h"
+
 #define COLS 4
 #define MAXR 4
 
@@ -242,15 +244,7 @@ int i8_rows(const int8_t *x, long A, long K, const long *expert, const int8_t *w
         free(order); free(xu); free(ys);
         return -1;
     }
-    long *starts = order + A, runs = 0;
-    for (long a = 0; a < A; a++) {                   /* stable insertion sort by expert */
-        long i = a;
-        for (; i > 0 && expert[order[i - 1]] > expert[a]; i--) order[i] = order[i - 1];
-        order[i] = a;
-    }
-    for (long a = 0; a < A; a++)
-        if (a == 0 || expert[order[a]] != expert[order[a - 1]]) starts[runs++] = a;
-    starts[runs] = A;
+    long *starts = order + A, runs = expert_runs(expert, A, order, starts);
     long blocks = (N + COLS - 1) / COLS;
     #pragma omp parallel num_threads(threads)
     {

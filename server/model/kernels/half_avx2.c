@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "expert_runs.h"
+
 #define ROWS 4          /* rows of x per block: ROWS x COLS accumulators + COLS weight */
 #define COLS 3          /* vectors + one x vector = the 16 ymm registers */
 
@@ -553,15 +555,7 @@ void int8_rows(const int16_t *x, long A, long K, const long *expert, const int8_
         }
         return;
     }
-    long *starts = order + A, runs = 0;
-    for (long a = 0; a < A; a++) {                   /* stable insertion sort by expert */
-        long i = a;
-        for (; i > 0 && expert[order[i - 1]] > expert[a]; i--) order[i] = order[i - 1];
-        order[i] = a;
-    }
-    for (long a = 0; a < A; a++)
-        if (a == 0 || expert[order[a]] != expert[order[a - 1]]) starts[runs++] = a;
-    starts[runs] = A;
+    long *starts = order + A, runs = expert_runs(expert, A, order, starts);
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)

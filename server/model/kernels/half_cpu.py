@@ -91,8 +91,7 @@ class HalfCpuProducts(Products):
             # Traced outside a window form (a layer compiled on its own): the kernel as the
             # graph's operator; ``self.kernel`` would trace into the library's loading.
             return batch_linear(x, weight, bias, self.uses_kernel)
-        if ((rows <= KERNEL_ROWS or weight.dtype == torch.bfloat16)
-                and (out := kernel_linear(self.kernel, x, weight, bias)) is not None):
+        if kernel_takes(weight.dtype, rows) and (out := kernel_linear(self.kernel, x, weight, bias)) is not None:
             return out
         if rows >= FLOAT32_ROWS:
             return float32_linear(x, weight, bias)
@@ -189,6 +188,12 @@ class HalfCpuWindow(HalfCpuProducts):
         return HalfCpuProducts(self.kernel).window(window)
 
 
+def kernel_takes(dtype: torch.dtype, rows: int) -> bool:
+    """Whether eager products of ``rows`` rows go to half_avx2.c: bf16 at any count (past
+    16 rows in tiles, a decode step's arithmetic), float16 up to KERNEL_ROWS (then MKL)."""
+    return dtype == torch.bfloat16 or rows <= KERNEL_ROWS
+
+
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-d ``x`` of a few rows, as one float32 reduction
     per row over the converted weight (for Inductor to fuse; slow uncompiled)."""
@@ -249,7 +254,7 @@ def kernel_experts(lib: ctypes.CDLL | None, xs: torch.Tensor, counts: list[int],
     if (lib is None or torch.compiler.is_compiling()
             or gate_up.dtype not in _HALF or gate_up.device.type != "cpu"
             or not (gate_up.is_contiguous() and down.is_contiguous())
-            or (gate_up.dtype != torch.bfloat16 and max(counts, default=0) > KERNEL_ROWS)):
+            or not kernel_takes(gate_up.dtype, max(counts, default=0))):
         return None
     e, i2, h = gate_up.shape
     xf = xs.float().contiguous()

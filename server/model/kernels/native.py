@@ -99,7 +99,10 @@ def kernel_library(name: str) -> ctypes.CDLL | None:
 def _build(kernel: Kernel, cc: str) -> Path:
     source = _HERE / kernel.source
     flags = _COMMON_FLAGS + kernel.flags
-    tag = hashlib.sha256(source.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    # The headers beside the sources (expert_runs.h) are part of what a build is made of.
+    headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))
+    tag = hashlib.sha256(source.read_bytes() + headers + cc.encode()
+                         + " ".join(flags).encode()).hexdigest()[:16]
     root = kernel_settings().kernel_cache
     built = root / f"{source.stem}-{tag}.so"
     if not built.exists():
