@@ -179,6 +179,7 @@ def cache_dir(model, device: torch.device) -> Path:
     # call half_avx2.c, "float32" ones reduce in float32, torch's call its own.
     native = device.type == "cpu" and native_ops()        # mtp_native's operators or mtp_serve's
     h.update(f"products {model.products.name} native {native} cpp_wrapper {cpp_wrapper(device)}".encode())
+    h.update(f"mla kernels {getattr(model.products, 'mla', False)}".encode())   # half_cpu.mla_ops
     h.update(b"reductions unsplit")                      # outer_loops_parallel
     for source in sorted(model_code.rglob("*")):
         if source.suffix in (".py", ".c", ".h"):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, kernel_operator
 from server.model.kernels.native import kernel_library, native_ops, ops_ready
-from server.model.kernels.products import Products, window_router_logits
+from server.model.kernels.products import Products, native_paged_attention, window_router_logits
 
 KERNEL_ROWS = 64        # eager, up to here our kernel; past it oneDNN's bf16 GEMM (prompts)
 
@@ -198,19 +198,9 @@ class Avx512Window(Avx512Products):
         ``bf16_attend``'s numbers, the context read in place through the block tables (no
         gathered copy of every sequence's context, no mask or bias tensors: at 1.5K positions
         those cost ~300 us a layer on the 0.5b model)."""
-        int8 = isinstance(cache, tuple)
-        stored = cache[2] if int8 else cache                    # bf16 rows (the RoPE part of int8)
-        if (not torch.compiler.is_compiling() or q.dtype != torch.bfloat16 or stored.dtype != torch.bfloat16
-                or not ops_ready() or q.device.type != "cpu"):
+        if not torch.compiler.is_compiling() or not ops_ready():
             return None
-        tables, pos = block_tables.long().contiguous(), positions.long().contiguous()
-        if int8:
-            latent, scales, rope = cache
-            out = torch.ops.mtp_native.bf16_attend_paged_i8(q.contiguous(), latent, scales, rope, tables, pos,
-                                                            scale, kvr)
-        else:
-            out = torch.ops.mtp_native.bf16_attend_paged(q.contiguous(), cache, tables, pos, scale, kvr)
-        return out.to(q.dtype)
+        return native_paged_attention("bf16", q, cache, block_tables, positions, scale, kvr)
 
 
 def vnni_mm(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ build).
   half_avx2     16-bit and int8 products with AVX2, FMA and F16C (half_avx2.c)
   avx512_bf16   bf16 products with AVX-512 BF16 (avx512_bf16.c)
   avx512_vnni   int8 products with AVX-512 VNNI (avx512_vnni.c)
+  mla_avx2      MLA's absorbed attention with AVX2 and FMA (mla_avx2.c; operators only)
 
 Each is built into the kernel cache ($MTP_SERVE_KERNEL_CACHE) as a file per source, flags
 and compiler, written whole by rename, so processes building at once do not collide.  Its
@@ -61,6 +62,11 @@ KERNELS = {
         (("bf16_mm", _MM, None), ("bf16_rows", _ROWS, None),
          ("bf16_experts", [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _I], None),
          ("bf16_attend", [_P, _L, _L, _L, _P, _L, _P, ctypes.c_float, _L, _P, _P, _I], None))),
+    "mla_avx2": Kernel(
+        "mla_avx2.c", ("-mavx2", "-mfma"), ("avx2", "fma"),
+        (("half_heads", [_P, _L, _L, _L, _P, _L, _P, _P, _I], None),
+         ("half_attend_paged", [_P, _L, _L, _L, _P, _L, _P, _L, _P, _L, ctypes.c_float, _L, _P, _P, _I],
+          None))),
     "avx512_vnni": Kernel(
         "avx512_vnni.c", ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
         ("avx512f", "avx512bw", "avx512_vnni"),
@@ -164,7 +170,7 @@ def ops_ready() -> bool:
 
 _ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_attend_paged", "bf16_attend_paged_i8",
                  "bf16_moe", "bf16_heads", "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16", "int8_mm",
-                 "int8_rows")
+                 "int8_rows", "half_heads", "half_attend_paged", "half_attend_paged_i8")
 
 
 def _build_ops(cxx: str) -> Path:
@@ -206,14 +212,16 @@ def _register_fakes() -> None:
     torch.library.register_fake("mtp_native::bf16_moe")(
         lambda x, weights, idx, gate_up, down: x.new_empty(x.shape[0], gate_up.shape[2],
                                                            dtype=torch.float32))
-    torch.library.register_fake("mtp_native::bf16_heads")(
-        lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32))
+    for name in ("bf16_heads", "half_heads"):
+        torch.library.register_fake(f"mtp_native::{name}")(
+            lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32))
     torch.library.register_fake("mtp_native::bf16_attend")(
         lambda q, ctx, bias, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr, dtype=torch.float32))
-    torch.library.register_fake("mtp_native::bf16_attend_paged")(
-        lambda q, cache, tables, pos, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr,
-                                                              dtype=torch.float32))
-    torch.library.register_fake("mtp_native::bf16_attend_paged_i8")(
-        lambda q, latent, scales, rope, tables, pos, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr,
-                                                                             dtype=torch.float32))
+    for isa in ("bf16", "half"):
+        torch.library.register_fake(f"mtp_native::{isa}_attend_paged")(
+            lambda q, cache, tables, pos, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr,
+                                                                  dtype=torch.float32))
+        torch.library.register_fake(f"mtp_native::{isa}_attend_paged_i8")(
+            lambda q, latent, scales, rope, tables, pos, scale, kvr: q.new_empty(q.shape[0], q.shape[1], kvr,
+                                                                                 dtype=torch.float32))
 

@@ -29,6 +29,7 @@ using moe_fn = void (*)(const void*, long, long, long, long, const void*, const 
                         const void*, long, const void*, const void*, void*, void*, void*, void*, void*,
                         int);
 using heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, int);
+using half_heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, void*, int);
 using attend_fn = void (*)(const void*, long, long, long, const void*, long, const void*, float, long,
                            void*, void*, int);
 using paged_fn = void (*)(const void*, long, long, long, const void*, long, const void*, long, const void*,
@@ -50,6 +51,9 @@ struct Kernels {
   mm_fn half_mm_f16 = nullptr;
   mm_fn int8_mm = nullptr;
   rows_fn int8_rows = nullptr;
+  half_heads_fn half_heads = nullptr;    // mla_avx2.c
+  paged_fn half_attend_paged = nullptr;
+  paged_i8_fn half_attend_paged_i8 = nullptr;
 } kernels;
 
 void need(const void* fn, const char* name) {
@@ -160,18 +164,31 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& expert, const at::Te
 }
 
 // x bf16 [T, nH, K], w bf16 [nH, N, K] -> float32 [T, nH, N]: each head's rows through its
-// own weight (avx512_bf16.c bf16_heads).
-at::Tensor bf16_heads(const at::Tensor& x, const at::Tensor& w) {
-  need(reinterpret_cast<const void*>(kernels.bf16_heads), "bf16_heads");
+// own weight (avx512_bf16.c bf16_heads; mla_avx2.c half_heads, with a float32 copy of x).
+at::Tensor heads_product(const at::Tensor& x, const at::Tensor& w, const char* name) {
   for (const at::Tensor* t : {&x, &w})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->is_contiguous(),
-                "bf16_heads: x and w must be contiguous 3-d CPU tensors of BFloat16");
-  TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2), "bf16_heads: x is ", x.sizes(), ", w ",
-              w.sizes());
-  auto y = at::empty({x.size(0), x.size(1), w.size(1)}, x.options().dtype(at::kFloat));
+                name, ": x and w must be contiguous 3-d CPU tensors of BFloat16");
+  TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2), name, ": x is ", x.sizes(), ", w ", w.sizes());
+  return at::empty({x.size(0), x.size(1), w.size(1)}, x.options().dtype(at::kFloat));
+}
+
+at::Tensor bf16_heads(const at::Tensor& x, const at::Tensor& w) {
+  need(reinterpret_cast<const void*>(kernels.bf16_heads), "bf16_heads");
+  auto y = heads_product(x, w, "bf16_heads");
   if (x.size(0) > 0)
     kernels.bf16_heads(x.data_ptr(), x.size(0), x.size(1), x.size(2), w.data_ptr(), w.size(1), y.data_ptr(),
                        at::get_num_threads());
+  return y;
+}
+
+at::Tensor half_heads(const at::Tensor& x, const at::Tensor& w) {
+  need(reinterpret_cast<const void*>(kernels.half_heads), "half_heads");
+  auto y = heads_product(x, w, "half_heads");
+  auto xf = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  if (x.size(0) > 0)
+    kernels.half_heads(x.data_ptr(), x.size(0), x.size(1), x.size(2), w.data_ptr(), w.size(1), y.data_ptr(),
+                       xf.data_ptr(), at::get_num_threads());
   return y;
 }
 
@@ -290,31 +307,36 @@ void check_paged(const at::Tensor& q, const at::Tensor& tables, const at::Tensor
     }
 }
 
-at::Tensor bf16_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                             const at::Tensor& pos, double scale, int64_t kvr) {
-  need(reinterpret_cast<const void*>(kernels.bf16_attend_paged), "bf16_attend_paged");
+// mla_avx2.c keeps a work item's queries in float32 on its stack: rows of at most this many
+// features (DeepSeek-V3's are 576).
+constexpr int64_t HALF_MAX_FEATURES = 1024;
+
+at::Tensor attend_paged(paged_fn fn, const char* name, int64_t max_d, const at::Tensor& q,
+                        const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& pos, double scale,
+                        int64_t kvr) {
+  need(reinterpret_cast<const void*>(fn), name);
+  TORCH_CHECK(q.dim() < 3 || q.size(2) <= max_d, name, ": rows of ", q.size(2), " features; at most ", max_d);
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 3 &&
-              cache.is_contiguous(), "bf16_attend_paged: cache must be a contiguous 3-d CPU tensor of BFloat16");
-  check_paged(q, tables, pos, cache.size(0), cache.size(1), kvr, "bf16_attend_paged");
+              cache.is_contiguous(), name, ": cache must be a contiguous 3-d CPU tensor of BFloat16");
+  check_paged(q, tables, pos, cache.size(0), cache.size(1), kvr, name);
   const int64_t B = q.size(0), R = q.size(1), D = q.size(2), bs = cache.size(1);
   const int64_t nb = tables.size(1), Q = pos.size(1);
-  TORCH_CHECK(cache.size(2) == D, "bf16_attend_paged: cache rows have ", cache.size(2), " features, q ", D);
+  TORCH_CHECK(cache.size(2) == D, name, ": cache rows have ", cache.size(2), " features, q ", D);
   auto out = at::empty({B, R, kvr}, q.options().dtype(at::kFloat));
   auto p = at::empty({B, R, nb * bs}, q.options().dtype(at::kFloat));
   if (B * R == 0) return out;
-  kernels.bf16_attend_paged(q.data_ptr(), B, R, D, cache.data_ptr(), bs, tables.data_ptr(), nb,
-                            pos.data_ptr(), Q, static_cast<float>(scale), kvr, out.data_ptr(), p.data_ptr(),
-                            at::get_num_threads());
+  fn(q.data_ptr(), B, R, D, cache.data_ptr(), bs, tables.data_ptr(), nb, pos.data_ptr(), Q,
+     static_cast<float>(scale), kvr, out.data_ptr(), p.data_ptr(), at::get_num_threads());
   return out;
 }
 
 // An int8 latent cache's tensors (latent int8 [blocks, bs, L], scale float32 [blocks, bs, 1],
 // rope bf16 [blocks, bs, P], L + P = D): bf16_attend_paged over its rows dequantized.
-at::Tensor bf16_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& scales,
-                                const at::Tensor& rope, const at::Tensor& tables, const at::Tensor& pos,
-                                double scale, int64_t kvr) {
-  const char* name = "bf16_attend_paged_i8";
-  need(reinterpret_cast<const void*>(kernels.bf16_attend_paged_i8), name);
+at::Tensor attend_paged_i8(paged_i8_fn fn, const char* name, int64_t max_d, const at::Tensor& q,
+                           const at::Tensor& latent, const at::Tensor& scales, const at::Tensor& rope,
+                           const at::Tensor& tables, const at::Tensor& pos, double scale, int64_t kvr) {
+  need(reinterpret_cast<const void*>(fn), name);
+  TORCH_CHECK(q.dim() < 3 || q.size(2) <= max_d, name, ": rows of ", q.size(2), " features; at most ", max_d);
   TORCH_CHECK(latent.device().is_cpu() && latent.scalar_type() == at::kChar && latent.dim() == 3 &&
               latent.is_contiguous(), name, ": latent must be a contiguous 3-d CPU tensor of int8");
   const int64_t blocks = latent.size(0), bs = latent.size(1), L = latent.size(2);
@@ -331,10 +353,34 @@ at::Tensor bf16_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, c
   auto p = at::empty({B, R, nb * bs}, q.options().dtype(at::kFloat));
   auto buf = at::empty({B, nb * bs, D}, q.options());
   if (B * R == 0) return out;
-  kernels.bf16_attend_paged_i8(q.data_ptr(), B, R, D, latent.data_ptr(), scales.data_ptr(), rope.data_ptr(), bs,
-                               L, tables.data_ptr(), nb, pos.data_ptr(), Q, static_cast<float>(scale), kvr,
-                               out.data_ptr(), p.data_ptr(), buf.data_ptr(), threads);
+  fn(q.data_ptr(), B, R, D, latent.data_ptr(), scales.data_ptr(), rope.data_ptr(), bs, L, tables.data_ptr(), nb,
+     pos.data_ptr(), Q, static_cast<float>(scale), kvr, out.data_ptr(), p.data_ptr(), buf.data_ptr(), threads);
   return out;
+}
+
+// The operators over those: avx512_bf16.c's and mla_avx2.c's kernels.
+at::Tensor bf16_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                             const at::Tensor& pos, double scale, int64_t kvr) {
+  return attend_paged(kernels.bf16_attend_paged, "bf16_attend_paged", INT64_MAX, q, cache, tables, pos, scale, kvr);
+}
+
+at::Tensor half_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                             const at::Tensor& pos, double scale, int64_t kvr) {
+  return attend_paged(kernels.half_attend_paged, "half_attend_paged", HALF_MAX_FEATURES, q, cache, tables, pos, scale, kvr);
+}
+
+at::Tensor bf16_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& scales,
+                                const at::Tensor& rope, const at::Tensor& tables, const at::Tensor& pos,
+                                double scale, int64_t kvr) {
+  return attend_paged_i8(kernels.bf16_attend_paged_i8, "bf16_attend_paged_i8", INT64_MAX, q, latent, scales, rope, tables,
+                         pos, scale, kvr);
+}
+
+at::Tensor half_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& scales,
+                                const at::Tensor& rope, const at::Tensor& tables, const at::Tensor& pos,
+                                double scale, int64_t kvr) {
+  return attend_paged_i8(kernels.half_attend_paged_i8, "half_attend_paged_i8", HALF_MAX_FEATURES, q, latent, scales, rope, tables,
+                         pos, scale, kvr);
 }
 
 }  // namespace
@@ -354,6 +400,9 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"half_mm_f16", reinterpret_cast<void**>(&kernels.half_mm_f16)},
       {"int8_mm", reinterpret_cast<void**>(&kernels.int8_mm)},
       {"int8_rows", reinterpret_cast<void**>(&kernels.int8_rows)},
+      {"half_heads", reinterpret_cast<void**>(&kernels.half_heads)},
+      {"half_attend_paged", reinterpret_cast<void**>(&kernels.half_attend_paged)},
+      {"half_attend_paged_i8", reinterpret_cast<void**>(&kernels.half_attend_paged_i8)},
   };
   for (auto& s : slots)
     if (std::strcmp(s.name, name) == 0) {
@@ -377,6 +426,10 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
+  m.def("half_heads(Tensor x, Tensor w) -> Tensor");
+  m.def("half_attend_paged(Tensor q, Tensor cache, Tensor tables, Tensor pos, float scale, int kvr) -> Tensor");
+  m.def("half_attend_paged_i8(Tensor q, Tensor latent, Tensor scales, Tensor rope, Tensor tables, Tensor pos, "
+        "float scale, int kvr) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
@@ -392,4 +445,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("half_mm", &half_mm);
   m.impl("int8_mm", &int8_mm);
   m.impl("int8_rows", &int8_rows);
+  m.impl("half_heads", &half_heads);
+  m.impl("half_attend_paged", &half_attend_paged);
+  m.impl("half_attend_paged_i8", &half_attend_paged_i8);
 }

@@ -121,6 +121,27 @@ def window_router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (materialized(x.float())[:, None, :] * weight.float()[None]).sum(-1)
 
 
+def native_paged_attention(family: str, q: torch.Tensor, cache, block_tables: torch.Tensor,
+                           positions: torch.Tensor, scale: float, kvr: int) -> torch.Tensor | None:
+    """``Products.paged_latent_attention`` through our C++ operators ``<family>_attend_paged``
+    (a bf16 cache) or ``<family>_attend_paged_i8`` (an int8 cache's tensors): "bf16"
+    (avx512_bf16.c) or "half" (mla_avx2.c), in q's dtype; None where the operands are not
+    theirs (not bf16, not on the CPU).  The caller says the operator is loaded."""
+    int8 = isinstance(cache, tuple)
+    stored = cache[2] if int8 else cache                    # bf16 rows (the RoPE part of int8)
+    if q.dtype != torch.bfloat16 or stored.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return None
+    tables, pos = block_tables.long().contiguous(), positions.long().contiguous()
+    ops = torch.ops.mtp_native
+    if int8:
+        latent, scales, rope = cache
+        out = getattr(ops, f"{family}_attend_paged_i8")(q.contiguous(), latent, scales, rope, tables, pos,
+                                                        scale, kvr)
+    else:
+        out = getattr(ops, f"{family}_attend_paged")(q.contiguous(), cache, tables, pos, scale, kvr)
+    return out.to(q.dtype)
+
+
 class UsesProducts:
     """A module that multiplies through the ``products`` it is given (``use_products``)."""
 
