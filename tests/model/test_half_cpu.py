@@ -390,14 +390,25 @@ class Recorded(half_cpu.HalfCpuWindow):
         _TAKEN.append("latent_value")
         return super().latent_value(o, w_uv)
 
+    def head_rows(self, x, w):
+        _TAKEN.append("head_rows")
+        return super().head_rows(x, w)
+
+    def paged_latent_attention(self, q, cache, block_tables, positions, scale, kvr):
+        out = super().paged_latent_attention(q, cache, block_tables, positions, scale, kvr)
+        if out is not None:
+            _TAKEN.append("paged_latent_attention")
+        return out
+
 
 @pytest.mark.slow
 def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_emits(tmp_path, monkeypatch, products):
     """A 2-token window of a lone sequence through a bf16 tiny model's first layer on these
     products: the compiled graph (compile_step, window "lone", C++ wrapper, saved and
     loaded) reads its projections through half_avx2.c's operator (without the kernel
-    ``rows_linear``) and W_UK / W_UV through the latent reductions, and its output equals
-    the uncompiled layer's to bf16 rounding."""
+    ``rows_linear``), W_UK / W_UV and the attention through mla_avx2.c's operators (without
+    them the latent reductions and the gathered context), and its output equals the
+    uncompiled layer's to bf16 rounding."""
     from server.engine.worker import compile_step
     from server.model.loading import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
@@ -427,7 +438,8 @@ def test_a_lone_verify_window_graph_takes_them_and_emits_what_the_eager_layer_em
     assert model.model.layers[index].self_attn.products is products      # its own again after tracing
     again = again[0] if isinstance(again, tuple) else again
     form = "batch_linear" if products.kernel is not None else "rows_linear"   # half_avx2.c's operator
-    assert taken.count(form) >= 4 and {"latent_query", "latent_value"} <= set(taken)
+    mla = {"head_rows", "paged_latent_attention"} if products.mla else {"latent_query", "latent_value"}
+    assert taken.count(form) >= 4 and mla <= set(taken)
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
     torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)
     assert torch.equal(again, got)

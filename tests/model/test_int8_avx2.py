@@ -45,6 +45,34 @@ def test_sums_are_the_exact_ones_and_each_rows_own(k, rows):
     assert torch.equal(compiled(x_q, w), got * 2)
 
 
+@pytest.mark.parametrize("rows,k,n", [(1, 1536, 40), (9, 37, 11), (37, 203, 70)])
+def test_the_dynamic_product_in_one_operator_is_quantlinears_numbers(rows, k, n):
+    """Eager, the dynamic scheme's quantization, integer sums and scaling are one operator
+    (int8_dynamic_mm): the numbers of torch's operations over the same rows bit for bit
+    (a zero row, values on the rounding's half-way points, tails past 8 and 32 lanes, a
+    prompt's row count); traced, the graph keeps torch's operations."""
+    if not native.native_ops():
+        pytest.skip("ops.cpp cannot be built here")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, :4] = torch.tensor([127.0, -63.5, 0.5, -0.5])        # s = 1: half-way points
+    x[0, 4:] = 0.0
+    if rows > 2:
+        x[2] = 0.0
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(n, generator=g) / 50
+    s = int8.row_scales(x)
+    want = quant.int8_matmul(int8.quantize_rows(x, s).to(torch.int8), w, "avx2").float() * (s * ws)
+    assert torch.equal(int8.dynamic_product(x, w, ws, "avx2"), want)
+    assert torch.equal(torch.ops.mtp_native.int8_dynamic_mm(x, w, ws), want)
+    compiled = torch.compile(lambda a: int8.dynamic_product(a, w, ws, "avx2"), dynamic=True)
+    assert torch.equal(compiled(x), want)
+    with pytest.raises(RuntimeError, match="one float32 scale a weight row"):
+        torch.ops.mtp_native.int8_dynamic_mm(x, w, ws[1:].contiguous())
+    with pytest.raises(RuntimeError, match="rows have"):
+        torch.ops.mtp_native.int8_dynamic_mm(x[:, 1:].contiguous(), w, ws)
+
+
 def test_activations_past_127_take_the_widening_path_to_the_same_exact_sums():
     """The byte products (vpmaddubsw) need activations within +-127; a static scheme's
     reach -128 and, with a zero point, past the int8 range: those rows are summed by the

@@ -22,7 +22,7 @@ class BackendUnavailable(ValueError):
 # The backends that are our own C kernels, and the kernel (native.KERNELS) each needs.
 KERNEL_OF = {"avx2": "half_avx2", "avx512": "avx512_bf16", "vnni": "avx512_vnni"}
 _NEEDS = {"half_avx2": ("avx2", "fma", "f16c"), "avx512_bf16": ("avx512f", "avx512bw", "avx512_bf16"),
-          "avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni")}
+          "avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"), "mla_avx2": ("avx2", "fma")}
 
 
 def runs(caps: CpuCaps, kernel: str) -> bool:

@@ -30,6 +30,7 @@ using moe_fn = void (*)(const void*, long, long, long, long, const void*, const 
                         int);
 using heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, int);
 using half_heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, void*, int);
+using dynamic_mm_fn = int (*)(const void*, long, long, const void*, long, const void*, void*, int);
 using attend_fn = void (*)(const void*, long, long, long, const void*, long, const void*, float, long,
                            void*, void*, int);
 using paged_fn = void (*)(const void*, long, long, long, const void*, long, const void*, long, const void*,
@@ -51,6 +52,7 @@ struct Kernels {
   mm_fn half_mm_f16 = nullptr;
   mm_fn int8_mm = nullptr;
   rows_fn int8_rows = nullptr;
+  dynamic_mm_fn int8_dynamic_mm = nullptr;
   half_heads_fn half_heads = nullptr;    // mla_avx2.c
   paged_fn half_attend_paged = nullptr;
   paged_i8_fn half_attend_paged_i8 = nullptr;
@@ -113,6 +115,24 @@ at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w) {       // x int16 (half_avx2.c)
   return product(x, w, at::kShort, at::kChar, at::kInt, kernels.int8_mm, "int8_mm");
+}
+
+// x float32 [M, K], w int8 [N, K], w_scale float32 [N] -> float32 [M, N]: the dynamic scheme's
+// quantization of x, the exact sums and the scaling in one call (half_avx2.c int8_dynamic_mm).
+at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale) {
+  const char* name = "int8_dynamic_mm";
+  need(reinterpret_cast<const void*>(kernels.int8_dynamic_mm), name);
+  check_matrix(w, at::kChar, name);
+  check_rows(x, at::kFloat, w.size(1), name);
+  TORCH_CHECK(x.is_contiguous(), name, ": rows must be contiguous");
+  TORCH_CHECK(w_scale.device().is_cpu() && w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+              w_scale.numel() == w.size(0), name, ": one float32 scale a weight row");
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) == 0) return y;
+  int status = kernels.int8_dynamic_mm(x.data_ptr(), x.size(0), w.size(1), w.data_ptr(), w.size(0),
+                                       w_scale.data_ptr(), y.data_ptr(), at::get_num_threads());
+  TORCH_CHECK(status == 0, name, ": no memory for the quantized rows");
+  return y;
 }
 
 at::Tensor i8_mm(const at::Tensor& x, const at::Tensor& w) {
@@ -400,6 +420,7 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"half_mm_f16", reinterpret_cast<void**>(&kernels.half_mm_f16)},
       {"int8_mm", reinterpret_cast<void**>(&kernels.int8_mm)},
       {"int8_rows", reinterpret_cast<void**>(&kernels.int8_rows)},
+      {"int8_dynamic_mm", reinterpret_cast<void**>(&kernels.int8_dynamic_mm)},
       {"half_heads", reinterpret_cast<void**>(&kernels.half_heads)},
       {"half_attend_paged", reinterpret_cast<void**>(&kernels.half_attend_paged)},
       {"half_attend_paged_i8", reinterpret_cast<void**>(&kernels.half_attend_paged_i8)},
@@ -426,6 +447,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
+  m.def("int8_dynamic_mm(Tensor x, Tensor w, Tensor w_scale) -> Tensor");
   m.def("half_heads(Tensor x, Tensor w) -> Tensor");
   m.def("half_attend_paged(Tensor q, Tensor cache, Tensor tables, Tensor pos, float scale, int kvr) -> Tensor");
   m.def("half_attend_paged_i8(Tensor q, Tensor latent, Tensor scales, Tensor rope, Tensor tables, Tensor pos, "
@@ -445,6 +467,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("half_mm", &half_mm);
   m.impl("int8_mm", &int8_mm);
   m.impl("int8_rows", &int8_rows);
+  m.impl("int8_dynamic_mm", &int8_dynamic_mm);
   m.impl("half_heads", &half_heads);
   m.impl("half_attend_paged", &half_attend_paged);
   m.impl("half_attend_paged_i8", &half_attend_paged_i8);

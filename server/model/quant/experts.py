@@ -11,7 +11,7 @@ from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, materialized
 from server.model.kernels.native import ops_ready
 from server.model.quant.int8 import (
     _unit_scales,
-    int8_matmul,
+    dynamic_product,
     packs,
     quantize_rows,
     row_scales,
@@ -114,14 +114,9 @@ def int8_expert(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Ten
     product over their stacked rows (gate_up [2I, H]), so the rows are quantized once and
     one GEMM runs where two QuantLinears run two of each; the integer sums and every
     scaling step are QuantLinear's, so the output is the same bit for bit."""
-    xf = x.float()
-    s = row_scales(xf)
-    g, u = (int8_matmul(quantize_rows(xf, s).to(torch.int8), gate_up, backend).float()
-            * (s * gate_up_scale)).to(x.dtype).chunk(2, dim=-1)
+    g, u = dynamic_product(x.float(), gate_up, gate_up_scale, backend).to(x.dtype).chunk(2, dim=-1)
     act = (F.silu(g) * u).float()
-    s2 = row_scales(act)
-    acc = int8_matmul(quantize_rows(act, s2).to(torch.int8), down, backend)
-    return (acc.float() * (s2 * down_scale)).to(x.dtype)
+    return dynamic_product(act, down, down_scale, backend).to(x.dtype)
 
 
 def gatherable(linear: nn.Module) -> bool:

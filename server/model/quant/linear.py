@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from server.distributed import collectives
-from server.model.quant.int8 import int8_matmul, quantize_rows
+from server.model.quant.int8 import dynamic_product, int8_matmul, quantize_rows
 
 SCHEMES = ("w8a8_dynamic", "w8a8_static")
 
@@ -55,10 +55,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()                              # [M, K]
-        if self.scheme == "w8a8_dynamic":
+        if self.scheme == "w8a8_dynamic" and not self.row_parallel:
+            y = dynamic_product(x2, self.weight, self.weight_scale, self.backend)
+        elif self.scheme == "w8a8_dynamic":
             amax = x2.abs().amax(dim=-1, keepdim=True)                      # [M, 1]
-            if self.row_parallel:
-                amax = collectives.all_reduce(amax, "max")
+            amax = collectives.all_reduce(amax, "max")
             s = amax.clamp(min=1e-10) / 127.0
             x_q = quantize_rows(x2, s).to(torch.int8)
             y = self._integer_sums(x_q).float() * (s * self.weight_scale)
