@@ -273,6 +273,13 @@ def test_gathered_experts_give_the_eager_moes_numbers_for_any_window():
     assert torch.equal(half_cpu.half_gathered(x[2:3], weights[2:3], idx[2:3], gate_up, down)[0], got[2])
     with pytest.raises((IndexError, RuntimeError)):
         half_cpu.half_gathered(x[:1], weights[:1], torch.tensor([[0, 1, e]]), gate_up, down)
+    if native.native_ops():                 # the C++ operator a compiled window calls: the same
+        op = torch.ops.mtp_native.half_moe
+        assert torch.equal(op(x.float(), weights, idx, gate_up, down), got)
+        with pytest.raises(RuntimeError, match=r"expert id 6 outside \[0, 6\)"):
+            op(x[:1].float(), weights[:1], torch.tensor([[0, 1, e]]), gate_up, down)
+        with pytest.raises(RuntimeError, match="contiguous"):
+            op(x.float(), weights, idx, gate_up.transpose(1, 2), down)
 
 
 def test_a_bf16_moe_serves_through_the_kernel_what_it_serves_without(tmp_path, monkeypatch):

@@ -182,7 +182,7 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"mla kernels {getattr(model.products, 'mla', False)}".encode())   # half_cpu.mla_ops
     h.update(b"reductions unsplit")                      # outer_loops_parallel
     for source in sorted(model_code.rglob("*")):
-        if source.suffix in (".py", ".c", ".h"):
+        if source.suffix in (".py", ".c", ".h", ".cpp"):
             h.update(source.relative_to(model_code).as_posix().encode() + source.read_bytes())
     return root / h.hexdigest()[:24]
 

@@ -171,7 +171,8 @@ def ops_ready() -> bool:
 
 _ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_attend_paged", "bf16_attend_paged_i8",
                  "bf16_moe", "bf16_heads", "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16", "int8_mm",
-                 "int8_rows", "int8_dynamic_mm", "half_heads", "half_attend_paged", "half_attend_paged_i8")
+                 "int8_rows", "int8_dynamic_mm", "half_moe_bf16", "half_heads", "half_attend_paged",
+                 "half_attend_paged_i8")
 
 
 def _build_ops(cxx: str) -> Path:
@@ -212,9 +213,10 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"mtp_native::{name}")(fake)
     torch.library.register_fake("mtp_native::int8_dynamic_mm")(
         lambda x, w, w_scale: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
-    torch.library.register_fake("mtp_native::bf16_moe")(
-        lambda x, weights, idx, gate_up, down: x.new_empty(x.shape[0], gate_up.shape[2],
-                                                           dtype=torch.float32))
+    for name in ("bf16_moe", "half_moe"):
+        torch.library.register_fake(f"mtp_native::{name}")(
+            lambda x, weights, idx, gate_up, down: x.new_empty(x.shape[0], gate_up.shape[2],
+                                                               dtype=torch.float32))
     for name in ("bf16_heads", "half_heads"):
         torch.library.register_fake(f"mtp_native::{name}")(
             lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32))

@@ -31,6 +31,8 @@ using moe_fn = void (*)(const void*, long, long, long, long, const void*, const 
 using heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, int);
 using half_heads_fn = void (*)(const void*, long, long, long, const void*, long, void*, void*, int);
 using dynamic_mm_fn = int (*)(const void*, long, long, const void*, long, const void*, void*, int);
+using half_moe_fn = int (*)(const void*, long, long, long, long, const void*, const void*, long, const void*,
+                            const void*, void*, int);
 using attend_fn = void (*)(const void*, long, long, long, const void*, long, const void*, float, long,
                            void*, void*, int);
 using paged_fn = void (*)(const void*, long, long, long, const void*, long, const void*, long, const void*,
@@ -53,6 +55,7 @@ struct Kernels {
   mm_fn int8_mm = nullptr;
   rows_fn int8_rows = nullptr;
   dynamic_mm_fn int8_dynamic_mm = nullptr;
+  half_moe_fn half_moe_bf16 = nullptr;
   half_heads_fn half_heads = nullptr;    // mla_avx2.c
   paged_fn half_attend_paged = nullptr;
   paged_i8_fn half_attend_paged_i8 = nullptr;
@@ -133,6 +136,39 @@ at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& w, const at::T
                                        w_scale.data_ptr(), y.data_ptr(), at::get_num_threads());
   TORCH_CHECK(status == 0, name, ": no memory for the quantized rows");
   return y;
+}
+
+// x float32 [T, H], weights float32 [T, k], idx int64 [T, k], gate_up bf16 [E, 2I, H], down bf16
+// [E, H, I] -> float32 [T, H]: a window's routed experts in one call (half_avx2.c
+// half_moe_bf16, which sorts the pairs by expert itself).
+at::Tensor half_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                    const at::Tensor& gate_up, const at::Tensor& down) {
+  const char* name = "half_moe";
+  need(reinterpret_cast<const void*>(kernels.half_moe_bf16), name);
+  for (const at::Tensor* w : {&gate_up, &down})
+    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->dim() == 3 && w->is_contiguous(),
+                name, ": experts must be contiguous 3-d CPU tensors of BFloat16");
+  const int64_t E = gate_up.size(0), I2 = gate_up.size(1), H = gate_up.size(2), I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
+              name, ": gate_up is ", gate_up.sizes(), ", down ", down.sizes());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous()
+              && x.size(1) == H, name, ": x must be a contiguous [T, ", H, "] CPU tensor of float32");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.is_contiguous() &&
+              idx.size(0) == T && idx.size(1) <= 64, name, ": idx must be a contiguous int64 [", T, ", k <= 64]");
+  const int64_t k = idx.size(1);
+  TORCH_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+              weights.dim() == 2 && weights.size(0) == T && weights.size(1) == k,
+              name, ": weights must be a contiguous float32 [", T, ", ", k, "]");
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  for (int64_t a = 0; a < T * k; a++)
+    TORCH_CHECK(ids[a] >= 0 && ids[a] < E, name, ": expert id ", ids[a], " outside [0, ", E, ")");
+  auto out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  int status = kernels.half_moe_bf16(x.data_ptr(), T, H, I, k, idx.data_ptr(), weights.data_ptr(), E,
+                                     gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), at::get_num_threads());
+  TORCH_CHECK(status == 0, name, ": no memory for the experts' scratch");
+  return out;
 }
 
 at::Tensor i8_mm(const at::Tensor& x, const at::Tensor& w) {
@@ -421,6 +457,7 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"int8_mm", reinterpret_cast<void**>(&kernels.int8_mm)},
       {"int8_rows", reinterpret_cast<void**>(&kernels.int8_rows)},
       {"int8_dynamic_mm", reinterpret_cast<void**>(&kernels.int8_dynamic_mm)},
+      {"half_moe_bf16", reinterpret_cast<void**>(&kernels.half_moe_bf16)},
       {"half_heads", reinterpret_cast<void**>(&kernels.half_heads)},
       {"half_attend_paged", reinterpret_cast<void**>(&kernels.half_attend_paged)},
       {"half_attend_paged_i8", reinterpret_cast<void**>(&kernels.half_attend_paged_i8)},
@@ -448,6 +485,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("int8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor w, Tensor w_scale) -> Tensor");
+  m.def("half_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor down) -> Tensor");
   m.def("half_heads(Tensor x, Tensor w) -> Tensor");
   m.def("half_attend_paged(Tensor q, Tensor cache, Tensor tables, Tensor pos, float scale, int kvr) -> Tensor");
   m.def("half_attend_paged_i8(Tensor q, Tensor latent, Tensor scales, Tensor rope, Tensor tables, Tensor pos, "
@@ -468,6 +506,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("int8_rows", &int8_rows);
   m.impl("int8_dynamic_mm", &int8_dynamic_mm);
+  m.impl("half_moe", &half_moe);
   m.impl("half_heads", &half_heads);
   m.impl("half_attend_paged", &half_attend_paged);
   m.impl("half_attend_paged_i8", &half_attend_paged_i8);
