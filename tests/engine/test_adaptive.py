@@ -176,3 +176,30 @@ def test_engine_adaptive_by_default_and_off_by_config():
     assert type(fixed.policy) is FixedK
     assert run_tokens(fixed, requests(ps, GREEDY)) == ref
     assert fixed.stats().steps_per_k[2] == fixed.stats().num_steps
+
+
+def test_a_k_that_keeps_losing_its_probes_is_probed_less_often_until_it_wins_again():
+    # Concurrency 8: k=1 verifies 2 tokens a sequence for 2.2x a plain step's time, 1.8
+    # tokens: its probes (every 8 decisions here) each cost drafting's overheads too.  A
+    # probe that prices k=1 clearly behind k=0 doubles the wait for the next (to 8x).
+    p = AdaptiveK(1, probe_every=8, probe_len=2)
+    p.acceptance = [0.8]
+    for _ in range(8):
+        p.observe_step(8, 0, 0.030)
+        p.observe_step(8, 1, 0.066)
+    probes = []
+    for _ in range(400):
+        k = p.num_draft_tokens(8)
+        if k:
+            probes.append(p._decisions)
+        p.observe_step(8, k, 0.066 if k else 0.030)
+    starts = [d for i, d in enumerate(probes) if i == 0 or probes[i - 1] != d - 1]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [24, 40, 72, 72] and set(gaps[4:]) == {72}
+    assert p.current == 0
+    # k=1 gets cheap (say its experts now fit the cache): within its backed-off wait a probe
+    # says so, k rises to 1, and now k=0 is the one that loses its probes.
+    for _ in range(200):
+        k = p.num_draft_tokens(8)
+        p.observe_step(8, k, 0.031 if k else 0.030)
+    assert p.current == 1 and (1, 8) not in p._backoff and p._backoff[(0, 8)] > 1

@@ -51,6 +51,10 @@ class FixedK:
 
 # The current k's steps each of another k's samples is priced against (class docstring).
 PAIRED = 3
+# A probed k this far behind the current one in goodput waits twice as long for its next
+# probe, up to MAX_BACKOFF x probe_every (AdaptiveK's docstring).
+LOSING = 0.15
+MAX_BACKOFF = 8
 
 
 def _bucket(num_seqs: int) -> int:
@@ -106,6 +110,12 @@ class AdaptiveK:
     after a switch still verifies the old k, so it is not a clean cost sample).  A switch
     needs a ``margin`` gain, so noise does not flap k.  k never changes outputs: whatever
     drafts a sequence holds are verified, then the new k is drafted.
+
+    Backoff: a probe that leaves its k's goodput ``LOSING`` or more below the current k's
+    doubles the wait before that k is probed again (up to ``MAX_BACKOFF`` x probe_every);
+    a probe within it resets the wait.  Why: at concurrency 8 (0.5b bf16, AVX2) k=1 and
+    k=2 stayed 20-30% behind k=0, and their probes, each followed by drafting's own costs,
+    held a k=2 daemon at 0.91-0.95x of MTP off.
     """
 
     def __init__(self, max_k: int, *, probe_every: int = 64, probe_len: int = 3,
@@ -123,6 +133,8 @@ class AdaptiveK:
         self._history = max(history, cost_window)
         self.current = max_k
         self._probe: tuple[int, int] | None = None          # (k, steps left)
+        self._judged: tuple[int, int, int] | None = None     # (k, bucket, first decision) of a probe
+        self._backoff: dict[tuple[int, int], int] = {}       # (k, bucket) -> probe wait multiple
         self._decisions = 0
         self.num_switches = 0
 
@@ -155,12 +167,17 @@ class AdaptiveK:
         k's samples against the current k's steps nearest in time (class docstring)."""
         b = _bucket(num_seqs)
         c = self.cost.get((k, b))
-        ref = self._samples.get((self.current, b))
-        if c is None or k == self.current or not ref:
+        if c is None or k == self.current or not self._samples.get((self.current, b)):
             return c
+        return self._priced(self._recent((k, b)), b)
+
+    def _priced(self, samples: list[tuple[int, float]], b: int) -> float:
+        """The current k's cost now times the median ratio of ``samples`` (another k's, as
+        (decision count, seconds)) to the current k's steps nearest in time to each."""
+        ref = self._samples[(self.current, b)]
         times = [t for t, _ in ref]
         ratios = []
-        for t, s in self._recent((k, b)):
+        for t, s in samples:
             i = bisect.bisect_left(times, t)
             near = sorted(range(max(0, i - PAIRED), min(len(ref), i + PAIRED)),
                           key=lambda j: abs(times[j] - t))[:PAIRED]
@@ -184,6 +201,9 @@ class AdaptiveK:
         c = self.priced_cost(k, num_seqs)
         if c is None or c <= 0:
             return None
+        return self._goodput_at(k, num_seqs, c)
+
+    def _goodput_at(self, k: int, num_seqs: int, c: float) -> float:
         overhead = self.draft_overhead * (1.0 - 1.0 / num_seqs) if k else 0.0
         return num_seqs * self.expected_tokens(k) / c / (1.0 + overhead)
 
@@ -197,11 +217,15 @@ class AdaptiveK:
         ks = range(self.max_draft_tokens + 1)
         unmeasured = [k for k in ks if (k, b) not in self.cost]
         if unmeasured or self._decisions % self.probe_every == 0:
+            due = [k for k in ks if k != self.current and self._decisions - self._last_measured((k, b))
+                   >= self.probe_every * self._backoff.get((k, b), 1)]
             probe = unmeasured[0] if unmeasured else min(
-                (k for k in ks if k != self.current), key=lambda k: self._last_measured((k, b)))
+                due or [self.current], key=lambda k: self._last_measured((k, b)))
             if probe != self.current or unmeasured:
                 self._probe = (probe, self.probe_len - 1) if self.probe_len > 1 else None
+                self._judged = (probe, b, self._decisions)
                 return probe
+        self._judge_probe(num_seqs)
         rates = {k: self.goodput(k, num_seqs) for k in ks}
         best = max(ks, key=lambda k: rates[k] or 0.0)
         cur = rates.get(self.current)
@@ -209,3 +233,21 @@ class AdaptiveK:
             self.current = best
             self.num_switches += 1
         return self.current
+
+    def _judge_probe(self, num_seqs: int) -> None:
+        """After a probe: its k waits longer for the next one if its own steps (not the
+        older ones in its window) priced it clearly behind the current k, else the usual
+        ``probe_every`` (class docstring)."""
+        if self._judged is None:
+            return
+        k, b, since = self._judged
+        self._judged = None
+        fresh = [(t, s) for t, s in self._samples.get((k, b), ()) if t >= since]
+        cur = self.cost.get((self.current, b))
+        if k == self.current or not fresh or not cur or b != _bucket(num_seqs):
+            return
+        mine = self._goodput_at(k, num_seqs, self._priced(fresh, b))
+        if mine < self._goodput_at(self.current, num_seqs, cur) * (1 - LOSING):
+            self._backoff[(k, b)] = min(MAX_BACKOFF, 2 * self._backoff.get((k, b), 1))
+        else:
+            self._backoff.pop((k, b), None)
