@@ -24,10 +24,13 @@ compiled step (``window``, by the kind of window; ``HalfCpuWindow``):
   batch, one float32 reduction per output column and row, the rows inner (the 0.5b
   model's batch-16 step: 810 ms with oneDNN's rows, 251 with the reductions, 140 with the
   kernel).
-* ``"lone"`` and ``"batch"``: W_UK / W_UV as reductions over a head's cached weights
-  (``latent_query``, ``latent_value``): 0.07 against 0.82 ms at 2 rows; the attention's
-  two products over the context in float32 (``latent_attention``); the router's scores
-  as one reduction per token and expert (``router_logits``: a row's, alone or in a window).
+* ``"lone"`` and ``"batch"``: with mla_avx2.c (operators of ops.cpp), W_UK / W_UV as each
+  head's weight through the window's rows (``head_rows``) and the attention over the
+  latent cache read in place (``paged_latent_attention``); without it, W_UK / W_UV as
+  reductions over a head's cached weights (``latent_query``, ``latent_value``: 0.07
+  against oneDNN's 0.82 ms at 2 rows) and the attention's two products over the gathered
+  context in float32 (``latent_attention``); the router's scores as one reduction per
+  token and expert (``router_logits``: a row's, alone or in a window).
 * ``"prompt"`` (a lone prompt, any length): linears and those bmms in float32.
 
 Outside graphs, a product of a 16-bit weight (the routed experts of batch windows, the

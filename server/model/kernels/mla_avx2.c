@@ -265,12 +265,15 @@ static void group_weighted_sum(const float *p, long S, int n, long end, const ui
             else if (vecs == SUM_VECS)
                 sums_n(ph, S, 1, end, cache, bs, table, D, c0, SUM_VECS, last, oh, kvr);
             else
-                for (int g = h; g < n && g < h + SUM_HEADS; g++)      /* the columns' tail */
+                for (int g = h; g < n && g < h + SUM_HEADS; g++) {    /* the columns' tail */
+                    const float *pg = p + g * S;
+                    float *og = o + g * kvr + c0;
                     switch (vecs) {
-                    case 1: sums_n(p + g * S, S, 1, end, cache, bs, table, D, c0, 1, last, o + g * kvr + c0, kvr); break;
-                    case 2: sums_n(p + g * S, S, 1, end, cache, bs, table, D, c0, 2, last, o + g * kvr + c0, kvr); break;
-                    default: sums_n(p + g * S, S, 1, end, cache, bs, table, D, c0, 3, last, o + g * kvr + c0, kvr); break;
+                    case 1: sums_n(pg, S, 1, end, cache, bs, table, D, c0, 1, last, og, kvr); break;
+                    case 2: sums_n(pg, S, 1, end, cache, bs, table, D, c0, 2, last, og, kvr); break;
+                    default: sums_n(pg, S, 1, end, cache, bs, table, D, c0, 3, last, og, kvr); break;
                     }
+                }
         }
     }
 }

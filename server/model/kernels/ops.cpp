@@ -417,26 +417,28 @@ at::Tensor attend_paged_i8(paged_i8_fn fn, const char* name, int64_t max_d, cons
 // The operators over those: avx512_bf16.c's and mla_avx2.c's kernels.
 at::Tensor bf16_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                              const at::Tensor& pos, double scale, int64_t kvr) {
-  return attend_paged(kernels.bf16_attend_paged, "bf16_attend_paged", INT64_MAX, q, cache, tables, pos, scale, kvr);
+  return attend_paged(kernels.bf16_attend_paged, "bf16_attend_paged", INT64_MAX, q, cache, tables, pos, scale,
+                      kvr);
 }
 
 at::Tensor half_attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                              const at::Tensor& pos, double scale, int64_t kvr) {
-  return attend_paged(kernels.half_attend_paged, "half_attend_paged", HALF_MAX_FEATURES, q, cache, tables, pos, scale, kvr);
+  return attend_paged(kernels.half_attend_paged, "half_attend_paged", HALF_MAX_FEATURES, q, cache, tables, pos,
+                      scale, kvr);
 }
 
 at::Tensor bf16_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& scales,
                                 const at::Tensor& rope, const at::Tensor& tables, const at::Tensor& pos,
                                 double scale, int64_t kvr) {
-  return attend_paged_i8(kernels.bf16_attend_paged_i8, "bf16_attend_paged_i8", INT64_MAX, q, latent, scales, rope, tables,
-                         pos, scale, kvr);
+  return attend_paged_i8(kernels.bf16_attend_paged_i8, "bf16_attend_paged_i8", INT64_MAX, q, latent, scales, rope,
+                         tables, pos, scale, kvr);
 }
 
 at::Tensor half_attend_paged_i8(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& scales,
                                 const at::Tensor& rope, const at::Tensor& tables, const at::Tensor& pos,
                                 double scale, int64_t kvr) {
-  return attend_paged_i8(kernels.half_attend_paged_i8, "half_attend_paged_i8", HALF_MAX_FEATURES, q, latent, scales, rope, tables,
-                         pos, scale, kvr);
+  return attend_paged_i8(kernels.half_attend_paged_i8, "half_attend_paged_i8", HALF_MAX_FEATURES, q, latent, scales,
+                         rope, tables, pos, scale, kvr);
 }
 
 }  // namespace
