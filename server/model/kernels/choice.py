@@ -7,6 +7,7 @@ every CPU class makes is tested on any machine: tests/model/test_backend_choice.
 from __future__ import annotations
 
 from server.model.kernels.cpu import CpuCaps
+from server.model.kernels.native import KERNELS
 from server.model.kernels.settings import (
     HALF_BACKENDS,
     HALF_ENV,
@@ -21,8 +22,9 @@ class BackendUnavailable(ValueError):
 
 # The backends that are our own C kernels, and the kernel (native.KERNELS) each needs.
 KERNEL_OF = {"avx2": "half_avx2", "avx512": "avx512_bf16", "vnni": "avx512_vnni"}
-_NEEDS = {"half_avx2": ("avx2", "fma", "f16c"), "avx512_bf16": ("avx512f", "avx512bw", "avx512_bf16"),
-          "avx512_vnni": ("avx512f", "avx512bw", "avx512_vnni"), "mla_avx2": ("avx2", "fma")}
+# Each kernel's CPU flags, as native.KERNELS builds it (one table: a kernel added there and
+# missing here was a KeyError).
+_NEEDS = {name: kernel.needs for name, kernel in KERNELS.items()}
 
 
 def runs(caps: CpuCaps, kernel: str) -> bool:
