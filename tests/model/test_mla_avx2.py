@@ -17,6 +17,18 @@ def _needs_ops():
         pytest.skip("ops.cpp cannot be built here")
 
 
+def _lone_window():
+    """The AVX2 products' traced "lone" window form, or None without the kernel."""
+    products = half_cpu.HalfCpuProducts(native.half_kernel())
+    return products.window("lone") if products.uses_kernel else None
+
+
+def _traced(lone, scale, kvr):
+    """``lone.paged_latent_attention`` compiled as a decode graph compiles it."""
+    return torch.compile(lambda q, c, t, p: lone.paged_latent_attention(q, c, t, p, scale, kvr),
+                         dynamic=False, fullgraph=True)
+
+
 def _exact_attention(q, ctx, bias, scale, kvr):
     """float64 softmax(q . ctx^T * scale + bias) . ctx[..., :kvr], rows nobody sees zeroed."""
     ctx = torch.nan_to_num(ctx.double())
@@ -78,12 +90,8 @@ def test_the_paged_attention_is_the_exact_attention_and_each_tokens_own(dim, kvr
         alone = torch.ops.mtp_native.half_attend_paged(q[:, rows].contiguous(), cache, tables,
                                                        pos[:, t:t + 1].contiguous(), scale, kvr)
         assert torch.equal(alone, got[:, rows])
-    products = half_cpu.HalfCpuProducts(native.half_kernel())
-    if products.uses_kernel:
-        lone = products.window("lone")
-        fn = torch.compile(lambda q, c, t, p: lone.paged_latent_attention(q, c, t, p, scale, kvr),
-                           dynamic=False, fullgraph=True)
-        assert torch.equal(fn(q, cache, tables, pos), got.to(torch.bfloat16))
+    if (lone := _lone_window()) is not None:
+        assert torch.equal(_traced(lone, scale, kvr)(q, cache, tables, pos), got.to(torch.bfloat16))
         assert lone.paged_latent_attention(q, cache, tables, pos, scale, kvr) is None   # eager: gathered
     op = torch.ops.mtp_native.half_attend_paged
     with pytest.raises(RuntimeError, match="block 12 outside the cache's 12"):
@@ -121,12 +129,8 @@ def test_the_paged_attention_of_an_int8_cache_dequantizes_as_the_step_does(kvr, 
     alone = torch.ops.mtp_native.half_attend_paged_i8(q[:, :heads].contiguous(), *cache, tables,
                                                       pos[:, :1].contiguous(), scale, kvr)
     assert torch.equal(alone, got[:, :heads])
-    products = half_cpu.HalfCpuProducts(native.half_kernel())
-    if products.uses_kernel:
-        lone = products.window("lone")
-        fn = torch.compile(lambda q, c, t, p: lone.paged_latent_attention(q, c, t, p, scale, kvr),
-                           dynamic=False, fullgraph=True)
-        assert torch.equal(fn(q, cache, tables, pos), got.to(torch.bfloat16))
+    if (lone := _lone_window()) is not None:
+        assert torch.equal(_traced(lone, scale, kvr)(q, cache, tables, pos), got.to(torch.bfloat16))
     latent, scales, rope = cache
     with pytest.raises(RuntimeError, match="one value a row"):
         torch.ops.mtp_native.half_attend_paged_i8(q, latent, scales[:6].contiguous(), rope, tables, pos, scale, kvr)

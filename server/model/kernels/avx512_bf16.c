@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "latent_paged.h"
+
 #define COLS 4          /* weight rows streamed together: 4 reads in flight per thread */
 #define MAXR 4          /* rows of x per block */
 
@@ -457,14 +459,7 @@ void bf16_attend(const uint16_t *q, long B, long R, long D, const uint16_t *ctx,
     }
 }
 
-#define GROUP_HEADS 8     /* most heads a work item of bf16_attend_paged scores together */
 #define SUM_HEADS 3       /* heads a weighted-sum pass accumulates together (3 x SUM_VECS regs) */
-
-/* Position s of a sequence: row s % bs of cache block table[s / bs]. */
-static inline const uint16_t *cache_row(const uint16_t *cache, long bs, const long *table, long D,
-                                        long s) {
-    return cache + (table[s / bs] * bs + s % bs) * D;
-}
 
 /* Scores of n <= GROUP_HEADS heads' queries (consecutive rows of D) at positions 0 ..
  * end: p[h * S + s] = q_h . row_s, each the chain ``dot`` makes, every context row read
@@ -581,16 +576,6 @@ static void attend_group(const uint16_t *q, int n, long D, const uint16_t *cache
     group_weighted_sum(p, S, n, end, cache, bs, table, D, kvr, o);
 }
 
-/* Heads a work item takes: enough groups for every thread where the tokens are fewer, of at
- * most GROUP_HEADS heads; returns the number of groups. */
-static long head_groups(long heads, long tokens, int threads, long *size) {
-    long groups = (heads + GROUP_HEADS - 1) / GROUP_HEADS;
-    long want = (threads + tokens - 1) / tokens;
-    if (want > groups) groups = want < heads ? want : heads;
-    *size = (heads + groups - 1) / groups;
-    return (heads + *size - 1) / *size;
-}
-
 /* ``bf16_attend`` reading the latent cache in place through the block tables, with the
  * causal mask from the positions: query row r of sequence b (window token t = r / heads,
  * heads = R / Q) sees positions 0 .. pos[b, t].  cache bf16 [blocks, bs, D], tables int64
@@ -607,9 +592,8 @@ void bf16_attend_paged(const uint16_t *q, long B, long R, long D, const uint16_t
     long groups = head_groups(heads, tokens, threads, &size);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long item = 0; item < tokens * groups; item++) {
-        long token = item / groups, h0 = item % groups * size;
-        int n = (int)(heads - h0 < size ? heads - h0 : size);
-        long j = token * heads + h0;                        /* the group's first row */
+        int n;
+        long j = group_rows(item, groups, size, heads, &n), token = j / heads;
         attend_group(q + j * D, n, D, cache, bs, tables + token / Q * nb, pos[token] + 1, scale, kvr,
                      p + j * S, S, out + j * kvr);
     }
@@ -633,10 +617,8 @@ void bf16_attend_paged_i8(const uint16_t *q, long B, long R, long D, const int8_
     {
         #pragma omp for schedule(static)
         for (long r = 0; r < B * S; r++) {
-            long b = r / S, s = r % S, last = 0;
-            for (long t = 0; t < Q; t++) last = pos[b * Q + t] > last ? pos[b * Q + t] : last;
-            if (s > last) continue;                           /* no query of b sees it */
-            long slot = tables[b * nb + s / bs] * bs + s % bs;
+            long slot = visible_slot(r, S, pos, Q, tables, nb, bs);
+            if (slot < 0) continue;                           /* no query of its sequence sees it */
             const int8_t *lq = latent + slot * L;
             __m512 sc = _mm512_set1_ps(scales[slot]);
             uint16_t *o = buf + r * D;
@@ -651,9 +633,8 @@ void bf16_attend_paged_i8(const uint16_t *q, long B, long R, long D, const int8_
         }
         #pragma omp for schedule(static)
         for (long item = 0; item < tokens * groups; item++) {
-            long token = item / groups, h0 = item % groups * size;
-            int n = (int)(heads - h0 < size ? heads - h0 : size);
-            long j = token * heads + h0;
+            int n;
+            long j = group_rows(item, groups, size, heads, &n), token = j / heads;
             attend_group(q + j * D, n, D, buf + token / Q * S * D, S, &whole, pos[token] + 1, scale, kvr,
                          p + j * S, S, out + j * kvr);
         }

@@ -114,14 +114,13 @@ class HalfCpuProducts(Products):
         MoE's numbers, each chosen expert read once for all its tokens."""
         if not self.groups_experts(gate_up.dtype):
             return None
-        args = (x, weights.float(), idx.to(torch.int64), gate_up, down)
-        if torch.compiler.is_compiling():
-            if ops_ready() and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and down.is_contiguous():
-                # The C++ operator: the Python one cost ~30 us a layer in its own dispatch.
-                return torch.ops.mtp_native.half_moe(x.float().contiguous(), args[1].contiguous(),
-                                                     args[2].contiguous(), gate_up, down).to(x.dtype)
-            return torch.ops.mtp_serve.half_gathered(*args).to(x.dtype)
-        return half_gathered(*args).to(x.dtype)
+        wts, ids = weights.float().contiguous(), idx.to(torch.int64).contiguous()
+        if not torch.compiler.is_compiling():
+            return half_gathered(x, wts, ids, gate_up, down).to(x.dtype)
+        if ops_ready() and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and down.is_contiguous():
+            # The C++ operator: the Python one cost ~30 us a layer in its own dispatch.
+            return torch.ops.mtp_native.half_moe(x.float().contiguous(), wts, ids, gate_up, down).to(x.dtype)
+        return torch.ops.mtp_serve.half_gathered(x, wts, ids, gate_up, down).to(x.dtype)
 
     def groups_experts(self, dtype: torch.dtype) -> bool:
         return self.uses_kernel and dtype in _HALF

@@ -23,8 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "latent_paged.h"
+
 #define HEAD_COLS 4       /* weight rows a work item of half_heads takes */
-#define GROUP_HEADS 8     /* most heads a work item of the attention scores together */
 #define SUM_HEADS 2       /* heads a weighted-sum pass accumulates together */
 #define SUM_VECS 4        /* 8-column vectors a weighted-sum pass keeps (SUM_HEADS x SUM_VECS acc) */
 #define MAX_FEATURES 1024 /* most features of a query row (ops.cpp checks: HALF_MAX_FEATURES) */
@@ -167,12 +168,6 @@ static void softmax_row(float *p, long end, float scale) {
     if (s < end) _mm256_maskstore_ps(p + s, tail, _mm256_mul_ps(_mm256_maskload_ps(p + s, tail), inv));
 }
 
-/* Position s of a sequence: row s % bs of cache block table[s / bs]. */
-static inline const uint16_t *cache_row(const uint16_t *cache, long bs, const long *table, long D,
-                                        long s) {
-    return cache + (table[s / bs] * bs + s % bs) * D;
-}
-
 /* Scores of n <= GROUP_HEADS heads' queries (float32, consecutive rows of D) at positions
  * 0 .. end: p[h * S + s] = q_h . row_s, one chain a head (8 lanes over D, then the scalar
  * tail), every context row read once for all n heads.  Inlined with n a constant. */
@@ -290,16 +285,6 @@ static void attend_group(const uint16_t *q, int n, long D, const uint16_t *cache
     group_weighted_sum(p, S, n, end, cache, bs, table, D, kvr, o);
 }
 
-/* Heads a work item takes: enough groups for every thread where the tokens are fewer, of at
- * most GROUP_HEADS heads; returns the number of groups. */
-static long head_groups(long heads, long tokens, int threads, long *size) {
-    long groups = (heads + GROUP_HEADS - 1) / GROUP_HEADS;
-    long want = (threads + tokens - 1) / tokens;
-    if (want > groups) groups = want < heads ? want : heads;
-    *size = (heads + groups - 1) / groups;
-    return (heads + *size - 1) / *size;
-}
-
 /* The absorbed attention of a decode window over the latent cache, read in place: query
  * row r of sequence b (window token t = r / heads, heads = R / Q) sees positions 0 ..
  * pos[b, t].  q bf16 [B, R, D], cache bf16 [blocks, bs, D], tables int64 [B, nb], pos int64
@@ -313,9 +298,8 @@ void half_attend_paged(const uint16_t *q, long B, long R, long D, const uint16_t
     long groups = head_groups(heads, tokens, threads, &size);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long item = 0; item < tokens * groups; item++) {
-        long token = item / groups, h0 = item % groups * size;
-        int n = (int)(heads - h0 < size ? heads - h0 : size);
-        long j = token * heads + h0;
+        int n;
+        long j = group_rows(item, groups, size, heads, &n), token = j / heads;
         attend_group(q + j * D, n, D, cache, bs, tables + token / Q * nb, pos[token] + 1, scale, kvr,
                      p + j * S, S, out + j * kvr);
     }
@@ -337,10 +321,8 @@ void half_attend_paged_i8(const uint16_t *q, long B, long R, long D, const int8_
     {
         #pragma omp for schedule(static)
         for (long r = 0; r < B * S; r++) {
-            long b = r / S, s = r % S, last = 0;
-            for (long t = 0; t < Q; t++) last = pos[b * Q + t] > last ? pos[b * Q + t] : last;
-            if (s > last) continue;                           /* no query of b sees it */
-            long slot = tables[b * nb + s / bs] * bs + s % bs;
+            long slot = visible_slot(r, S, pos, Q, tables, nb, bs);
+            if (slot < 0) continue;                           /* no query of its sequence sees it */
             const int8_t *lq = latent + slot * L;
             float sc = scales[slot];
             uint16_t *o = buf + r * D;
@@ -349,9 +331,8 @@ void half_attend_paged_i8(const uint16_t *q, long B, long R, long D, const int8_
         }
         #pragma omp for schedule(static)
         for (long item = 0; item < tokens * groups; item++) {
-            long token = item / groups, h0 = item % groups * size;
-            int n = (int)(heads - h0 < size ? heads - h0 : size);
-            long j = token * heads + h0;
+            int n;
+            long j = group_rows(item, groups, size, heads, &n), token = j / heads;
             attend_group(q + j * D, n, D, buf + token / Q * S * D, S, &whole, pos[token] + 1, scale, kvr,
                          p + j * S, S, out + j * kvr);
         }
