@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from server.model.batch import DecodeMetadata
+from server.model.flat_calls import FlatCalls
 from server.model.layers.latent_cache import (
     Int8LatentCache,
     LatentCache,
@@ -223,6 +224,8 @@ class StaticDecoder:
         # and, once asked for, in the windowed layout: made once per window, not per layer;
         # the MTP pass of a static step reuses the main forward's window.
         self._last: tuple[DecodeMetadata, dict[bool, tuple]] | None = None
+        # Each graph's calls, per layer, below Dynamo's bytecode once learned (flat_calls.py).
+        self.flat_calls = FlatCalls()
 
     @property
     def compiled(self) -> bool:
@@ -241,6 +244,7 @@ class StaticDecoder:
         """Switch to compiled graphs (between steps), made for the cache form ``kv_form``."""
         self._graphs = dict(graphs)
         self._graphs_form = self.kv_form
+        self.flat_calls.clear()
 
     def kind(self, index: int) -> str:
         """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
@@ -375,23 +379,26 @@ class StaticDecoder:
                   cache: torch.Tensor) -> torch.Tensor:
         graphs = ("int8" if isinstance(cache, tuple) else "float") == self._graphs_form
         kind = self._kind_for(index, meta, graphs)
-        fn, windowed = self._graph(kind, meta) if graphs else (self.function(kind), False)
-        out = fn(*self._args(index, kind, x, self._window(meta, windowed), meta, cache, windowed))
+        fn, windowed, graph = self._graph(kind, meta) if graphs else (self.function(kind), False, False)
+        args = self._args(index, kind, x, self._window(meta, windowed), meta, cache, windowed)
+        out = self.flat_calls.call(fn, index, args) if graph else fn(*args)
         if kind.startswith("half"):            # routed dispatch, eager (reads counts on the host)
             x, h = out
             return x + self._layers[index].mlp(h)
         return out
 
     def _graph(self, kind: str, meta: DecodeMetadata):
-        """(function, takes the windowed layout?) for this window: the graph with static
-        sizes made for its exact length where compiled (a 2-token window of a lone sequence
-        ran in 0.8x the time of the symbolic-length graph, 0.9x for 16 sequences), else a
-        lone sequence's symbolic one for two tokens or more, else the plain function."""
+        """(function, takes the windowed layout?, a compiled graph?) for this window: the
+        graph with static sizes made for its exact length where compiled (a 2-token window
+        of a lone sequence ran in 0.8x the time of the symbolic-length graph, 0.9x for 16
+        sequences), else a lone sequence's symbolic one for two tokens or more, else the
+        plain function."""
         g, q, lone = self._graphs, meta.query_len, meta.num_seqs == 1
         fn = g.get((kind, f"q{q}", lone))
         if fn is not None:
-            return fn, not lone
-        return (lone and q > 1 and g.get((kind, "many", True))) or self.function(kind), False
+            return fn, not lone, True
+        fn = lone and q > 1 and g.get((kind, "many", True))
+        return (fn, False, True) if fn else (self.function(kind), False, False)
 
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model

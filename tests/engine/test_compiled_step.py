@@ -55,12 +55,13 @@ def test_compiled_step_emits_what_the_plain_step_emits(k, monkeypatch):
     used = set()
     real = StaticDecoder._graph
     def spy(self, kind, meta):
-        fn, windowed = real(self, kind, meta)
+        fn, windowed, graph = real(self, kind, meta)
         if self is compiled.static_decoder:        # not the reference engine's model
             used.add(by_graph.get(id(fn), ("plain", kind, meta.query_len, meta.num_seqs)))
-        return fn, windowed
+        return fn, windowed, graph
     monkeypatch.setattr(StaticDecoder, "_graph", spy)
     graphs = _graphs()
+    flat = compiled.static_decoder.flat_calls
     for sp in (GREEDY, SEEDED):
         ref = run_staggered(make_engine(eager, k, max_batch_size=16, adaptive_speculation=False),
                             reqs(sp), every=2)
@@ -72,6 +73,9 @@ def test_compiled_step_emits_what_the_plain_step_emits(k, monkeypatch):
     lone = "gmoe" if k + 1 <= compiled.static_decoder._gather_max_tokens else "moe"
     assert {(lone, f"q{k + 1}", True), ("moe", f"q{k + 1}", False)} <= used, used
     assert not [u for u in used if u[0] == "plain"], used
+    # Every (graph, layer) call after its first went below Dynamo's bytecode
+    # (model/flat_calls.py), and the tokens above are the plain step's.
+    assert flat.learned > 0 and flat.refused == 0, flat.reasons
     if k:
         assert eng.stats().num_accepted_tokens > 0
 

@@ -39,7 +39,8 @@ def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two(window):
     """Graphs made under compile_settings for 2 threads, one for a 1-token window and one
     for a 2-token window (static sizes, as the compiled step makes them): each of 16 rows
     gets the same norm and router scores, bit for bit, alone as in a pair.  (With the
-    reductions split, about one row in four rounded apart.)"""
+    reductions split, about one row in four rounded apart.)  So does the 1-token window
+    made for one thread, as a lone sequence's graphs are (compile_step._graph_threads)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -48,18 +49,20 @@ def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two(window):
         # magnitudes over four decades: partial sums of the squares round apart
         x = (torch.randn(16, HIDDEN, generator=g) * 10 ** (4 * torch.rand(16, HIDDEN, generator=g))).to(torch.bfloat16)
         runs = {}
-        for rows in (1, 2):
+        for rows, made_for in ((1, 2), (2, 2), (1, 1)):
             torch._dynamo.reset()
-            with compile_settings(2):       # a copy each: an offset row would recompile
+            with compile_settings(made_for):    # a copy each: an offset row would recompile
                 graph = torch.compile(_window_step(products), dynamic=False, fullgraph=True)
-                runs[rows] = [graph(x[i:i + rows].clone()) for i in range(0, 16, rows)]
-        alone, pairs = runs[1], runs[2]
+                runs[rows, made_for] = [graph(x[i:i + rows].clone()) for i in range(0, 16, rows)]
+        alone, pairs, lone = runs[1, 2], runs[2, 2], runs[1, 1]
     finally:
         torch.set_num_threads(threads)
     for i in range(16):
         (norm1, scores1), (norm2, scores2) = alone[i], pairs[i // 2]
         assert torch.equal(norm1[0], norm2[i % 2]), i
         assert torch.equal(scores1[0], scores2[i % 2]), i
+        assert torch.equal(lone[i][0][0], norm2[i % 2]), i
+        assert torch.equal(lone[i][1][0], scores2[i % 2]), i
     eager_norm, eager_scores = _window_step(half_cpu.HalfCpuProducts(None))(x[:2])
     torch.testing.assert_close(pairs[0][0], eager_norm)
     torch.testing.assert_close(pairs[0][1], eager_scores, atol=0.02, rtol=0)   # the norm's bf16 rounding

@@ -1,0 +1,184 @@
+"""Calling a compiled layer graph with its flat inputs, below the bytecode Dynamo wrote.
+
+Why: a graph made by ``aot_compile`` (worker/compile_step.py) is called through Dynamo's
+bytecode for the layer function.  Every call it walks the modules it was given for each
+weight (about 30 attribute and dict lookups), reads the sizes the graph keeps symbolic,
+and records two profiler markers before the graph runs.  With the call's other wrappers
+that was ~95 us between two layer graphs of the 0.5b bf16 model at batch 1 on 2 Zen 3
+cores: about 1 ms of an 18 ms step, and more in MTP steps, which call more graphs.
+
+What a layer's call passes never changes between steps but for the call's own tensors
+(the window, block tables, cache, expert stacks), their sizes and its numbers: the weights
+are the same objects (guards are skipped for the same reason: compile_step._prepare).  So
+the first call of each (graph, layer) goes the ordinary way while it is watched: the flat
+inputs the bytecode hands the compiled function (each one of the call's tensors or
+numbers, a size of one of its tensors, or a constant weight) and which of the graph's
+outputs it returns.  Later calls fill in the call's own and call the compiled function
+directly.  A call that cannot be
+learned cleanly (an input that is none of these, a tensor passed twice, an output that is
+not one of the graph's) keeps the ordinary call for that pair, as does
+``$MTP_SERVE_FLAT_CALLS=0``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("server.engine")
+
+ENV = "MTP_SERVE_FLAT_CALLS"
+_LEARNING = threading.Lock()          # the size hook below is the module's, process-wide
+
+
+class _Size(int):
+    """A size the bytecode read of one of the call's tensors (argument, item, dim), or one
+    of the call's own numbers (argument, None, None)."""
+    source: tuple[int, int | None, int | None]
+
+
+@dataclass(frozen=True)
+class FlatCall:
+    """A learned call: ``compiled(*inputs)`` with ``slots`` (input position, argument,
+    item of a tuple argument or None, dim or None for the tensor itself) filled per call;
+    ``picks``: which of its outputs the layer function returns (an int: that one alone)."""
+    compiled: object
+    template: tuple
+    slots: tuple[tuple[int, int, int | None, int | None], ...]
+    picks: int | tuple[int, ...]
+
+    def __call__(self, args: tuple):
+        inputs = list(self.template)
+        for position, arg, item, dim in self.slots:
+            value = args[arg] if item is None else args[arg][item]
+            inputs[position] = value if dim is None else value.size(dim)
+        out = self.compiled(*inputs)
+        if isinstance(self.picks, int):
+            return out[self.picks]
+        return tuple(out[i] for i in self.picks)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class FlatCalls:
+    """The learned calls of one decoder's graphs, per (graph, layer index)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[int, int], FlatCall | None] = {}
+        self._graphs: dict[int, object] = {}      # keeps each keyed graph alive (its id)
+        self.learned = 0
+        self.refused = 0
+        self.reasons: list[str] = []          # why each refused pair was
+
+    def clear(self) -> None:
+        self._calls.clear()
+        self._graphs.clear()
+
+    def call(self, graph, index: int, args: tuple):
+        key = (id(graph), index)
+        flat = self._calls.get(key, False)
+        if flat is None:
+            return graph(*args)
+        if flat is not False:
+            return flat(args)
+        result, flat = _learn(graph, args)
+        self._calls[key] = flat if isinstance(flat, FlatCall) else None
+        self._graphs[id(graph)] = graph
+        if isinstance(flat, FlatCall):
+            self.learned += 1
+        else:
+            self.refused += 1
+            self.reasons.append(flat)
+            log.debug("layer %d: its graph keeps the ordinary call (%s)", index, flat)
+        return result
+
+
+def _learn(graph, args: tuple):
+    """(the ordinary call's result, its FlatCall or why not)."""
+    fn = getattr(graph, "fn", None)
+    glb, code = getattr(fn, "__globals__", None), getattr(fn, "__code__", None)
+    names = [n for n in code.co_names if n.startswith("__compiled_fn")] if code is not None else []
+    if not enabled():
+        return graph(*args), f"${ENV}=0"
+    if len(names) != 1 or glb is None or names[0] not in glb:
+        return graph(*args), "no compiled function under it"
+    name = names[0]
+    compiled = glb[name]
+    own: dict[int, tuple[int, int | None]] = {}
+    twice = False
+    for i, a in enumerate(args):
+        for j, t in ([(None, a)] if isinstance(a, torch.Tensor) else
+                     list(enumerate(a)) if isinstance(a, tuple) else []):
+            if isinstance(t, torch.Tensor):
+                twice |= id(t) in own
+                own[id(t)] = (i, j)
+    seen: dict[str, object] = {}
+    from torch._dynamo import utils as dynamo_utils
+    real_size = dynamo_utils.call_size
+
+    def size_of(t, dim):
+        value = real_size(t, dim)
+        source = own.get(id(t))
+        if source is None or not isinstance(dim, int):
+            seen["stranger"] = True
+            return value
+        size = _Size(value)
+        size.source = (*source, dim)
+        return size
+
+    def watch(*inputs):
+        seen["inputs"] = inputs
+        out = compiled(*[int(v) if isinstance(v, _Size) else v for v in inputs])
+        seen["out"] = out
+        return out
+
+    watched = list(args)
+    for i, a in enumerate(args):
+        if type(a) is int:                  # passed on as it is (or the call is refused)
+            watched[i] = _Size(a)
+            watched[i].source = (i, None, None)
+    with _LEARNING:
+        glb[name], dynamo_utils.call_size = watch, size_of
+        try:
+            result = graph(*watched)
+        finally:
+            glb[name], dynamo_utils.call_size = compiled, real_size
+    inputs, out = seen.get("inputs"), seen.get("out")
+    if twice:
+        return result, "a tensor passed twice"
+    if seen.get("stranger"):
+        return result, "a size of something else than the call's tensors"
+    if inputs is None or not isinstance(out, (list, tuple)):
+        return result, "the compiled function was not called once with its outputs in a list"
+    template, slots = list(inputs), []
+    for position, value in enumerate(inputs):
+        if isinstance(value, _Size):
+            slots.append((position, *value.source))
+            template[position] = None
+        elif isinstance(value, torch.Tensor):
+            if id(value) in own:
+                slots.append((position, *own[id(value)], None))
+                template[position] = None
+        else:
+            return result, f"input {position} a {type(value).__name__} of unknown source"
+    picks = _picks(result, out)
+    if picks is None:
+        return result, "a result that is not one of the graph's outputs"
+    return result, FlatCall(compiled, tuple(template), tuple(slots), picks)
+
+
+def _picks(result, out) -> int | tuple[int, ...] | None:
+    """Where the layer function's result sits among the graph's outputs."""
+    def where(t) -> int | None:
+        return next((i for i, o in enumerate(out) if o is t), None)
+    if isinstance(result, torch.Tensor):
+        return where(result)
+    if isinstance(result, tuple) and all(isinstance(t, torch.Tensor) for t in result):
+        found = tuple(where(t) for t in result)
+        return None if None in found else found
+    return None
