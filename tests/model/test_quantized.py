@@ -147,6 +147,34 @@ def test_int8_vocabulary_heads_load_as_int8_and_keep_mtp_lossless(quantized):
     assert run(1) == run(0)
 
 
+def test_int8_projections_over_one_input_are_one_product_with_the_same_numbers(quantized):
+    """quant/linear.stacked_int8: on a model whose linears are all W8A8_DYNAMIC, q_a with
+    kv_a and each dense MLP's or shared expert's gate with up become one int8 weight (each
+    layer's weight and scales views of its rows; routed experts keep their MoE's stacks),
+    and the logits are the unstacked model's bit for bit; stacking again copies nothing."""
+    stacked, _ = load_checkpoint(quantized["ct"])
+    plain, _ = load_checkpoint(quantized["ct"])
+    stacked.stack_projections()
+    attn = stacked.model.layers[0].self_attn
+    assert attn.q_kv_a is None and attn.q_kv_a_int8.dtype == torch.int8
+    assert attn.q_a_proj.weight.data_ptr() == attn.q_kv_a_int8.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight_scale.data_ptr() == \
+        attn.q_kv_a_scale[attn.q_a_proj.out_features:].data_ptr()
+    mlps = [m for m in stacked.modules() if type(m).__name__ == "MLP"]
+    routed = [m for m in mlps if m.routed_expert]
+    assert routed and all(m.gate_up_int8 is None for m in routed)
+    shared = [m for m in mlps if not m.routed_expert]
+    assert shared and all(m.gate_up_int8 is not None for m in shared)
+    before = [(m.gate_up_int8.data_ptr(), m.gate_up_scale.data_ptr()) for m in shared]
+    stacked.stack_projections()
+    assert [(m.gate_up_int8.data_ptr(), m.gate_up_scale.data_ptr()) for m in shared] == before
+    prompts, conts = heldout()
+    ids = torch.tensor([prompts[0] + conts[0]])
+    with torch.inference_mode():
+        a, b = (m.compute_logits(m.forward_full(ids)[0]) for m in (stacked, plain))
+    assert torch.equal(a, b)
+
+
 def test_int_mm_backend_computes_the_same_integers(quantized, monkeypatch):
     calls = []
     real = int8.int_mm

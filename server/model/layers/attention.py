@@ -29,6 +29,7 @@ from server.model.layers.latent_cache import CacheLike, as_cache
 from server.model.layers.linear import Linear, restacked, weight_key
 from server.model.layers.norm import RMSNorm
 from server.model.layers.rotary import RotaryEmbedding
+from server.model.quant.linear import stacked_forward, stacked_int8
 
 # Steps whose longest query is at most this many tokens use the absorbed form.
 DEFAULT_ABSORB_MAX_QUERY_LEN = 16
@@ -129,6 +130,9 @@ class MLA(nn.Module, UsesProducts):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=False)
         self.register_buffer("q_kv_a", None, persistent=False)     # stack_projections()
+        # int8 q_a and kv_a as one (quant/linear.stacked_int8): weights and their scales
+        self.register_buffer("q_kv_a_int8", None, persistent=False)
+        self.register_buffer("q_kv_a_scale", None, persistent=False)
         # W_UK^T [nH, kvr, dn] and W_UV [nH, dv, kvr], each head's rows contiguous, where the
         # products multiply heads as rows (stack_projections): copies of kv_b_proj's rows.
         self.register_buffer("w_uk_rows", None, persistent=False)
@@ -139,7 +143,12 @@ class MLA(nn.Module, UsesProducts):
         """q_a and kv_a (both read the layer's input) as one weight, read by one product
         (linear.stacked says why)."""
         if self.q_lora_rank is not None:
-            self.q_kv_a = restacked([self.q_a_proj, self.kv_a_proj_with_mqa], self.q_kv_a)
+            pair = [self.q_a_proj, self.kv_a_proj_with_mqa]
+            self.q_kv_a = restacked(pair, self.q_kv_a)
+            if self.q_kv_a is None:
+                held = None if self.q_kv_a_scale is None else (self.q_kv_a_int8, self.q_kv_a_scale)
+                int8 = stacked_int8(pair, held)
+                self.q_kv_a_int8, self.q_kv_a_scale = int8 if int8 is not None else (None, None)
         w = self.kv_b_proj.weight
         # Made again only where kv_b changed since (replaced, or edited in place).
         if self.products.takes_head_rows(w) and type(self.kv_b_proj) is Linear \
@@ -159,9 +168,10 @@ class MLA(nn.Module, UsesProducts):
     # -- shared pieces -------------------------------------------------------------------
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., H] -> q_nope [..., nH, dn], q_pe [..., nH, dr], latent [..., kvr], k_pe [..., dr]."""
-        if self.q_kv_a is not None:              # q_a and kv_a read as one weight
-            q_a, kv = self.products.linear(x, self.q_kv_a).split(
-                [self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
+        if self.q_kv_a is not None or self.q_kv_a_scale is not None:   # q_a and kv_a as one
+            both = self.products.linear(x, self.q_kv_a) if self.q_kv_a is not None else \
+                stacked_forward(x, self.q_kv_a_int8, self.q_kv_a_scale, self.q_a_proj.backend)
+            q_a, kv = both.split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         elif self.q_lora_rank is None:
             q = self.q_proj(x)

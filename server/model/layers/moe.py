@@ -97,6 +97,8 @@ class MoE(nn.Module, UsesProducts):
         self.experts = nn.ModuleList(
             MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
         )
+        for expert in self.experts:
+            expert.routed_expert = True
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
