@@ -97,6 +97,47 @@ def test_gathered_rows_read_their_own_experts():
     assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), want)
 
 
+@pytest.mark.parametrize("tokens,k,h,i", [(1, 4, 1536, 512), (3, 4, 1536, 512), (37, 2, 203, 37)])
+def test_the_routed_int8_experts_in_one_operator_are_the_gathered_ones(tokens, k, h, i):
+    """int8_moe (half_avx2.c): quant.experts.gathered_int8_experts' numbers for bfloat16
+    activations bit for bit (the torch operations around int8_rows: quantizing, scaling,
+    the activation's bf16 roundings, requantizing, the weighted sum), a zero row among them;
+    each token's row the same alone as in its window (MTP's verify windows stay lossless);
+    refusals for ids outside the experts and scales of the wrong size."""
+    from server.model.quant import experts
+    if not native.native_ops() or not experts.native_moe():
+        pytest.skip("ops.cpp cannot be built here")
+    g = torch.Generator().manual_seed(tokens)
+    E = 9
+    gate_up = torch.randint(-128, 128, (E, 2 * i, h), dtype=torch.int8, generator=g)
+    down = torch.randint(-128, 128, (E, h, i), dtype=torch.int8, generator=g)
+    gus, ds = torch.rand(E, 2 * i, generator=g) / 300, torch.rand(E, h, generator=g) / 300
+    x = (torch.randn(tokens, h, generator=g) * 3).to(torch.bfloat16)
+    if tokens > 2:
+        x[1] = 0.0
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    idx[-1, 0] = idx[0, 0]                                  # an expert two tokens share
+    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+    got = experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "avx2")
+    real = experts.native_moe
+    experts.native_moe = lambda: False
+    try:
+        want = experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "avx2")
+    finally:
+        experts.native_moe = real
+    assert torch.equal(got, want)
+    op = torch.ops.mtp_native.int8_moe
+    alone = torch.cat([op(x[t:t + 1].float(), w[t:t + 1].contiguous(), idx[t:t + 1].contiguous(),
+                          gate_up, gus, down, ds) for t in range(tokens)])
+    assert torch.equal(alone, got)
+    bad = idx.clone()
+    bad[0, 0] = E
+    with pytest.raises(RuntimeError, match="outside"):
+        op(x.float(), w, bad, gate_up, gus, down, ds)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(x.float(), w, idx, gate_up, gus[1:].contiguous(), down, ds)
+
+
 def test_the_fastest_backend_is_chosen_among_the_exact_ones_with_it():
     int8._FASTEST.clear()
     try:

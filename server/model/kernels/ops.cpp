@@ -33,6 +33,8 @@ using half_heads_fn = void (*)(const void*, long, long, long, const void*, long,
 using dynamic_mm_fn = int (*)(const void*, long, long, const void*, long, const void*, void*, int);
 using half_moe_fn = int (*)(const void*, long, long, long, long, const void*, const void*, long, const void*,
                             const void*, void*, int);
+using int8_moe_fn = int (*)(const void*, long, long, long, long, const void*, const void*, long, const void*,
+                            const void*, const void*, const void*, void*, int);
 using attend_fn = void (*)(const void*, long, long, long, const void*, long, const void*, float, long,
                            void*, void*, int);
 using paged_fn = void (*)(const void*, long, long, long, const void*, long, const void*, long, const void*,
@@ -56,6 +58,7 @@ struct Kernels {
   rows_fn int8_rows = nullptr;
   dynamic_mm_fn int8_dynamic_mm = nullptr;
   half_moe_fn half_moe_bf16 = nullptr;
+  int8_moe_fn int8_moe = nullptr;
   half_heads_fn half_heads = nullptr;    // mla_avx2.c
   paged_fn half_attend_paged = nullptr;
   paged_i8_fn half_attend_paged_i8 = nullptr;
@@ -167,6 +170,48 @@ at::Tensor half_moe(const at::Tensor& x, const at::Tensor& weights, const at::Te
   if (T == 0) return out;
   int status = kernels.half_moe_bf16(x.data_ptr(), T, H, I, k, idx.data_ptr(), weights.data_ptr(), E,
                                      gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), at::get_num_threads());
+  TORCH_CHECK(status == 0, name, ": no memory for the experts' scratch");
+  return out;
+}
+
+// x float32 [T, H], weights float32 [T, k], idx int64 [T, k], gate_up int8 [E, 2I, H] with
+// gate_up_scale float32 [E, 2I], down int8 [E, H, I] with down_scale float32 [E, H] -> float32
+// [T, H]: a window's routed int8 experts (dynamic scheme, bfloat16 activations) in one call
+// (half_avx2.c int8_moe).
+at::Tensor int8_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                    const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& down,
+                    const at::Tensor& down_scale) {
+  const char* name = "int8_moe";
+  need(reinterpret_cast<const void*>(kernels.int8_moe), name);
+  for (const at::Tensor* w : {&gate_up, &down})
+    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kChar && w->dim() == 3 && w->is_contiguous(),
+                name, ": experts must be contiguous 3-d CPU tensors of int8");
+  const int64_t E = gate_up.size(0), I2 = gate_up.size(1), H = gate_up.size(2), I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
+              name, ": gate_up is ", gate_up.sizes(), ", down ", down.sizes());
+  TORCH_CHECK(gate_up_scale.device().is_cpu() && gate_up_scale.scalar_type() == at::kFloat &&
+              gate_up_scale.is_contiguous() && gate_up_scale.numel() == E * I2 &&
+              down_scale.device().is_cpu() && down_scale.scalar_type() == at::kFloat &&
+              down_scale.is_contiguous() && down_scale.numel() == E * H,
+              name, ": scales must be contiguous float32 [E, 2I] and [E, H]");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous()
+              && x.size(1) == H, name, ": x must be a contiguous [T, ", H, "] CPU tensor of float32");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.is_contiguous() &&
+              idx.size(0) == T && idx.size(1) <= 64, name, ": idx must be a contiguous int64 [", T, ", k <= 64]");
+  const int64_t k = idx.size(1);
+  TORCH_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+              weights.dim() == 2 && weights.size(0) == T && weights.size(1) == k,
+              name, ": weights must be a contiguous float32 [", T, ", ", k, "]");
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  for (int64_t a = 0; a < T * k; a++)
+    TORCH_CHECK(ids[a] >= 0 && ids[a] < E, name, ": expert id ", ids[a], " outside [0, ", E, ")");
+  TORCH_CHECK(I <= 16384, name, ": at most 16384 intermediate features (the activation row's stack)");
+  auto out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  int status = kernels.int8_moe(x.data_ptr(), T, H, I, k, idx.data_ptr(), weights.data_ptr(), E,
+                                gate_up.data_ptr(), gate_up_scale.data_ptr(), down.data_ptr(),
+                                down_scale.data_ptr(), out.data_ptr(), at::get_num_threads());
   TORCH_CHECK(status == 0, name, ": no memory for the experts' scratch");
   return out;
 }
@@ -460,6 +505,7 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"int8_rows", reinterpret_cast<void**>(&kernels.int8_rows)},
       {"int8_dynamic_mm", reinterpret_cast<void**>(&kernels.int8_dynamic_mm)},
       {"half_moe_bf16", reinterpret_cast<void**>(&kernels.half_moe_bf16)},
+      {"int8_moe", reinterpret_cast<void**>(&kernels.int8_moe)},
       {"half_heads", reinterpret_cast<void**>(&kernels.half_heads)},
       {"half_attend_paged", reinterpret_cast<void**>(&kernels.half_attend_paged)},
       {"half_attend_paged_i8", reinterpret_cast<void**>(&kernels.half_attend_paged_i8)},
@@ -488,6 +534,8 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("int8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor w, Tensor w_scale) -> Tensor");
   m.def("half_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor down) -> Tensor");
+  m.def("int8_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor gate_up_scale, Tensor down, "
+        "Tensor down_scale) -> Tensor");
   m.def("half_heads(Tensor x, Tensor w) -> Tensor");
   m.def("half_attend_paged(Tensor q, Tensor cache, Tensor tables, Tensor pos, float scale, int kvr) -> Tensor");
   m.def("half_attend_paged_i8(Tensor q, Tensor latent, Tensor scales, Tensor rope, Tensor tables, Tensor pos, "
@@ -509,6 +557,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("int8_rows", &int8_rows);
   m.impl("int8_dynamic_mm", &int8_dynamic_mm);
   m.impl("half_moe", &half_moe);
+  m.impl("int8_moe", &int8_moe);
   m.impl("half_heads", &half_heads);
   m.impl("half_attend_paged", &half_attend_paged);
   m.impl("half_attend_paged_i8", &half_attend_paged_i8);

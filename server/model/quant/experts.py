@@ -9,6 +9,14 @@ from torch import nn
 from server.model.kernels import int8pack
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, materialized
 from server.model.kernels.native import ops_ready
+
+
+@torch.compiler.assume_constant_result
+def native_moe() -> bool:
+    """half_avx2.c's int8_moe loaded (a constant of a traced graph, as ops_ready)."""
+    from server.model.kernels.native import half_kernel
+    lib = half_kernel()
+    return lib is not None and hasattr(lib, "int8_moe")
 from server.model.quant.int8 import (
     _unit_scales,
     dynamic_product,
@@ -56,7 +64,14 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     ``backend`` "int8pack" (the experts' QuantLinear backend): the products through
     ``int8pack_experts`` instead, the numbers of the routed experts on that backend.  On
     the AVX2 EPYC the reductions above are not vectorized for int8 weights: the 0.5b
-    model's 4 experts of [1536 x 512] took 6.7 ms a token, compiled, 2 threads."""
+    model's 4 experts of [1536 x 512] took 6.7 ms a token, compiled, 2 threads.
+
+    "avx2" with bfloat16 activations: all of it in one operator (half_avx2.c int8_moe,
+    these operations in this order; the activation's exp is the C library's)."""
+    if backend == "avx2" and x.dtype == torch.bfloat16 and ops_ready() and native_moe():
+        return torch.ops.mtp_native.int8_moe(
+            x.float().contiguous(), weights.float().contiguous(), idx.contiguous(), gate_up,
+            gate_up_scale.float().contiguous(), down, down_scale.float().contiguous())
     xf = x.float()
     s = row_scales(xf)                                                   # [T, 1]
     if backend in ROWS_OPS:                                              # our kernels
