@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger("server.engine")
 
 ENV = "MTP_SERVE_FLAT_CALLS"
-_LEARNING = threading.Lock()          # the size hook below is the module's, process-wide
+_LEARNING = threading.Lock()          # a watched call swaps globals a graph's bytecode may share
 
 
 class _Size(int):
@@ -107,47 +107,8 @@ def _learn(graph, args: tuple):
         return graph(*args), f"${ENV}=0"
     if len(names) != 1 or glb is None or names[0] not in glb:
         return graph(*args), "no compiled function under it"
-    name = names[0]
-    compiled = glb[name]
-    own: dict[int, tuple[int, int | None]] = {}
-    twice = False
-    for i, a in enumerate(args):
-        for j, t in ([(None, a)] if isinstance(a, torch.Tensor) else
-                     list(enumerate(a)) if isinstance(a, tuple) else []):
-            if isinstance(t, torch.Tensor):
-                twice |= id(t) in own
-                own[id(t)] = (i, j)
-    seen: dict[str, object] = {}
-    from torch._dynamo import utils as dynamo_utils
-    real_size = dynamo_utils.call_size
-
-    def size_of(t, dim):
-        value = real_size(t, dim)
-        source = own.get(id(t))
-        if source is None or not isinstance(dim, int):
-            seen["stranger"] = True
-            return value
-        size = _Size(value)
-        size.source = (*source, dim)
-        return size
-
-    def watch(*inputs):
-        seen["inputs"] = inputs
-        out = compiled(*[int(v) if isinstance(v, _Size) else v for v in inputs])
-        seen["out"] = out
-        return out
-
-    watched = list(args)
-    for i, a in enumerate(args):
-        if type(a) is int:                  # passed on as it is (or the call is refused)
-            watched[i] = _Size(a)
-            watched[i].source = (i, None, None)
-    with _LEARNING:
-        glb[name], dynamo_utils.call_size = watch, size_of
-        try:
-            result = graph(*watched)
-        finally:
-            glb[name], dynamo_utils.call_size = compiled, real_size
+    own, twice = _own_tensors(args)
+    result, seen = _watched_call(graph, args, own, glb, code, names[0])
     inputs, out = seen.get("inputs"), seen.get("out")
     if twice:
         return result, "a tensor passed twice"
@@ -169,7 +130,71 @@ def _learn(graph, args: tuple):
     picks = _picks(result, out)
     if picks is None:
         return result, "a result that is not one of the graph's outputs"
-    return result, FlatCall(compiled, tuple(template), tuple(slots), picks)
+    return result, FlatCall(seen["compiled"], tuple(template), tuple(slots), picks)
+
+
+def _own_tensors(args: tuple) -> tuple[dict[int, tuple[int, int | None]], bool]:
+    """({id: (argument, item of a tuple argument or None)} of the call's tensors, whether
+    one of them is passed twice)."""
+    own: dict[int, tuple[int, int | None]] = {}
+    twice = False
+    for i, a in enumerate(args):
+        for j, t in ([(None, a)] if isinstance(a, torch.Tensor) else
+                     list(enumerate(a)) if isinstance(a, tuple) else []):
+            if isinstance(t, torch.Tensor):
+                twice |= id(t) in own
+                own[id(t)] = (i, j)
+    return own, twice
+
+
+def _watched_call(graph, args: tuple, own: dict, glb: dict, code, name: str) -> tuple[object, dict]:
+    """The ordinary call, with the compiled function ``name`` and the sizes the bytecode
+    reads watched: (its result, {"inputs": the compiled function's inputs with the call's
+    numbers and sizes marked, "out": its outputs, "compiled": it, "stranger": a size of
+    something else was read})."""
+    from torch._dynamo import utils as dynamo_utils
+    compiled = glb[name]
+    seen: dict[str, object] = {"compiled": compiled}
+    # The bytecode reads sizes through Dynamo's utils module, which it holds as a global of
+    # its own: that global (not the module) is what the watched call sees swapped.
+    sizes_from = [n for n in code.co_names if glb.get(n) is dynamo_utils]
+
+    def size_of(t, dim):
+        value = dynamo_utils.call_size(t, dim)
+        source = own.get(id(t))
+        if source is None or not isinstance(dim, int):
+            seen["stranger"] = True
+            return value
+        size = _Size(value)
+        size.source = (*source, dim)
+        return size
+
+    class _Sizes:
+        """Dynamo's utils module as the watched bytecode sees it: its sizes marked."""
+        call_size = staticmethod(size_of)
+
+        def __getattr__(self, attr):
+            return getattr(dynamo_utils, attr)
+
+    def watch(*inputs):
+        seen["inputs"] = inputs
+        seen["out"] = compiled(*[int(v) if isinstance(v, _Size) else v for v in inputs])
+        return seen["out"]
+
+    watched = list(args)
+    for i, a in enumerate(args):
+        if type(a) is int:                  # passed on as it is (or the call is refused)
+            watched[i] = _Size(a)
+            watched[i].source = (i, None, None)
+    with _LEARNING:
+        glb[name] = watch
+        glb.update({n: _Sizes() for n in sizes_from})
+        try:
+            result = graph(*watched)
+        finally:
+            glb[name] = compiled
+            glb.update({n: dynamo_utils for n in sizes_from})
+    return result, seen
 
 
 def _picks(result, out) -> int | tuple[int, ...] | None:
