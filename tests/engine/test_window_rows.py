@@ -66,3 +66,32 @@ def test_a_rows_norm_and_routing_are_the_same_in_a_window_of_one_or_two(window):
     eager_norm, eager_scores = _window_step(half_cpu.HalfCpuProducts(None))(x[:2])
     torch.testing.assert_close(pairs[0][0], eager_norm)
     torch.testing.assert_close(pairs[0][1], eager_scores, atol=0.02, rtol=0)   # the norm's bf16 rounding
+
+
+def test_only_windows_whose_weights_our_operators_read_are_made_single_threaded():
+    """compile_step._graph_threads: a lone decode window's graph gets one thread only where
+    no weight is streamed by an Inductor reduction (products without our kernels, MLA's heads
+    without theirs, int8 layers on another backend keep every thread); batch and prompt
+    graphs always keep them."""
+    from types import SimpleNamespace
+
+    from server.engine.worker import compile_step
+    from server.model.quant.linear import QuantLinear
+
+    class Model(torch.nn.Module):
+        def __init__(self, name, mla, backend=None):
+            super().__init__()
+            self.products = SimpleNamespace(name=name, mla=mla)
+            if backend:
+                self.proj = QuantLinear(8, 8, "w8a8_dynamic", backend=backend)
+
+    def threads(model, lone=True, static=True):
+        return compile_step._graph_threads(model, lone, static, 2)
+
+    for model in (Model("float32", False), Model("torch", False), Model("avx2", False),
+                  Model("avx2", True, backend="float"), Model("avx512", True, backend="int_mm")):
+        assert threads(model) == 2, model.products
+    ours = Model("avx2", True, backend="avx2")
+    assert threads(ours, lone=False) == 2 and threads(ours, static=False) == 2
+    assert threads(ours) == (1 if native.native_ops() else 2)
+    assert threads(Model("avx512", False, backend="vnni")) == (1 if native.native_ops() else 2)

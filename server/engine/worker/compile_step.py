@@ -181,7 +181,7 @@ def cache_dir(model, device: torch.device) -> Path:
     h.update(f"products {model.products.name} native {native} cpp_wrapper {cpp_wrapper(device)}".encode())
     h.update(f"mla kernels {getattr(model.products, 'mla', False)}".encode())   # half_cpu.mla_ops
     h.update(b"reductions unsplit")                      # outer_loops_parallel
-    h.update(b"lone windows one thread")                 # _graph_threads
+    h.update(b"lone windows one thread where our operators read the weights")   # _graph_threads
     for source in sorted(model_code.rglob("*")):
         if source.suffix in (".py", ".c", ".h", ".cpp"):
             h.update(source.relative_to(model_code).as_posix().encode() + source.read_bytes())
@@ -299,17 +299,31 @@ def _load_or_compile(fn, args: tuple, path: Path, device: torch.device, static: 
     return compiled, False
 
 
-def _graph_threads(lone: bool, static: bool, threads: int | None) -> int | None:
+def _graph_threads(model, lone: bool, static: bool, threads: int | None) -> int | None:
     """Threads Inductor's own kernels of a graph are made for: one for a lone sequence's
-    decode / verify window, the serving process's (``threads``: None, this process's) for
-    the rest.  Why: a lone window's Inductor kernels are a few thousand elements each (norms,
-    rope, routing, casts), and shared out over two threads each paid a parallel region's
-    fork and join, about 8 a layer: a layer call of the 0.5b bf16 model at batch 1 took a
-    median 1392 us so, 1305 us single-threaded (Zen 3, 2 cores; torch profiler, 230 calls).
-    The products in it (our operators) keep every thread: they read their count when
-    called.  Sums are unchanged: ``outer_loops_parallel`` already keeps each row's reduction
-    on one thread."""
-    return 1 if lone and static else threads
+    decode / verify window whose weights are all read by our operators
+    (``_weights_in_operators``), the serving process's (``threads``: None, this process's)
+    for the rest.  Why: such a window's Inductor kernels are a few thousand elements each
+    (norms, rope, routing, casts), and shared out over two threads each paid a parallel
+    region's fork and join, about 8 a layer: a layer call of the 0.5b bf16 model at batch 1
+    took a median 1392 us so, 1305 us single-threaded (Zen 3, 2 cores; torch profiler, 230
+    calls).  Our operators in it keep every thread: they read their count when called.
+    Where Inductor streams a weight itself (a reduction standing in for a product), that
+    needs every thread.  Sums are unchanged: ``outer_loops_parallel`` already keeps each
+    row's reduction on one thread."""
+    return 1 if lone and static and _weights_in_operators(model) else threads
+
+
+def _weights_in_operators(model) -> bool:
+    """Whether a decode window's graph reads every weight through our C operators: the
+    products of our kernels ("avx2", "avx512") with ops.cpp loaded, MLA's head weights
+    through theirs where the products have them, int8 layers on our int8 kernels."""
+    products = model.products
+    if products.name not in ("avx2", "avx512") or not native_ops():
+        return False
+    if products.name == "avx2" and not getattr(products, "mla", False):
+        return False                     # W_UK / W_UV as Inductor reductions (half_cpu.py)
+    return all(spec["backend"] in ("avx2", "vnni") for spec in int8_layers(model).values())
 
 
 def _prepare(model, block_size: int, device: torch.device, folder: Path, max_query_len: int,
@@ -329,7 +343,7 @@ def _prepare(model, block_size: int, device: torch.device, folder: Path, max_que
             fn, hit = _load_or_compile(model.static_decoder.function(kind, static and not lone),
                                        args, path, device, static,
                                        model.products.window(_window(lone, static)),
-                                       _graph_threads(lone, static, threads))
+                                       _graph_threads(model, lone, static, threads))
             # Guards were checked when the graph was made; the calls the decoder makes
             # differ only in sizes the graph keeps symbolic (one-block tables are padded),
             # so skip re-checking ~30 weights per call.
