@@ -786,11 +786,9 @@ int int8_moe(const float *x, long T, long H, long I, long k, const long *idx, co
             long r = j / I2, n = j % I2, first = starts[r], m = starts[r + 1] - first;
             int8_t *rows[64];
             long e = idx[order[first]];
-            for (long i = 0; i < m && i < 64; i++) rows[i] = xq + order[first + i] / k * H;
             for (long i0 = 0; i0 < m; i0 += 64) {
                 long c = m - i0 < 64 ? m - i0 : 64;
-                if (i0)
-                    for (long i = 0; i < c; i++) rows[i] = xq + order[first + i0 + i] / k * H;
+                for (long i = 0; i < c; i++) rows[i] = xq + order[first + i0 + i] / k * H;
                 i8_run(rows, c, gate_up + e * I2 * H, I2, H, gu + (first + i0) * I2, I2, n);
             }
         }

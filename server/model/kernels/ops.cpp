@@ -141,16 +141,16 @@ at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& w, const at::T
   return y;
 }
 
-// x float32 [T, H], weights float32 [T, k], idx int64 [T, k], gate_up bf16 [E, 2I, H], down bf16
-// [E, H, I] -> float32 [T, H]: a window's routed experts in one call (half_avx2.c
-// half_moe_bf16, which sorts the pairs by expert itself).
-at::Tensor half_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
-                    const at::Tensor& gate_up, const at::Tensor& down) {
-  const char* name = "half_moe";
-  need(reinterpret_cast<const void*>(kernels.half_moe_bf16), name);
+// The operands of a window's routed MoE in one call: x float32 [T, H], weights float32 [T, k],
+// idx int64 [T, k <= 64] of ids in [0, E), gate_up [E, 2I, H] and down [E, H, I] of the experts'
+// dtype (``what`` names it in the error).  Returns {T, H, I, k, E}.
+struct MoeShape { int64_t T, H, I, k, E; };
+
+MoeShape check_moe(const char* name, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                   const at::Tensor& gate_up, const at::Tensor& down, at::ScalarType dtype, const char* what) {
   for (const at::Tensor* w : {&gate_up, &down})
-    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->dim() == 3 && w->is_contiguous(),
-                name, ": experts must be contiguous 3-d CPU tensors of BFloat16");
+    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == dtype && w->dim() == 3 && w->is_contiguous(),
+                name, ": experts must be contiguous 3-d CPU tensors of ", what);
   const int64_t E = gate_up.size(0), I2 = gate_up.size(1), H = gate_up.size(2), I = I2 / 2;
   TORCH_CHECK(I2 % 2 == 0 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
               name, ": gate_up is ", gate_up.sizes(), ", down ", down.sizes());
@@ -166,9 +166,20 @@ at::Tensor half_moe(const at::Tensor& x, const at::Tensor& weights, const at::Te
   const int64_t* ids = idx.data_ptr<int64_t>();
   for (int64_t a = 0; a < T * k; a++)
     TORCH_CHECK(ids[a] >= 0 && ids[a] < E, name, ": expert id ", ids[a], " outside [0, ", E, ")");
-  auto out = at::empty({T, H}, x.options());
-  if (T == 0) return out;
-  int status = kernels.half_moe_bf16(x.data_ptr(), T, H, I, k, idx.data_ptr(), weights.data_ptr(), E,
+  return {T, H, I, k, E};
+}
+
+// x float32 [T, H], weights float32 [T, k], idx int64 [T, k], gate_up bf16 [E, 2I, H], down bf16
+// [E, H, I] -> float32 [T, H]: a window's routed experts in one call (half_avx2.c
+// half_moe_bf16, which sorts the pairs by expert itself).
+at::Tensor half_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                    const at::Tensor& gate_up, const at::Tensor& down) {
+  const char* name = "half_moe";
+  need(reinterpret_cast<const void*>(kernels.half_moe_bf16), name);
+  const MoeShape m = check_moe(name, x, weights, idx, gate_up, down, at::kBFloat16, "BFloat16");
+  auto out = at::empty({m.T, m.H}, x.options());
+  if (m.T == 0) return out;
+  int status = kernels.half_moe_bf16(x.data_ptr(), m.T, m.H, m.I, m.k, idx.data_ptr(), weights.data_ptr(), m.E,
                                      gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), at::get_num_threads());
   TORCH_CHECK(status == 0, name, ": no memory for the experts' scratch");
   return out;
@@ -183,33 +194,16 @@ at::Tensor int8_moe(const at::Tensor& x, const at::Tensor& weights, const at::Te
                     const at::Tensor& down_scale) {
   const char* name = "int8_moe";
   need(reinterpret_cast<const void*>(kernels.int8_moe), name);
-  for (const at::Tensor* w : {&gate_up, &down})
-    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kChar && w->dim() == 3 && w->is_contiguous(),
-                name, ": experts must be contiguous 3-d CPU tensors of int8");
-  const int64_t E = gate_up.size(0), I2 = gate_up.size(1), H = gate_up.size(2), I = I2 / 2;
-  TORCH_CHECK(I2 % 2 == 0 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
-              name, ": gate_up is ", gate_up.sizes(), ", down ", down.sizes());
+  const MoeShape m = check_moe(name, x, weights, idx, gate_up, down, at::kChar, "int8");
   TORCH_CHECK(gate_up_scale.device().is_cpu() && gate_up_scale.scalar_type() == at::kFloat &&
-              gate_up_scale.is_contiguous() && gate_up_scale.numel() == E * I2 &&
+              gate_up_scale.is_contiguous() && gate_up_scale.numel() == m.E * 2 * m.I &&
               down_scale.device().is_cpu() && down_scale.scalar_type() == at::kFloat &&
-              down_scale.is_contiguous() && down_scale.numel() == E * H,
+              down_scale.is_contiguous() && down_scale.numel() == m.E * m.H,
               name, ": scales must be contiguous float32 [E, 2I] and [E, H]");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous()
-              && x.size(1) == H, name, ": x must be a contiguous [T, ", H, "] CPU tensor of float32");
-  const int64_t T = x.size(0);
-  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.is_contiguous() &&
-              idx.size(0) == T && idx.size(1) <= 64, name, ": idx must be a contiguous int64 [", T, ", k <= 64]");
-  const int64_t k = idx.size(1);
-  TORCH_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
-              weights.dim() == 2 && weights.size(0) == T && weights.size(1) == k,
-              name, ": weights must be a contiguous float32 [", T, ", ", k, "]");
-  const int64_t* ids = idx.data_ptr<int64_t>();
-  for (int64_t a = 0; a < T * k; a++)
-    TORCH_CHECK(ids[a] >= 0 && ids[a] < E, name, ": expert id ", ids[a], " outside [0, ", E, ")");
-  TORCH_CHECK(I <= 16384, name, ": at most 16384 intermediate features (the activation row's stack)");
-  auto out = at::empty({T, H}, x.options());
-  if (T == 0) return out;
-  int status = kernels.int8_moe(x.data_ptr(), T, H, I, k, idx.data_ptr(), weights.data_ptr(), E,
+  TORCH_CHECK(m.I <= 16384, name, ": at most 16384 intermediate features (the activation row's stack)");
+  auto out = at::empty({m.T, m.H}, x.options());
+  if (m.T == 0) return out;
+  int status = kernels.int8_moe(x.data_ptr(), m.T, m.H, m.I, m.k, idx.data_ptr(), weights.data_ptr(), m.E,
                                 gate_up.data_ptr(), gate_up_scale.data_ptr(), down.data_ptr(),
                                 down_scale.data_ptr(), out.data_ptr(), at::get_num_threads());
   TORCH_CHECK(status == 0, name, ": no memory for the experts' scratch");

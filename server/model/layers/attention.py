@@ -146,9 +146,7 @@ class MLA(nn.Module, UsesProducts):
             pair = [self.q_a_proj, self.kv_a_proj_with_mqa]
             self.q_kv_a = restacked(pair, self.q_kv_a)
             if self.q_kv_a is None:
-                held = None if self.q_kv_a_scale is None else (self.q_kv_a_int8, self.q_kv_a_scale)
-                int8 = stacked_int8(pair, held)
-                self.q_kv_a_int8, self.q_kv_a_scale = int8 if int8 is not None else (None, None)
+                self.q_kv_a_int8, self.q_kv_a_scale = stacked_int8(pair, self.q_kv_a_int8, self.q_kv_a_scale)
         w = self.kv_b_proj.weight
         # Made again only where kv_b changed since (replaced, or edited in place).
         if self.products.takes_head_rows(w) and type(self.kv_b_proj) is Linear \

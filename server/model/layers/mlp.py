@@ -32,9 +32,7 @@ class MLP(nn.Module):
         pair = [self.gate_proj, self.up_proj]
         self.gate_up = restacked(pair, self.gate_up)
         if self.gate_up is None and not self.routed_expert:
-            held = None if self.gate_up_scale is None else (self.gate_up_int8, self.gate_up_scale)
-            int8 = stacked_int8(pair, held)
-            self.gate_up_int8, self.gate_up_scale = int8 if int8 is not None else (None, None)
+            self.gate_up_int8, self.gate_up_scale = stacked_int8(pair, self.gate_up_int8, self.gate_up_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

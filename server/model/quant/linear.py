@@ -89,21 +89,21 @@ def stackable(linears: list[nn.Module]) -> bool:
             and not any(m.weight.is_meta for m in linears))
 
 
-def stacked_int8(linears: list[nn.Module], stack: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def stacked_int8(linears: list[nn.Module], weight: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """layers/linear.stacked for int8 layers (``stackable``): their weights as one [sum of
     outputs, in] int8 tensor and their weight scales as one [sum of outputs], each layer's
-    a view of its rows (``stack``: kept where the layers are already its views, nothing
-    copied); None where they cannot be stacked.  One product (``stacked_forward``) gives
+    a view of its rows (``weight`` / ``scale``, a stack held from before: kept where the
+    layers are still its views, nothing copied); (None, None) where they cannot be stacked.  One product (``stacked_forward``) gives
     each layer's outputs exactly as its own call does: a row's activation scale depends on
     the row only, each output is its own exact integer sum times its own scales.  Why: on 2
     Zen 3 cores the W8A8 0.5b model's q_a and kv_a (1.2 and 0.7 MB) took 50 and 34 us as two
     products, and a shared expert's gate and up 42 and 33; a product's fixed costs (the
     call, its threads' start, the streams' ramp) are much of a small weight's time."""
     if not stackable(linears):
-        return None
-    if stack is not None and _views_of(linears, stack):
-        return stack
+        return None, None
+    if weight is not None and scale is not None and _views_of(linears, (weight, scale)):
+        return weight, scale
     with torch.no_grad():
         weight = torch.cat([m.weight.detach() for m in linears])
         scale = torch.cat([m.weight_scale.detach().float() for m in linears])
