@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "expert_runs.h"
+#include "int8_moe.h"
 
 #define COLS 4
 #define MAXR 4
@@ -268,4 +269,24 @@ int i8_rows(const int8_t *x, long A, long K, const long *expert, const int8_t *w
     }
     free(order); free(xu); free(ys);
     return 0;
+}
+
+/* Rows [0, m) of unsigned activations (stride ldx) through one weight row: i8_moe's part
+ * (int8_moe.h), ``few`` rows a pass. */
+static void i8_moe_rows(const int8_t *rows, long m, long ldx, const int8_t *w, long K, int32_t *y,
+                        long ldy) {
+    for (long i0 = 0; i0 < m; i0 += FEW) {
+        int c = m - i0 < FEW ? (int)(m - i0) : FEW;
+        few((const uint8_t *)rows + i0 * ldx, ldx, c, w, K, y + i0 * ldy, ldy);
+    }
+}
+
+/* A decode window's routed MoE of int8 experts in one call (int8_moe.h moe_int8 says what
+ * and why; half_avx2.c's int8_moe is the same but for its products): where the gathered
+ * experts took two i8_rows calls and the compiled graph's scaling, activation and
+ * requantizing between them. */
+int i8_moe(const float *x, long T, long H, long I, long k, const long *idx, const float *wt,
+           long E, const int8_t *gate_up, const float *gus, const int8_t *down, const float *ds,
+           float *out, int threads) {
+    return moe_int8(x, T, H, I, k, idx, wt, E, gate_up, gus, down, ds, out, threads, 1, i8_moe_rows);
 }

@@ -72,7 +72,8 @@ KERNELS = {
     "avx512_vnni": Kernel(
         "avx512_vnni.c", ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
         ("avx512f", "avx512bw", "avx512_vnni"),
-        (("i8_mm", _MM, ctypes.c_int), ("i8_rows", _ROWS, ctypes.c_int))),
+        (("i8_mm", _MM, ctypes.c_int), ("i8_rows", _ROWS, ctypes.c_int),
+         ("i8_moe", [_P, _L, _L, _L, _L, _P, _P, _L, _P, _P, _P, _P, _P, _I], ctypes.c_int))),
 }
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
@@ -171,7 +172,7 @@ def ops_ready() -> bool:
 
 
 _ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_attend_paged", "bf16_attend_paged_i8",
-                 "bf16_moe", "bf16_heads", "i8_mm", "i8_rows", "half_mm_bf16", "half_mm_f16", "int8_mm",
+                 "bf16_moe", "bf16_heads", "i8_mm", "i8_rows", "i8_moe", "half_mm_bf16", "half_mm_f16", "int8_mm",
                  "int8_rows", "int8_dynamic_mm", "half_moe_bf16", "int8_moe", "half_heads",
                  "half_attend_paged", "half_attend_paged_i8")
 
@@ -218,9 +219,10 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"mtp_native::{name}")(
             lambda x, weights, idx, gate_up, down: x.new_empty(x.shape[0], gate_up.shape[2],
                                                                dtype=torch.float32))
-    torch.library.register_fake("mtp_native::int8_moe")(
-        lambda x, weights, idx, gate_up, gate_up_scale, down, down_scale: x.new_empty(
-            x.shape[0], gate_up.shape[2], dtype=torch.float32))
+    for name in ("int8_moe", "i8_moe"):
+        torch.library.register_fake(f"mtp_native::{name}")(
+            lambda x, weights, idx, gate_up, gate_up_scale, down, down_scale: x.new_empty(
+                x.shape[0], gate_up.shape[2], dtype=torch.float32))
     for name in ("bf16_heads", "half_heads"):
         torch.library.register_fake(f"mtp_native::{name}")(
             lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32))

@@ -52,6 +52,7 @@ struct Kernels {
   heads_fn bf16_heads = nullptr;
   mm_status_fn i8_mm = nullptr;      // avx512_vnni.c
   rows_status_fn i8_rows = nullptr;
+  int8_moe_fn i8_moe = nullptr;
   mm_status_fn half_mm_bf16 = nullptr;   // half_avx2.c
   mm_fn half_mm_f16 = nullptr;
   mm_fn int8_mm = nullptr;
@@ -188,12 +189,11 @@ at::Tensor half_moe(const at::Tensor& x, const at::Tensor& weights, const at::Te
 // x float32 [T, H], weights float32 [T, k], idx int64 [T, k], gate_up int8 [E, 2I, H] with
 // gate_up_scale float32 [E, 2I], down int8 [E, H, I] with down_scale float32 [E, H] -> float32
 // [T, H]: a window's routed int8 experts (dynamic scheme, bfloat16 activations) in one call
-// (half_avx2.c int8_moe).
-at::Tensor int8_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
-                    const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& down,
-                    const at::Tensor& down_scale) {
-  const char* name = "int8_moe";
-  need(reinterpret_cast<const void*>(kernels.int8_moe), name);
+// (int8_moe.h), by ``fn``: half_avx2.c int8_moe or avx512_vnni.c i8_moe, the same numbers.
+at::Tensor moe_int8(const char* name, int8_moe_fn fn, const at::Tensor& x, const at::Tensor& weights,
+                    const at::Tensor& idx, const at::Tensor& gate_up, const at::Tensor& gate_up_scale,
+                    const at::Tensor& down, const at::Tensor& down_scale) {
+  need(reinterpret_cast<const void*>(fn), name);
   const MoeShape m = check_moe(name, x, weights, idx, gate_up, down, at::kChar, "int8");
   TORCH_CHECK(gate_up_scale.device().is_cpu() && gate_up_scale.scalar_type() == at::kFloat &&
               gate_up_scale.is_contiguous() && gate_up_scale.numel() == m.E * 2 * m.I &&
@@ -203,11 +203,23 @@ at::Tensor int8_moe(const at::Tensor& x, const at::Tensor& weights, const at::Te
   TORCH_CHECK(m.I <= 16384, name, ": at most 16384 intermediate features (the activation row's stack)");
   auto out = at::empty({m.T, m.H}, x.options());
   if (m.T == 0) return out;
-  int status = kernels.int8_moe(x.data_ptr(), m.T, m.H, m.I, m.k, idx.data_ptr(), weights.data_ptr(), m.E,
-                                gate_up.data_ptr(), gate_up_scale.data_ptr(), down.data_ptr(),
-                                down_scale.data_ptr(), out.data_ptr(), at::get_num_threads());
+  int status = fn(x.data_ptr(), m.T, m.H, m.I, m.k, idx.data_ptr(), weights.data_ptr(), m.E,
+                  gate_up.data_ptr(), gate_up_scale.data_ptr(), down.data_ptr(), down_scale.data_ptr(),
+                  out.data_ptr(), at::get_num_threads());
   TORCH_CHECK(status == 0, name, ": no memory for the experts' scratch");
   return out;
+}
+
+at::Tensor int8_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                    const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& down,
+                    const at::Tensor& down_scale) {
+  return moe_int8("int8_moe", kernels.int8_moe, x, weights, idx, gate_up, gate_up_scale, down, down_scale);
+}
+
+at::Tensor i8_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx,
+                  const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& down,
+                  const at::Tensor& down_scale) {
+  return moe_int8("i8_moe", kernels.i8_moe, x, weights, idx, gate_up, gate_up_scale, down, down_scale);
 }
 
 at::Tensor i8_mm(const at::Tensor& x, const at::Tensor& w) {
@@ -493,6 +505,7 @@ extern "C" int mtp_set_kernel(const char* name, void* fn) {
       {"bf16_heads", reinterpret_cast<void**>(&kernels.bf16_heads)},
       {"i8_mm", reinterpret_cast<void**>(&kernels.i8_mm)},
       {"i8_rows", reinterpret_cast<void**>(&kernels.i8_rows)},
+      {"i8_moe", reinterpret_cast<void**>(&kernels.i8_moe)},
       {"half_mm_bf16", reinterpret_cast<void**>(&kernels.half_mm_bf16)},
       {"half_mm_f16", reinterpret_cast<void**>(&kernels.half_mm_f16)},
       {"int8_mm", reinterpret_cast<void**>(&kernels.int8_mm)},
@@ -523,6 +536,8 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
   m.def("bf16_heads(Tensor x, Tensor w) -> Tensor");
   m.def("i8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("i8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
+  m.def("i8_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor gate_up_scale, Tensor down, "
+        "Tensor down_scale) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
@@ -546,6 +561,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("bf16_heads", &bf16_heads);
   m.impl("i8_mm", &i8_mm);
   m.impl("i8_rows", &i8_rows);
+  m.impl("i8_moe", &i8_moe);
   m.impl("half_mm", &half_mm);
   m.impl("int8_mm", &int8_mm);
   m.impl("int8_rows", &int8_rows);

@@ -8,15 +8,9 @@ from torch import nn
 
 from server.model.kernels import int8pack
 from server.model.kernels.gemm import EXACT_FLOAT_K, converted_mm, materialized
-from server.model.kernels.native import ops_ready
+from server.model.kernels.native import kernel_library, ops_ready
 
 
-@torch.compiler.assume_constant_result
-def native_moe() -> bool:
-    """half_avx2.c's int8_moe loaded (a constant of a traced graph, as ops_ready)."""
-    from server.model.kernels.native import half_kernel
-    lib = half_kernel()
-    return lib is not None and hasattr(lib, "int8_moe")
 from server.model.quant.int8 import (
     _unit_scales,
     dynamic_product,
@@ -34,6 +28,21 @@ ROWS_OPS = {
     "vnni": lambda: ((lambda x, e, w: torch.ops.mtp_native.i8_rows(x.to(torch.int8).contiguous(), e, w))
                      if ops_ready() else torch.ops.mtp_serve.i8_rows),
 }
+
+
+# The operators that take a window's whole routed MoE in one call (kernels/int8_moe.h), by
+# backend: (kernel library, operator).  Both give the torch path's numbers for bfloat16
+# activations; they differ only in their products' instructions.
+MOE_OPS = {"avx2": ("half_avx2", "int8_moe"), "vnni": ("avx512_vnni", "i8_moe")}
+
+
+@torch.compiler.assume_constant_result
+def native_moe(backend: str) -> bool:
+    """``backend``'s whole-MoE operator loaded (a constant of a traced graph, as ops_ready)."""
+    if backend not in MOE_OPS:
+        return False
+    lib = kernel_library(MOE_OPS[backend][0])
+    return lib is not None and hasattr(lib, MOE_OPS[backend][1])
 
 
 # Backends whose rows kernel reads each chosen expert once for all its rows (i8_rows and
@@ -66,10 +75,11 @@ def gathered_int8_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Ten
     the AVX2 EPYC the reductions above are not vectorized for int8 weights: the 0.5b
     model's 4 experts of [1536 x 512] took 6.7 ms a token, compiled, 2 threads.
 
-    "avx2" with bfloat16 activations: all of it in one operator (half_avx2.c int8_moe,
-    these operations in this order; the activation's exp is the C library's)."""
-    if backend == "avx2" and x.dtype == torch.bfloat16 and ops_ready() and native_moe():
-        return torch.ops.mtp_native.int8_moe(
+    "avx2" and "vnni" with bfloat16 activations: all of it in one operator (MOE_OPS:
+    kernels/int8_moe.h, these operations in this order; the activation's exp is the C
+    library's)."""
+    if x.dtype == torch.bfloat16 and ops_ready() and native_moe(backend):
+        return getattr(torch.ops.mtp_native, MOE_OPS[backend][1])(
             x.float().contiguous(), weights.float().contiguous(), idx.contiguous(), gate_up,
             gate_up_scale.float().contiguous(), down, down_scale.float().contiguous())
     xf = x.float()
