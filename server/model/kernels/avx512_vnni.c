@@ -38,12 +38,12 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
     return w + (k + PREFETCH >= K ? at + (COLS - 1) * K : at);
 }
 
-/* One step of a block over 64 bytes of K: the weight vectors (and their sums), then each
- * row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).  ``own``: the
- * pass reads w from memory and fetches its rows ahead; ``next``: the next block's weight,
- * fetched into L2 by the first two passes of 5 rows or more, as avx512_bf16.c's blocks
- * do (which says why); NULL: none. */
-#define STEP(R, LOAD, k)                                                                  \
+/* One step of a block over 64 bytes of K: the weight vectors (and, with SUMS, their sums),
+ * then each row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).
+ * ``own``: the pass reads w from memory and fetches its rows ahead; ``next``: the next
+ * block's weight, fetched into L2 by the first two passes of 5 rows or more, as
+ * avx512_bf16.c's blocks do (which says why); NULL: none. */
+#define STEP(R, LOAD, k, SUMS)                                                            \
     {                                                                                    \
         __m512i wv[COLS];                                                                \
         for (int j = 0; j < COLS; j++) {                                                 \
@@ -52,7 +52,7 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
             if (own)                                                                     \
                 _mm_prefetch((const char *)ahead(w, j, K, (k)), _MM_HINT_T0);            \
             wv[j] = LOAD(w + j * K + (k));                                               \
-            sum[j] = _mm512_dpbusd_epi32(sum[j], ones, wv[j]);                           \
+            if (SUMS) sum[j] = _mm512_dpbusd_epi32(sum[j], ones, wv[j]);                 \
         }                                                                                \
         for (int i = 0; i < R; i++) {                                                    \
             __m512i xv = LOAD(xu + i * ldx + (k));                                       \
@@ -63,9 +63,13 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
 #define FULL(p) _mm512_loadu_si512((const void *)(p))
 #define TAIL(p) load_tail((p), K - k64)
 
-#define BLOCK(R)                                                                          \
-static void block_##R(const uint8_t *xu, long ldx, const int8_t *w, long K, int32_t *y,  \
-                      long ldy, const int8_t *next, int own) {                           \
+/* block_R_s: R rows through COLS weight rows, the weight rows' sums made as they stream
+ * (into ws); block_R: the same rows' products with the sums a first pass made (ws), so
+ * the later passes of a product over the same block spend no instruction on them (at 8
+ * rows, 4 of every 40 multiply-adds; the int8 products of a batch are bound by them). */
+#define BLOCK(R, NAME, SUMS)                                                               \
+static void NAME(const uint8_t *xu, long ldx, const int8_t *w, long K, int32_t *y,         \
+                 long ldy, const int8_t *next, int own, int32_t *ws) {                    \
     const __m512i ones = _mm512_set1_epi8(1);                                            \
     __m512i acc[R][COLS], sum[COLS];                                                     \
     for (int j = 0; j < COLS; j++) {                                                     \
@@ -73,18 +77,22 @@ static void block_##R(const uint8_t *xu, long ldx, const int8_t *w, long K, int3
         for (int i = 0; i < R; i++) acc[i][j] = _mm512_setzero_si512();                  \
     }                                                                                    \
     long k64 = K & ~63L;                                                                 \
-    for (long k = 0; k < k64; k += 64) STEP(R, FULL, k)                                  \
-    if (k64 < K) STEP(R, TAIL, k64)                                                      \
+    for (long k = 0; k < k64; k += 64) STEP(R, FULL, k, SUMS)                            \
+    if (k64 < K) STEP(R, TAIL, k64, SUMS)                                                \
     for (int j = 0; j < COLS; j++) {                                                     \
-        int32_t s = _mm512_reduce_add_epi32(sum[j]);                                     \
-        for (int i = 0; i < R; i++) y[i * ldy + j] = _mm512_reduce_add_epi32(acc[i][j]) - 128 * s; \
+        if (SUMS) ws[j] = _mm512_reduce_add_epi32(sum[j]);                               \
+        for (int i = 0; i < R; i++) y[i * ldy + j] = _mm512_reduce_add_epi32(acc[i][j]) - 128 * ws[j]; \
     }                                                                                    \
 }
 
-BLOCK(1)
-BLOCK(2)
-BLOCK(3)
-BLOCK(4)
+BLOCK(1, block_1_s, 1)
+BLOCK(2, block_2_s, 1)
+BLOCK(3, block_3_s, 1)
+BLOCK(4, block_4_s, 1)
+BLOCK(1, block_1, 0)
+BLOCK(2, block_2, 0)
+BLOCK(3, block_3, 0)
+BLOCK(4, block_4, 0)
 
 static void column(const uint8_t *xu, long ldx, int rows, const int8_t *w, long K, int32_t *y,
                    long ldy) {
@@ -169,31 +177,44 @@ static inline void few(const uint8_t *xu, long ldx, int rows, const int8_t *w, l
     }
 }
 
+/* Rows m .. m + rows through weight rows n .. n + COLS; ``ws``: the block's weight sums,
+ * made by the pass at m = 0 (the first of a product) and read by the later ones. */
 static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int8_t *w, long N,
-                        long K, long n, int32_t *y, long ldy, const int8_t *next) {
+                        long K, long n, int32_t *y, long ldy, const int8_t *next, int32_t *ws) {
     if (n + COLS > N) {
         for (long c = n; c < N; c++)
             column(xu + m * ldx, ldx, rows, w + c * K, K, y + m * ldy + c, ldy);
         return;
     }
     const uint8_t *xs = xu + m * ldx;
-    const int8_t *ws = w + n * K;
+    const int8_t *wn = w + n * K;
     int32_t *ys = y + m * ldy + n;
+    int own = m == 0;
+    if (own) {
+        switch (rows) {
+        case 1: block_1_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+        case 2: block_2_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+        case 3: block_3_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+        default: block_4_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+        }
+        return;
+    }
     switch (rows) {
-    case 1: block_1(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
-    case 2: block_2(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
-    case 3: block_3(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
-    default: block_4(xs, ldx, ws, K, ys, ldy, next, m == 0); break;
+    case 1: block_1(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+    case 2: block_2(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+    case 3: block_3(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
+    default: block_4(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
     }
 }
 
 static void product(const uint8_t *xu, long M, long K, long ldx, const int8_t *w, long N,
                     int32_t *y, long ldy, long b) {
+    int32_t ws[COLS];
     for (long m = 0; m < M; m += MAXR) {
         int rows = M - m < MAXR ? (int)(M - m) : MAXR;
         long n = b * COLS;
         const int8_t *next = m <= MAXR && M > MAXR && n + 2 * COLS <= N ? w + (n + COLS) * K : NULL;
-        tile(xu, ldx, m, rows, w, N, K, n, y, ldy, next);
+        tile(xu, ldx, m, rows, w, N, K, n, y, ldy, next, ws);
     }
 }
 
