@@ -24,7 +24,9 @@ Rows, every timed run alone and peer / ours alternating over ``--reps`` rounds:
              on the bf16 and q8_0 GGUF files;
   ours       benchmarks.engine_step's engines (compiled step): decode at batch 1 and 8 with
              MTP off, k=1 and k=2 on the bf16 checkpoint, off and k=1 on its W8A8_DYNAMIC
-             copy; the 256-token prompt (one prefill step of the engine, MTP off).
+             copy; the 256-token prompt (one prefill step of the engine, MTP off).  Batch 1
+             and the prompt are the mean of 3 runs a round as llama-bench's -r 3, batch 8
+             one run as llama-batched-bench.
 
 Usage (from the repository root):
   python -m benchmarks.peers --build                 # get and build llama.cpp, convert, then run
@@ -313,6 +315,7 @@ def vector_flags(flags: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- the rows
 
 DECODE_TOKENS = 64
+BENCH_REPS = 3          # llama-bench's -r: its batch-1 decode and prompt rows are the mean of 3
 BATCHES = (1, 8)
 OUR_MODES = {"bf16": (("off", 0), ("k1", 1), ("k2", 2)), "int8": (("off", 0), ("k1", 1))}
 GGUF_OF = {"bf16": "bf16", "int8": "q8_0"}        # our weights -> the peer's GGUF type
@@ -322,9 +325,10 @@ def peer_commands(gguf: Path, threads: int, cache: Path = CACHE) -> dict[str, li
     """llama.cpp's three commands on one GGUF file: "decode b1", "prompt", "decode b8"."""
     bench, batched = str(binary("llama-bench", cache)), str(binary("llama-batched-bench", cache))
     t = str(threads)
-    return {"decode b1": [bench, "-m", str(gguf), "-t", t, "-p", "0", "-n", str(DECODE_TOKENS), "-r", "3",
+    reps = str(BENCH_REPS)
+    return {"decode b1": [bench, "-m", str(gguf), "-t", t, "-p", "0", "-n", str(DECODE_TOKENS), "-r", reps,
                           "-o", "json"],
-            "prompt": [bench, "-m", str(gguf), "-t", t, "-p", str(PROMPT_TOKENS), "-n", "0", "-r", "3",
+            "prompt": [bench, "-m", str(gguf), "-t", t, "-p", str(PROMPT_TOKENS), "-n", "0", "-r", reps,
                        "-o", "json"],
             "decode b8": [batched, "-m", str(gguf), "-t", t, "-npp", "32", "-ntg", str(DECODE_TOKENS),
                           "-npl", "1,8"]}
@@ -382,13 +386,19 @@ class Ours:
         self.load_s = time.perf_counter() - t0
 
     def decode(self, mode: str, batch: int) -> dict:
-        r = self.es.run(self.engines[mode], self.es.make_prompts(batch, self.vocab, batch), DECODE_TOKENS,
-                        self.device, "r")
-        return {"tok_s": r["tok_s"], "step_ms": r["step_ms"], "tok_per_step": r["tok_per_step"],
-                "tokens": r["tokens"]}
+        """At batch 1 the mean of BENCH_REPS runs, as llama-bench's row is (one run of ~1 s
+        a mode moved a round by a noisy second); at batch 8 one run, as
+        llama-batched-bench's.  ``tokens``: the first run's."""
+        runs = [self.es.run(self.engines[mode], self.es.make_prompts(batch, self.vocab, batch), DECODE_TOKENS,
+                            self.device, "r") for _ in range(BENCH_REPS if batch == 1 else 1)]
+        return {"tok_s": statistics.fmean(r["tok_s"] for r in runs),
+                "step_ms": statistics.fmean(r["step_ms"] for r in runs),
+                "tok_per_step": statistics.fmean(r["tok_per_step"] for r in runs), "tokens": runs[0]["tokens"]}
 
     def prompt_tok_s(self) -> float:
-        return PROMPT_TOKENS / self.es.prompt_seconds(self.engines["off"], self.prompt, self.device)
+        """The mean of BENCH_REPS prefills, as llama-bench's prompt row."""
+        return statistics.fmean(PROMPT_TOKENS / self.es.prompt_seconds(self.engines["off"], self.prompt, self.device)
+                                for _ in range(BENCH_REPS))
 
 
 def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
