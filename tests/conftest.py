@@ -163,8 +163,12 @@ def pytest_collection_finish(session):
 
 
 def _warm_job(plan: tuple | None, q: int) -> tuple:
-    """(model, its cache folder, the graphs missing there, max query length, C++ wrapper?,
-    threads) of one graph set."""
+    """(model, its cache folder, every graph of the set, max query length, C++ wrapper?,
+    threads) of one graph set.  Every graph, not only those missing from the folder: the
+    child loads the ones there, which builds their C++ into Inductor's code cache of this
+    environment.  Why: the folder's key holds no path of the virtualenv, Inductor's does, so
+    a fresh clone found the graphs made by an earlier one and its compiled-step test built
+    their C++ itself while loading them (~55 s of a 7-minute suite; ~4 s without)."""
     from server.engine.worker import compile_step
     from server.model.loading import load_checkpoint
     from server.model.parallel.plan import ParallelPlan
@@ -172,7 +176,7 @@ def _warm_job(plan: tuple | None, q: int) -> tuple:
     device = torch.device("cpu")
     model, _ = load_checkpoint(DEMO_MODEL, plan=ParallelPlan(*plan) if plan else None)
     folder = compile_step.cache_dir(model, device)
-    files = [f for r in compile_step.graph_rounds(model, q) for f in r if not (folder / f).is_file()]
+    files = [f for r in compile_step.graph_rounds(model, q) for f in r]
     return model, folder, files, q, compile_step.cpp_wrapper(device), torch.get_num_threads()
 
 
