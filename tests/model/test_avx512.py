@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from server.model.kernels import avx512, native
 from server.model.kernels.products import use_products
+from tests.model.int8_moe_cases import check_one_operator, moe_window
 
 
 def _needs(kernel: str):
@@ -172,35 +173,11 @@ def test_the_routed_int8_experts_in_one_vnni_operator_are_the_gathered_ones(toke
     from server.model.quant import experts
     if not native.native_ops() or not experts.native_moe("vnni"):
         pytest.skip("ops.cpp cannot be built here")
-    g = torch.Generator().manual_seed(tokens)
-    E = 9
-    gate_up = torch.randint(-128, 128, (E, 2 * i, h), dtype=torch.int8, generator=g)
-    down = torch.randint(-128, 128, (E, h, i), dtype=torch.int8, generator=g)
-    gus, ds = torch.rand(E, 2 * i, generator=g) / 300, torch.rand(E, h, generator=g) / 300
-    x = (torch.randn(tokens, h, generator=g) * 3).to(torch.bfloat16)
-    if tokens > 2:
-        x[1] = 0.0
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
-    idx[:, 0] = idx[0, 0]                                   # every token on one expert
-    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
-    got = experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "vnni")
-    real = experts.native_moe
-    experts.native_moe = lambda backend: False
-    try:
-        want = experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "vnni")
-    finally:
-        experts.native_moe = real
-    assert torch.equal(got, want)
-    op = torch.ops.mtp_native.i8_moe
-    alone = torch.cat([op(x[t:t + 1].float(), w[t:t + 1].contiguous(), idx[t:t + 1].contiguous(),
-                          gate_up, gus, down, ds) for t in range(tokens)])
-    assert torch.equal(alone, got)
+    case = moe_window(tokens, k, h, i, all_on_one=True)      # every token on one expert
+    got = check_one_operator("vnni", torch.ops.mtp_native.i8_moe, case)
     if experts.native_moe("avx2"):
-        assert torch.equal(experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "avx2"), got)
-    bad = idx.clone()
-    bad[0, 0] = E
-    with pytest.raises(RuntimeError, match="outside"):
-        op(x.float(), w, bad, gate_up, gus, down, ds)
+        assert torch.equal(experts.gathered_int8_experts(*case, "avx2"), got)
+
 
 def test_the_operators_run_inside_a_compiled_graph():
     """A decode window's graph calls the kernels as operators (Dynamo cannot trace ctypes):

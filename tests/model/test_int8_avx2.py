@@ -14,6 +14,7 @@ import server.model.quant.int8 as int8
 from server.model import quant
 from server.model.kernels import half_cpu, native
 from server.model.loading import load_checkpoint
+from tests.model.int8_moe_cases import check_one_operator, moe_window
 
 
 @pytest.fixture(autouse=True)
@@ -107,33 +108,9 @@ def test_the_routed_int8_experts_in_one_operator_are_the_gathered_ones(tokens, k
     from server.model.quant import experts
     if not native.native_ops() or not experts.native_moe("avx2"):
         pytest.skip("ops.cpp cannot be built here")
-    g = torch.Generator().manual_seed(tokens)
-    E = 9
-    gate_up = torch.randint(-128, 128, (E, 2 * i, h), dtype=torch.int8, generator=g)
-    down = torch.randint(-128, 128, (E, h, i), dtype=torch.int8, generator=g)
-    gus, ds = torch.rand(E, 2 * i, generator=g) / 300, torch.rand(E, h, generator=g) / 300
-    x = (torch.randn(tokens, h, generator=g) * 3).to(torch.bfloat16)
-    if tokens > 2:
-        x[1] = 0.0
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
-    idx[-1, 0] = idx[0, 0]                                  # an expert two tokens share
-    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
-    got = experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "avx2")
-    real = experts.native_moe
-    experts.native_moe = lambda backend: False
-    try:
-        want = experts.gathered_int8_experts(x, w, idx, gate_up, gus, down, ds, "avx2")
-    finally:
-        experts.native_moe = real
-    assert torch.equal(got, want)
     op = torch.ops.mtp_native.int8_moe
-    alone = torch.cat([op(x[t:t + 1].float(), w[t:t + 1].contiguous(), idx[t:t + 1].contiguous(),
-                          gate_up, gus, down, ds) for t in range(tokens)])
-    assert torch.equal(alone, got)
-    bad = idx.clone()
-    bad[0, 0] = E
-    with pytest.raises(RuntimeError, match="outside"):
-        op(x.float(), w, bad, gate_up, gus, down, ds)
+    x, w, idx, gate_up, gus, down, ds = case = moe_window(tokens, k, h, i, all_on_one=False)
+    check_one_operator("avx2", op, case)
     with pytest.raises(RuntimeError, match="scales must be"):
         op(x.float(), w, idx, gate_up, gus[1:].contiguous(), down, ds)
 

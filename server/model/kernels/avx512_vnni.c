@@ -109,22 +109,30 @@ static void column(const uint8_t *xu, long ldx, int rows, const int8_t *w, long 
     }
 }
 
-/* One weight row through one row of x (unsigned): exact, as the blocks compute it; the
- * weight row's sum goes to *wsum. */
-static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K, int32_t *wsum) {
+/* One weight row through one row of x (unsigned), as lanes: acc the products of x + 128,
+ * sum the weight's own (``dot`` and ``dot1`` reduce them). */
+static inline void dot_lanes(const uint8_t *xu, const int8_t *w, long K, __m512i *acc, __m512i *sum) {
     const __m512i ones = _mm512_set1_epi8(1);
-    __m512i acc = _mm512_setzero_si512(), sum = _mm512_setzero_si512();
+    __m512i a = _mm512_setzero_si512(), s = _mm512_setzero_si512();
     long k64 = K & ~63L;
     for (long k = 0; k < k64; k += 64) {
         __m512i wv = _mm512_loadu_si512((const void *)(w + k));
-        sum = _mm512_dpbusd_epi32(sum, ones, wv);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(xu + k)), wv);
+        s = _mm512_dpbusd_epi32(s, ones, wv);
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(xu + k)), wv);
     }
     if (k64 < K) {
         __m512i wv = load_tail(w + k64, K - k64);
-        sum = _mm512_dpbusd_epi32(sum, ones, wv);
-        acc = _mm512_dpbusd_epi32(acc, load_tail(xu + k64, K - k64), wv);
+        s = _mm512_dpbusd_epi32(s, ones, wv);
+        a = _mm512_dpbusd_epi32(a, load_tail(xu + k64, K - k64), wv);
     }
+    *acc = a;
+    *sum = s;
+}
+
+/* The exact product, as the blocks compute it; the weight row's sum goes to *wsum. */
+static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K, int32_t *wsum) {
+    __m512i acc, sum;
+    dot_lanes(xu, w, K, &acc, &sum);
     *wsum = _mm512_reduce_add_epi32(sum);
     return _mm512_reduce_add_epi32(acc) - 128 * *wsum;
 }
@@ -132,19 +140,8 @@ static inline int32_t dot(const uint8_t *xu, const int8_t *w, long K, int32_t *w
 /* ``dot`` for a lone row, which needs no weight sum back: acc - 128 x sum as vectors and
  * one reduction, where two reductions a weight row of 24 vectors (1536 bytes) weighed. */
 static inline int32_t dot1(const uint8_t *xu, const int8_t *w, long K) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512i acc = _mm512_setzero_si512(), sum = _mm512_setzero_si512();
-    long k64 = K & ~63L;
-    for (long k = 0; k < k64; k += 64) {
-        __m512i wv = _mm512_loadu_si512((const void *)(w + k));
-        sum = _mm512_dpbusd_epi32(sum, ones, wv);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(xu + k)), wv);
-    }
-    if (k64 < K) {
-        __m512i wv = load_tail(w + k64, K - k64);
-        sum = _mm512_dpbusd_epi32(sum, ones, wv);
-        acc = _mm512_dpbusd_epi32(acc, load_tail(xu + k64, K - k64), wv);
-    }
+    __m512i acc, sum;
+    dot_lanes(xu, w, K, &acc, &sum);
     return _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, _mm512_slli_epi32(sum, 7)));
 }
 

@@ -61,6 +61,20 @@ static float quantize_row(const float *x, long K, int8_t *q) {
 typedef void (*moe_rows_fn)(const int8_t *rows, long m, long ldx, const int8_t *w, long K,
                             int32_t *y, long ldy);
 
+/* Each run of one expert's pairs (their quantized rows side by side at x + first * K)
+ * through every row of that expert's weight in w [E, N, K] -> the exact sums y[first * N +
+ * n]; the (run, weight row) pairs shared out as one contiguous stretch a thread.  A
+ * worksharing loop of moe_int8's parallel region (its gate/up and its down products). */
+static void expert_sums(const int8_t *x, long K, const int8_t *w, long N, int32_t *y, long runs,
+                        const long *starts, const long *order, const long *idx, moe_rows_fn rows) {
+    #pragma omp for schedule(static)
+    for (long j = 0; j < runs * N; j++) {
+        long r = j / N, n = j % N, first = starts[r];
+        rows(x + first * K, starts[r + 1] - first, K, w + (idx[order[first]] * N + n) * K, K,
+             y + first * N + n, N);
+    }
+}
+
 /* x float32 [T, H] (bfloat16 values); token t's k experts idx[t * k ..] of weights
  * wt[t * k ..]; gate_up int8 [E, 2I, H] with scales gus [E, 2I]; down int8 [E, H, I] with
  * ds [E, H] -> out float32 [T, H].  Each token's row quantized by its own scale (s = max(
@@ -109,13 +123,7 @@ static int moe_int8(const float *x, long T, long H, long I, long k, const long *
             const int8_t *src = xq + order[r] / k * H;
             for (long h = 0; h < H; h++) xs[r * H + h] = (int8_t)((uint8_t)src[h] ^ mask);
         }
-        #pragma omp for schedule(static)
-        for (long j = 0; j < runs * I2; j++) {
-            long r = j / I2, n = j % I2, first = starts[r];
-            long e = idx[order[first]];
-            rows(xs + first * H, starts[r + 1] - first, H, gate_up + (e * I2 + n) * H, H,
-                 gu + first * I2 + n, I2);
-        }
+        expert_sums(xs, H, gate_up, I2, gu, runs, starts, order, idx, rows);
         #pragma omp for schedule(static)
         for (long r = 0; r < A; r++) {
             long pair = order[r], t = pair / k, e = idx[pair];
@@ -129,13 +137,7 @@ static int moe_int8(const float *x, long T, long H, long I, long k, const long *
             if (flip)
                 for (long i = 0; i < I; i++) aq[r * I + i] = (int8_t)((uint8_t)aq[r * I + i] ^ mask);
         }
-        #pragma omp for schedule(static)
-        for (long j = 0; j < runs * H; j++) {
-            long r = j / H, n = j % H, first = starts[r];
-            long e = idx[order[first]];
-            rows(aq + first * I, starts[r + 1] - first, I, down + (e * H + n) * I, I,
-                 dn + first * H + n, H);
-        }
+        expert_sums(aq, I, down, H, dn, runs, starts, order, idx, rows);
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++)
             for (long h = 0; h < H; h++) {
