@@ -76,6 +76,10 @@ def test_compiled_step_emits_what_the_plain_step_emits(k, monkeypatch):
     # Every (graph, layer) call after its first went below Dynamo's bytecode
     # (model/flat_calls.py), and the tokens above are the plain step's.
     assert flat.learned > 0 and flat.refused == 0, flat.reasons
+    # ... and below AOTAutograd's and Inductor's wrappers too, straight into the graphs'
+    # generated C++ wrapper, its numbers handed over as tensors.
+    learned = [c for c in flat._calls.values() if c is not None]
+    assert learned and all(c.direct is not None and c.scalars for c in learned)
     if k:
         assert eng.stats().num_accepted_tokens > 0
 

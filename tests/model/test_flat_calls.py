@@ -90,3 +90,29 @@ def test_a_plain_call_is_never_learned():
     got = calls.call(_layer, 0, (block, x, torch.zeros(6, 8), (x[0], x[1])))
     assert got[0].shape == (3, 8)
     assert (calls.learned, calls.refused) == (0, 1)
+
+
+def test_an_inference_graph_is_called_below_its_wrappers_with_the_same_results():
+    """A graph made without autograd (as the decoder's are) is learned as a call of its
+    generated code: the wrappers above it only pass its inputs and outputs through."""
+    torch._dynamo.reset()
+    blocks = [_Block(5), _Block(6)]
+    g = torch.Generator().manual_seed(1)
+    x, pair = torch.randn(3, 8, generator=g), (torch.randn(4, generator=g), torch.randn(5, generator=g))
+    with torch.inference_mode():
+        graph = _graph(blocks, x, torch.zeros(6, 8), pair, 3)
+        graph.disable_guard_check()
+        calls = FlatCalls()
+        for step in range(3):
+            for layer, block in enumerate(blocks):
+                xs = torch.randn(3, 8, generator=g)
+                want_cache, got_cache = torch.zeros(6 + step, 8), torch.zeros(6 + step, 8)
+                want = graph(block, xs, want_cache, pair, 3)
+                got = calls.call(graph, layer, (block, xs, got_cache, pair, 3))
+                for w, o in zip(want, got):
+                    torch.testing.assert_close(o, w, rtol=0, atol=0)
+                torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
+    learned = [c for c in calls._calls.values() if c is not None]
+    assert len(learned) == 2 and all(c.direct is not None for c in learned)
+    # This graph's wrapper is Python: it takes its numbers as numbers.
+    assert not any(c.scalars for c in learned)
