@@ -77,9 +77,11 @@ def test_compiled_step_emits_what_the_plain_step_emits(k, monkeypatch):
     # (model/flat_calls.py), and the tokens above are the plain step's.
     assert flat.learned > 0 and flat.refused == 0, flat.reasons
     # ... and below AOTAutograd's and Inductor's wrappers too, straight into the graphs'
-    # generated C++ wrapper, its numbers handed over as tensors.
+    # generated code (a C++ wrapper's handed its numbers as tensors).
+    from server.engine.worker import compile_step
     learned = [c for c in flat._calls.values() if c is not None]
-    assert learned and all(c.direct is not None and c.scalars for c in learned)
+    wrapped_in_cpp = compile_step.cpp_wrapper(torch.device("cpu"))
+    assert learned and all(c.direct is not None and c.scalars == wrapped_in_cpp for c in learned)
     if k:
         assert eng.stats().num_accepted_tokens > 0
 
