@@ -72,7 +72,9 @@ def test_a_stopped_engine_process_is_taken_for_hung_and_fails_as_a_dead_rank():
         out, seconds = asyncio.run(go())
         assert out.finished and out.finish_reason is FinishReason.ERROR
         assert "hung or stopped" in out.error and f"pid {proc.pid}" in out.error
-        assert BOUND_S <= seconds < BOUND_S + 2, seconds
+        # The watchdog counts the silence from the last step message, which can have come
+        # up to one 20 ms step before the SIGSTOP (a clean-clone run saw 0.4996 s).
+        assert BOUND_S - 0.05 <= seconds < BOUND_S + 2, seconds
         assert engine.fatal_error == out.error and told == [out.error]
         # The engine's reader thread may reap the killed child first (its own join): then
         # this thread's join returns before that thread has recorded the exit code.
