@@ -5,7 +5,7 @@ Why: a profiler's figure for the rest of a step (the graphs' glue, the operators
 and allocations, Python, sampling) comes out two to three times too large at batch 1 (a
 ~600-event step pays the profiler's cost per event), and a step's time less its products'
 sum mixes in how the memory behaved that second.  Swapping the kernels in place
-(``mtp_set_kernel``, the hook kernels/native.py registers them through) leaves every other
+(``native.set_kernel``, the hook kernels/native.py registers them through) leaves every other
 part of the step exactly as served: the same compiled graphs, the same operators, the
 same engine.  The real and the stubbed steps alternate round by round, with a plain read
 of the memory between rounds; each row: median step time, median stubbed step time, the
@@ -85,17 +85,15 @@ class KernelSwap:
             sys.exit("benchmarks.besides_products: the no-op kernels stand in for the AVX-512 BF16 "
                      "ones, which this CPU does not run (vector flags: "
                      f"{' '.join(vector_flags(cpu_flags())) or 'unknown'})")
-        cc, cxx = shutil.which("cc"), shutil.which("c++")
-        if cc is None or cxx is None or not native.native_ops():
+        cc = shutil.which("cc")
+        if cc is None or not native.native_ops():
             sys.exit("benchmarks.besides_products: needs our C++ operators (a C and C++ compiler)")
+        self._set = native.set_kernel
         self._dir = tempfile.TemporaryDirectory(prefix="no-op-kernels-")
         src, lib = Path(self._dir.name) / "no_op.c", Path(self._dir.name) / "no_op.so"
         src.write_text(NO_OP_SOURCE)
         subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
         self._no_op = ctypes.CDLL(str(lib))
-        self._shim = ctypes.CDLL(str(native._build_ops(cxx)))
-        self._shim.mtp_set_kernel.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-        self._shim.mtp_set_kernel.restype = ctypes.c_int
         self._real = {}
         for kernel, names in SWAPPED.items():
             lib_real = native.kernel_library(kernel)
@@ -104,9 +102,7 @@ class KernelSwap:
 
     def use(self, no_op: bool) -> None:
         for name, real in self._real.items():
-            fn = getattr(self._no_op, name) if no_op else real
-            if self._shim.mtp_set_kernel(name.encode(), ctypes.cast(fn, ctypes.c_void_p).value) != 0:
-                raise RuntimeError(f"mtp_set_kernel refused {name}")
+            self._set(name, getattr(self._no_op, name) if no_op else real)
 
 
 def decode_steps(engine, vocab: int, batch: int, steps: int, seed: int) -> list[float]:

@@ -65,13 +65,10 @@ class FlatCall:
         inputs = list(self.template)
         for position, arg, item, dim in self.slots:
             value = args[arg] if item is None else args[arg][item]
-            inputs[position] = value if dim is None else value.size(dim)
-        if self.direct is None:
-            out = self.compiled(*inputs)
-        else:
-            if self.scalars:
-                inputs = [_scalar(v) if type(v) is int else v for v in inputs]
-            out = self.direct(inputs)
+            if dim is not None:
+                value = value.size(dim)
+            inputs[position] = _scalar(value) if self.scalars and type(value) is int else value
+        out = self.compiled(*inputs) if self.direct is None else self.direct(inputs)
         if isinstance(self.picks, int):
             return out[self.picks]
         return tuple(out[i] for i in self.picks)

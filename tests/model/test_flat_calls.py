@@ -32,18 +32,13 @@ def _graph(blocks, x, cache, pair, n=2):
     return torch.compile(_layer, dynamic=False, fullgraph=True).aot_compile(((blocks[0], x, cache, pair, n), {}))
 
 
-def test_learned_calls_give_the_ordinary_calls_results_layer_by_layer():
-    torch._dynamo.reset()
-    blocks = [_Block(1), _Block(2)]
-    g = torch.Generator().manual_seed(0)
-    x, pair = torch.randn(3, 8, generator=g), (torch.randn(4, generator=g), torch.randn(5, generator=g))
-    graph = _graph(blocks, x, torch.zeros(6, 8), pair, 3)
-    graph.disable_guard_check()
-    calls = FlatCalls()
+def _steps_match_the_ordinary_calls(graph, blocks, calls: FlatCalls, g: torch.Generator) -> None:
+    """Three steps over the layers: each learned call's outputs and cache writes are the
+    ordinary call's, bit for bit, while the cache's rows (a symbolic size) change."""
     for step in range(3):
         for layer, block in enumerate(blocks):
             xs = torch.randn(3, 8, generator=g)
-            rows = 6 + step                         # the symbolic size changes every step
+            rows = 6 + step
             ps = (torch.randn(4, generator=g), torch.randn(5, generator=g))
             want_cache, got_cache = torch.zeros(rows, 8), torch.zeros(rows, 8)
             want = graph(block, xs, want_cache, ps, 3)
@@ -52,6 +47,17 @@ def test_learned_calls_give_the_ordinary_calls_results_layer_by_layer():
             for w, o in zip(want, got):
                 torch.testing.assert_close(o, w, rtol=0, atol=0)
             torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
+
+
+def test_learned_calls_give_the_ordinary_calls_results_layer_by_layer():
+    torch._dynamo.reset()
+    blocks = [_Block(1), _Block(2)]
+    g = torch.Generator().manual_seed(0)
+    x, pair = torch.randn(3, 8, generator=g), (torch.randn(4, generator=g), torch.randn(5, generator=g))
+    graph = _graph(blocks, x, torch.zeros(6, 8), pair, 3)
+    graph.disable_guard_check()
+    calls = FlatCalls()
+    _steps_match_the_ordinary_calls(graph, blocks, calls, g)
     assert (calls.learned, calls.refused) == (2, 0)       # one per (graph, layer)
     # A layer's weights are its own: layer 1's call did not reuse layer 0's.
     assert not torch.equal(calls.call(graph, 0, (blocks[0], x, torch.zeros(6, 8), pair, 3))[0],
@@ -103,15 +109,7 @@ def test_an_inference_graph_is_called_below_its_wrappers_with_the_same_results()
         graph = _graph(blocks, x, torch.zeros(6, 8), pair, 3)
         graph.disable_guard_check()
         calls = FlatCalls()
-        for step in range(3):
-            for layer, block in enumerate(blocks):
-                xs = torch.randn(3, 8, generator=g)
-                want_cache, got_cache = torch.zeros(6 + step, 8), torch.zeros(6 + step, 8)
-                want = graph(block, xs, want_cache, pair, 3)
-                got = calls.call(graph, layer, (block, xs, got_cache, pair, 3))
-                for w, o in zip(want, got):
-                    torch.testing.assert_close(o, w, rtol=0, atol=0)
-                torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
+        _steps_match_the_ordinary_calls(graph, blocks, calls, g)
     learned = [c for c in calls._calls.values() if c is not None]
     assert len(learned) == 2 and all(c.direct is not None for c in learned)
     # This graph's wrapper is Python: it takes its numbers as numbers.

@@ -39,17 +39,17 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
 }
 
 /* One step of a block over 64 bytes of K: the weight vectors (and, with SUMS, their sums),
- * then each row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).
- * ``own``: the pass reads w from memory and fetches its rows ahead; ``next``: the next
- * block's weight, fetched into L2 by the first two passes of 5 rows or more, as
- * avx512_bf16.c's blocks do (which says why); NULL: none. */
+ * then each row's products.  LOAD(p) loads 64 bytes at p (or the zero-padded tail).  With
+ * SUMS the pass is a product's first over the block: it reads w from memory and fetches its
+ * rows ahead; ``next``: the next block's weight, fetched into L2 by the first two passes of
+ * 5 rows or more, as avx512_bf16.c's blocks do (which says why); NULL: none. */
 #define STEP(R, LOAD, k, SUMS)                                                            \
     {                                                                                    \
         __m512i wv[COLS];                                                                \
         for (int j = 0; j < COLS; j++) {                                                 \
             if (next)                                                                    \
                 _mm_prefetch((const char *)(next + j * K + (k)), _MM_HINT_T1);           \
-            if (own)                                                                     \
+            if (SUMS)                                                                    \
                 _mm_prefetch((const char *)ahead(w, j, K, (k)), _MM_HINT_T0);            \
             wv[j] = LOAD(w + j * K + (k));                                               \
             if (SUMS) sum[j] = _mm512_dpbusd_epi32(sum[j], ones, wv[j]);                 \
@@ -69,7 +69,7 @@ static inline const int8_t *ahead(const int8_t *w, int j, long K, long k) {
  * rows, 4 of every 40 multiply-adds; the int8 products of a batch are bound by them). */
 #define BLOCK(R, NAME, SUMS)                                                               \
 static void NAME(const uint8_t *xu, long ldx, const int8_t *w, long K, int32_t *y,         \
-                 long ldy, const int8_t *next, int own, int32_t *ws) {                    \
+                 long ldy, const int8_t *next, int32_t *ws) {                              \
     const __m512i ones = _mm512_set1_epi8(1);                                            \
     __m512i acc[R][COLS], sum[COLS];                                                     \
     for (int j = 0; j < COLS; j++) {                                                     \
@@ -205,25 +205,11 @@ static inline void tile(const uint8_t *xu, long ldx, long m, int rows, const int
             column(xu + m * ldx, ldx, rows, w + c * K, K, y + m * ldy + c, ldy);
         return;
     }
-    const uint8_t *xs = xu + m * ldx;
-    const int8_t *wn = w + n * K;
-    int32_t *ys = y + m * ldy + n;
-    int own = m == 0;
-    if (own) {
-        switch (rows) {
-        case 1: block_1_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-        case 2: block_2_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-        case 3: block_3_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-        default: block_4_s(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-        }
-        return;
-    }
-    switch (rows) {
-    case 1: block_1(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-    case 2: block_2(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-    case 3: block_3(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-    default: block_4(xs, ldx, wn, K, ys, ldy, next, own, ws); break;
-    }
+    typedef void (*block_fn)(const uint8_t *, long, const int8_t *, long, int32_t *, long,
+                             const int8_t *, int32_t *);
+    static const block_fn blocks[2][MAXR] = {{block_1, block_2, block_3, block_4},
+                                             {block_1_s, block_2_s, block_3_s, block_4_s}};
+    blocks[m == 0][rows - 1](xu + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy, next, ws);
 }
 
 static void product(const uint8_t *xu, long M, long K, long ldx, const int8_t *w, long N,

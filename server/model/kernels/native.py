@@ -146,6 +146,7 @@ def native_ops() -> bool:
     if cxx is None:
         log.warning("no C++ compiler (c++): our kernels are called through Python operators")
         return False
+    global _SHIM
     try:
         built = _build_ops(cxx)
         torch.ops.load_library(str(built))
@@ -155,13 +156,25 @@ def native_ops() -> bool:
                     "operators", exc)
         return False
     shim.mtp_set_kernel.argtypes, shim.mtp_set_kernel.restype = [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int
+    _SHIM = shim
     for lib in libs.values():
         for fn_name in _ENTRY_POINTS:
             fn = getattr(lib, fn_name, None)
             if fn is not None:
-                shim.mtp_set_kernel(fn_name.encode(), ctypes.cast(fn, ctypes.c_void_p).value)
+                set_kernel(fn_name, fn)
     _register_fakes()
     return True
+
+
+_SHIM: ctypes.CDLL | None = None
+
+
+def set_kernel(name: str, fn) -> None:
+    """The C++ operators' kernel ``name`` (one of ``_ENTRY_POINTS``) becomes ``fn`` (a ctypes
+    function of the same signature): how ``native_ops`` hands them our kernels, and how a
+    benchmark swaps one in place (benchmarks/besides_products.py)."""
+    if _SHIM is None or _SHIM.mtp_set_kernel(name.encode(), ctypes.cast(fn, ctypes.c_void_p).value) != 0:
+        raise RuntimeError(f"mtp_set_kernel: no operator kernel {name!r} to set (native_ops() first)")
 
 
 @torch.compiler.assume_constant_result
