@@ -26,7 +26,9 @@ Rows, every timed run alone and peer / ours alternating over ``--reps`` rounds:
              MTP off, k=1 and k=2 on the bf16 checkpoint, off and k=1 on its W8A8_DYNAMIC
              copy; the 256-token prompt (one prefill step of the engine, MTP off).  Batch 1
              and the prompt are the mean of 3 runs a round as llama-bench's -r 3, batch 8
-             one run as llama-batched-bench.
+             one run as llama-batched-bench.  Decode prompts are random ids, as
+             llama.cpp's; batch 1 again on the bench prompts (``TEXT_B1``: what a draft's
+             acceptance is on text), set against llama.cpp's batch-1 row.
 
 Usage (from the repository root):
   python -m benchmarks.peers --build                 # get and build llama.cpp, convert, then run
@@ -41,6 +43,7 @@ experts at the batch), that rate's share of the memory's read bandwidth (bytes x
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -319,6 +322,15 @@ BENCH_REPS = 3          # llama-bench's -r: its batch-1 decode and prompt rows a
 BATCHES = (1, 8)
 OUR_MODES = {"bf16": (("off", 0), ("k1", 1), ("k2", 2)), "int8": (("off", 0), ("k1", 1))}
 GGUF_OF = {"bf16": "bf16", "int8": "q8_0"}        # our weights -> the peer's GGUF type
+# Batch 1 again on text: the bench prompts (benchmarks/prompts.json, through the
+# checkpoint's chat template), each round its own BENCH_REPS of them.  Why: a draft's
+# acceptance is a property of the text; random ids are the worst case for MTP and no
+# user's traffic (on the 0.5b model k=1 accepts 0.62 there, ~0.77 on the bench prompts).
+# A step's bytes and time do not depend on the ids (MTP off on text and on random ids: 56.2
+# and 56.5 tok/s, alternating), so the row is set against llama.cpp's batch-1 decode
+# (llama-bench decodes random ids) and against our MTP off on the same prompts.
+TEXT_B1 = "decode b1 (bench prompts)"
+PEER_WORKLOAD = {TEXT_B1: "decode b1"}              # our workload -> llama.cpp's row it is set against
 
 
 def peer_commands(gguf: Path, threads: int, cache: Path = CACHE) -> dict[str, list[str]]:
@@ -381,16 +393,22 @@ class Ours:
             log(f"{folder.name} {mode}: decode path {eng.runtime.decode_path}, ready in "
                 f"{time.perf_counter() - t1:.0f} s")
         self.prompt = engine_step.make_prompts(1, self.vocab, 7, PROMPT_TOKENS)[0]
+        self.text_prompts = bench_prompt_ids(folder)
         for i in range(3):   # warm-up: the first prompts of a compiled engine may (re)compile
             engine_step.prompt_seconds(self.engines["off"], self.prompt, self.device, f"pw{i}")
         self.load_s = time.perf_counter() - t0
 
-    def decode(self, mode: str, batch: int) -> dict:
+    def decode(self, mode: str, batch: int, text_round: int | None = None) -> dict:
         """At batch 1 the mean of BENCH_REPS runs, as llama-bench's row is (one run of ~1 s
         a mode moved a round by a noisy second); at batch 8 one run, as
-        llama-batched-bench's.  ``tokens``: the first run's."""
-        runs = [self.es.run(self.engines[mode], self.es.make_prompts(batch, self.vocab, batch), DECODE_TOKENS,
-                            self.device, "r") for _ in range(BENCH_REPS if batch == 1 else 1)]
+        llama-batched-bench's.  ``tokens``: the first run's.  ``text_round``: batch 1 on
+        that round's BENCH_REPS bench prompts (one a run) instead of random ids."""
+        if text_round is None:
+            prompts = [self.es.make_prompts(batch, self.vocab, batch)] * (BENCH_REPS if batch == 1 else 1)
+        else:
+            n = len(self.text_prompts)
+            prompts = [[self.text_prompts[(text_round * BENCH_REPS + j) % n]] for j in range(BENCH_REPS)]
+        runs = [self.es.run(self.engines[mode], p, DECODE_TOKENS, self.device, "r") for p in prompts]
         return {"tok_s": statistics.fmean(r["tok_s"] for r in runs),
                 "step_ms": statistics.fmean(r["step_ms"] for r in runs),
                 "tok_per_step": statistics.fmean(r["tok_per_step"] for r in runs), "tokens": runs[0]["tokens"]}
@@ -399,6 +417,15 @@ class Ours:
         """The mean of BENCH_REPS prefills, as llama-bench's prompt row."""
         return statistics.fmean(PROMPT_TOKENS / self.es.prompt_seconds(self.engines["off"], self.prompt, self.device)
                                 for _ in range(BENCH_REPS))
+
+
+def bench_prompt_ids(folder: Path) -> list[list[int]]:
+    """The bench prompts' first turns (benchmarks/prompts.json) as the checkpoint's
+    tokenizer and chat template render them for a chat request."""
+    from server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(folder)
+    return [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True))
+            for c in harness.load_prompts()["prompts"]]
 
 
 def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
@@ -433,7 +460,7 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
                      "vs_llama_cpp": None, "vs_llama_cpp_rounds": None})
     peer = {(r["weights"], r["workload"]): r for r in rows if r["side"] == "llama.cpp"}
     for r in rows:
-        p = peer.get((r["weights"], r["workload"]))
+        p = peer.get((r["weights"], PEER_WORKLOAD.get(r["workload"], r["workload"])))
         if r["side"] == "ours" and p is not None:
             r["vs_llama_cpp"] = r["tok_s"] / p["tok_s"]
             # Round by round: the two jobs of a round ran next to each other (the rounds
@@ -442,7 +469,7 @@ def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
     return rows
 
 
-WORKLOADS = ("decode b1", "decode b8", "prompt", "decode b1 (batched-bench)")
+WORKLOADS = ("decode b1", TEXT_B1, "decode b8", "prompt", "decode b1 (batched-bench)")
 
 
 def _steps_per_s(workload: str, tokens: int, tok_s: float, per_step: float) -> float:
@@ -483,9 +510,10 @@ def format_table(rows: list[dict]) -> str:
     labels: dict[str, dict[str, dict]] = {}
     for r in sorted(rows, key=_row_order):
         labels.setdefault(row_label(r), {})[r["workload"]] = r
-    cols = ("decode b1", "decode b8", "prompt")
+    cols = ("decode b1", TEXT_B1, "decode b8", "prompt")
     out = ["| tokens/s (share of the memory's read bandwidth; x llama.cpp) | batch 1 decode | "
-           "batch 8 decode (all sequences) | 256-token prompt |", "|---|---|---|---|"]
+           "batch 1 decode, bench prompts (tokens a window) | batch 8 decode (all sequences) | "
+           "256-token prompt |", "|---|---|---|---|---|"]
     for label, per in labels.items():
         cells = []
         for c in cols:
@@ -494,7 +522,8 @@ def format_table(rows: list[dict]) -> str:
                 cells.append("")
                 continue
             cell = f"{r['tok_s']:.1f} ({r['share']:.0%}"
-            cell += f"; {r['vs_llama_cpp']:.2f}x)" if r["vs_llama_cpp"] is not None else ")"
+            cell += f"; {r['vs_llama_cpp']:.2f}x" if r["vs_llama_cpp"] is not None else ""
+            cell += f"; {r['tok_per_step']:.2f})" if c == TEXT_B1 and r["mode"] != "off" else ")"
             cells.append(cell)
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -644,11 +673,13 @@ def main(argv: list[str] | None = None) -> int:
                 raw.setdefault(("ours", weights, "off", "prompt"), []).append(
                     {"tok_s": tok_s, "gbps_before": memory[-1]["gbps"]})
                 return f"{tok_s:.1f}"
-            b = int(workload[-1])
+            b = int(re.search(r"b(\d+)", workload).group(1))
+            text_round = rounds_done[(weights, workload)] if workload == TEXT_B1 else None
+            rounds_done[(weights, workload)] += 1
             parts = []
             for mode, _k in OUR_MODES[weights]:
-                r = ours[weights].decode(mode, b)
-                first_tokens.setdefault((weights, b, mode), r.pop("tokens"))
+                r = ours[weights].decode(mode, b, text_round)
+                first_tokens.setdefault((weights, workload, mode), r.pop("tokens"))
                 r.pop("tokens", None)
                 r["gbps_before"] = memory[-1]["gbps"]
                 raw.setdefault(("ours", weights, mode, workload), []).append(r)
@@ -656,10 +687,13 @@ def main(argv: list[str] | None = None) -> int:
             return " ".join(parts)
         return f"ours {weights} {workload}", job
 
+    rounds_done: dict[tuple, int] = collections.Counter()
     jobs = []
     for workload in ("decode b1", "decode b8", "prompt"):
         for weights in ("bf16", "int8"):
             jobs += [peer_job(weights, workload), ours_job(weights, workload)]
+            if workload == "decode b1":
+                jobs.append(ours_job(weights, TEXT_B1))
     loads = []                     # the 1-minute load average before each timed job (a shared machine)
     for rep in range(args.reps):
         for label, job in (jobs if rep % 2 == 0 else jobs[::-1]):   # drift hits both sides alike
@@ -687,11 +721,11 @@ def main(argv: list[str] | None = None) -> int:
             r["int8_head"] = True
     from benchmarks.engine_step import first_difference
     lossless = {}                  # greedy: MTP k=1 / k=2 emit MTP off's tokens (first round)
-    for (weights, b, mode), toks in first_tokens.items():
+    for (weights, workload, mode), toks in first_tokens.items():
         if mode != "off":
-            ref = first_tokens[(weights, b, "off")]
+            ref = first_tokens[(weights, workload, "off")]
             diffs = [d for d in (first_difference(ref[r], toks[r]) for r in toks) if d is not None]
-            lossless[f"{weights} b{b} {mode}"] = {"same": not diffs, "requests_differing": len(diffs),
+            lossless[f"{weights} {workload} {mode}"] = {"same": not diffs, "requests_differing": len(diffs),
                                                   "earliest_position": min(diffs) if diffs else None}
     shown_commands = {t: {wl: " ".join(Path(c).name if i == 0 else _shown(c) if c.endswith(".gguf")
                                        else c for i, c in enumerate(cmd))

@@ -187,6 +187,7 @@ def test_summarize_shares_and_ratios():
     raw = {("llama.cpp", "bf16", "-", "decode b1"): [{"tok_s": 50.0}, {"tok_s": 60.0}, {"tok_s": 55.0}],
            ("ours", "bf16", "off", "decode b1"): [{"tok_s": 30.0, "tok_per_step": 1.0}],
            ("ours", "bf16", "k1", "decode b1"): [{"tok_s": 45.0, "tok_per_step": 1.8}],
+           ("ours", "bf16", "k2", peers.TEXT_B1): [{"tok_s": 66.0, "tok_per_step": 2.4}],
            ("ours", "int8", "off", "decode b8"): [{"tok_s": 80.0, "tok_per_step": 1.0}],
            ("llama.cpp", "int8", "-", "decode b8"): [{"tok_s": 100.0}],
            ("ours", "bf16", "off", "prompt"): [{"tok_s": 512.0}],
@@ -195,7 +196,7 @@ def test_summarize_shares_and_ratios():
 
     def bytes_of(side, weights, mode, tokens):
         seen.append((side, weights, mode, tokens))
-        return {"off": 400e6, "k1": 600e6, "-": 400e6}[mode] * (2 if tokens == 8 else 1)
+        return {"off": 400e6, "k1": 600e6, "k2": 440e6, "-": 400e6}[mode] * (2 if tokens == 8 else 1)
 
     gbps = 20.0
     rows = {(r["side"], r["weights"], r["mode"], r["workload"]): r for r in peers.summarize(raw, gbps, bytes_of)}
@@ -210,13 +211,16 @@ def test_summarize_shares_and_ratios():
     b8 = rows[("ours", "int8", "off", "decode b8")]
     assert b8["steps_s"] == pytest.approx(10.0)                     # 8 sequences a step
     assert b8["share"] == pytest.approx(800e6 * 10 / 20e9) and b8["vs_llama_cpp"] == pytest.approx(0.8)
+    text = rows[("ours", "bf16", "k2", peers.TEXT_B1)]             # set against llama.cpp's batch 1
+    assert text["vs_llama_cpp"] == pytest.approx(66 / 55) and text["steps_s"] == pytest.approx(66 / 2.4)
     prompt = rows[("ours", "bf16", "off", "prompt")]
     assert prompt["steps_s"] == pytest.approx(2.0) and prompt["vs_llama_cpp"] == pytest.approx(2.0)
     assert ("ours", "bf16", "off", peers.PROMPT_TOKENS) in seen and ("ours", "int8", "off", 8) in seen
     table = peers.format_table(list(rows.values()))
     assert "| llama.cpp bf16 | 55.0 (110%) |" in table
-    assert "| ours bf16, MTP k=1 | 45.0 (75%; 0.82x) |" in table
-    assert "ours W8A8_DYNAMIC, MTP off |  | 80.0 (40%; 0.80x) |" in table
+    assert "| ours bf16, MTP k=1 | 45.0 (75%; 0.82x) |  |" in table
+    assert "| ours bf16, MTP k=2 |  | 66.0 (60%; 1.20x; 2.40) |  |  |" in table     # tokens a window
+    assert "ours W8A8_DYNAMIC, MTP off |  |  | 80.0 (40%; 0.80x) |" in table
     assert "| ours bf16, MTP off | decode b1 | 30.0 |" in peers.format_details(list(rows.values()))
 
 
