@@ -38,16 +38,6 @@ def request_lengths(spec: str):
     return lambda i: lo + (i * 37) % (hi - lo + 1)
 
 
-def chat_prompts(checkpoint: Path) -> list[list[int]]:
-    """The bench prompts' last user turns, rendered by the checkpoint's chat template as
-    the daemon renders a request."""
-    from server.text.tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(checkpoint)
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p[-1]["content"]}],
-                                               tokenize=False, add_generation_prompt=True))
-            for p in harness.load_prompts()["prompts"]]
-
-
 def serve_round(eng, prompts: list[list[int]], concurrency: int, total: int, lengths,
                 tag: str) -> float:
     """Tokens/s of ``total`` requests at ``concurrency`` streams, each replaced as it ends."""
@@ -95,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     from server.model import load_checkpoint
     torch.set_num_threads(args.threads)
     model, _ = load_checkpoint(str(args.weights))
-    prompts = chat_prompts(args.weights)
+    prompts = harness.chat_prompt_ids(args.weights)
     lengths = request_lengths(args.lengths)
     engines = {}
     for m in modes:

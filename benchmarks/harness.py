@@ -623,6 +623,16 @@ def load_prompts() -> dict:
     return json.loads(PROMPTS_FILE.read_text())
 
 
+def chat_prompt_ids(checkpoint: Path) -> list[list[int]]:
+    """The bench prompts' last user turns as token ids, rendered by the checkpoint's chat
+    template as the daemon renders a request."""
+    from server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(checkpoint)
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p[-1]["content"]}],
+                                               tokenize=False, add_generation_prompt=True))
+            for p in load_prompts()["prompts"]]
+
+
 def levels(arg: str | None, default: str) -> list[int]:
     """Concurrency levels from ``--concurrency 1,16,64``."""
     return [int(x) for x in (arg or default).split(",")]

@@ -393,7 +393,7 @@ class Ours:
             log(f"{folder.name} {mode}: decode path {eng.runtime.decode_path}, ready in "
                 f"{time.perf_counter() - t1:.0f} s")
         self.prompt = engine_step.make_prompts(1, self.vocab, 7, PROMPT_TOKENS)[0]
-        self.text_prompts = bench_prompt_ids(folder)
+        self.text_prompts = harness.chat_prompt_ids(folder)
         for i in range(3):   # warm-up: the first prompts of a compiled engine may (re)compile
             engine_step.prompt_seconds(self.engines["off"], self.prompt, self.device, f"pw{i}")
         self.load_s = time.perf_counter() - t0
@@ -417,15 +417,6 @@ class Ours:
         """The mean of BENCH_REPS prefills, as llama-bench's prompt row."""
         return statistics.fmean(PROMPT_TOKENS / self.es.prompt_seconds(self.engines["off"], self.prompt, self.device)
                                 for _ in range(BENCH_REPS))
-
-
-def bench_prompt_ids(folder: Path) -> list[list[int]]:
-    """The bench prompts' first turns (benchmarks/prompts.json) as the checkpoint's
-    tokenizer and chat template render them for a chat request."""
-    from server.text.tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(folder)
-    return [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True))
-            for c in harness.load_prompts()["prompts"]]
 
 
 def summarize(raw: dict, gbps: float, bytes_of) -> list[dict]:
