@@ -60,6 +60,7 @@ class FlatCall:
     picks: int | tuple[int, ...]
     direct: object = None           # the graph's generated code, taking the inputs as a list
     scalars: bool = False           # ``direct`` takes numbers as tensors (a C++ wrapper)
+    outputs: int = 0                # how many outputs the graph returns
 
     def __call__(self, args: tuple):
         inputs = list(self.template)
@@ -106,6 +107,11 @@ class FlatCalls:
     def clear(self) -> None:
         self._calls.clear()
         self._graphs.clear()
+
+    def learned_call(self, graph, index: int) -> FlatCall | None:
+        """The learned call of ``graph`` for layer ``index`` (None: not learned, or refused)."""
+        flat = self._calls.get((id(graph), index))
+        return flat if isinstance(flat, FlatCall) else None
 
     def call(self, graph, index: int, args: tuple):
         key = (id(graph), index)
@@ -159,7 +165,7 @@ def _learn(graph, args: tuple):
     if picks is None:
         return result, "a result that is not one of the graph's outputs"
     direct, scalars = _direct(seen)
-    return result, FlatCall(seen["compiled"], tuple(template), tuple(slots), picks, direct, scalars)
+    return result, FlatCall(seen["compiled"], tuple(template), tuple(slots), picks, direct, scalars, len(out))
 
 
 def _direct(seen: dict) -> tuple[object, bool]:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from server.model.batch import DecodeMetadata
 from server.model.flat_calls import FlatCalls
+from server.model.layer_chain import LayerChains, cache_tensors
 from server.model.layers.latent_cache import (
     Int8LatentCache,
     LatentCache,
@@ -40,6 +41,7 @@ from server.model.layers.latent_cache import (
     int8_write,
 )
 from server.model.layers.linear import Linear
+from server.model.layers.moe import MoE
 from server.model.quant.experts import GROUPED_ROWS
 
 
@@ -226,6 +228,9 @@ class StaticDecoder:
         self._last: tuple[DecodeMetadata, dict[bool, tuple]] | None = None
         # Each graph's calls, per layer, below Dynamo's bytecode once learned (flat_calls.py).
         self.flat_calls = FlatCalls()
+        # The main forward's layer graphs called back to back from C++, per kind of window,
+        # once every layer's call is learned (layer_chain.py).
+        self.chains = LayerChains()
 
     @property
     def compiled(self) -> bool:
@@ -245,6 +250,7 @@ class StaticDecoder:
         self._graphs = dict(graphs)
         self._graphs_form = self.kv_form
         self.flat_calls.clear()
+        self.chains.clear()
 
     def kind(self, index: int) -> str:
         """"dense" (plain MLP), "moe" (dense-computed MoE) or "half" (attention compiled,
@@ -376,12 +382,17 @@ class StaticDecoder:
         return args
 
     def run_layer(self, index: int, x: torch.Tensor, meta: DecodeMetadata,
-                  cache: torch.Tensor) -> torch.Tensor:
+                  cache: torch.Tensor, record: list | None = None) -> torch.Tensor:
+        """One layer; ``record``: where the forward collects its layers' calls to make a
+        layer chain of them (``LayerChains.make``)."""
         graphs = ("int8" if isinstance(cache, tuple) else "float") == self._graphs_form
         kind = self._kind_for(index, meta, graphs)
         fn, windowed, graph = self._graph(kind, meta) if graphs else (self.function(kind), False, False)
         args = self._args(index, kind, x, self._window(meta, windowed), meta, cache, windowed)
         out = self.flat_calls.call(fn, index, args) if graph else fn(*args)
+        if record is not None:
+            record.append((self.flat_calls.learned_call(fn, index) if graph else None, args,
+                           _hidden_at(kind), windowed))
         if kind.startswith("half"):            # routed dispatch, eager (reads counts on the host)
             x, h = out
             return x + self._layers[index].mlp(h)
@@ -403,9 +414,28 @@ class StaticDecoder:
     def forward(self, input_ids: torch.Tensor, meta: DecodeMetadata, caches: list) -> torch.Tensor:
         m = self.model
         x = m.model.embed_tokens(input_ids)
-        for i in range(m.config.num_hidden_layers):
-            x = self.run_layer(i, x, meta, _data(caches[i]))
+        n = m.config.num_hidden_layers
+        key = self._chain_key(meta, caches)
+        found = self.chains.find(key, MoE.stack_builds()) if key is not None else None
+        if found is not None:
+            chain, windowed = found
+            window = (*self._window(meta, windowed), meta.block_tables)
+            flat = [t for i in range(n) for t in cache_tensors(_data(caches[i]))]
+            return m.model.norm(torch.ops.mtp_native.chain_run(chain, x, window, flat))
+        record = [] if key is not None and self.chains.wanted(key) else None
+        for i in range(n):
+            x = self.run_layer(i, x, meta, _data(caches[i]), record)
+        if record is not None:
+            self.chains.make(key, record, MoE.stack_builds())
         return m.model.norm(x)
+
+    def _chain_key(self, meta: DecodeMetadata, caches: list) -> tuple | None:
+        """What decides each layer's graph in a main forward over this window (``_kind_for``,
+        ``_graph``): the kind of layer chain it takes.  None where it runs no graphs."""
+        if not self._graphs or not caches or \
+                ("int8" if isinstance(_data(caches[0]), tuple) else "float") != self._graphs_form:
+            return None
+        return meta.query_len, meta.num_seqs == 1, meta.num_seqs * meta.query_len <= self._gather_max_tokens
 
     def mtp_forward(self, x: torch.Tensor, meta: DecodeMetadata, caches: list, layer: int) -> torch.Tensor:
         """x: the MTP layer's combined input [T, H] -> its block output [T, H]."""
@@ -422,6 +452,12 @@ class StaticDecoder:
         if windowed not in layouts:
             layouts[windowed] = _windowed(layouts[False], meta.num_seqs)
         return layouts[windowed]
+
+
+def _hidden_at(kind: str) -> int:
+    """Where ``StaticDecoder._args`` puts the hidden state among a layer's arguments: after
+    its modules (attention, two norms, and the MLP but for "half")."""
+    return 3 if kind.partition(".")[0] == "half" else 4
 
 
 def _make(layer) -> tuple:

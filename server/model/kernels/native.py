@@ -192,20 +192,21 @@ _ENTRY_POINTS = ("bf16_mm", "bf16_rows", "bf16_attend", "bf16_attend_paged", "bf
 
 def _build_ops(cxx: str) -> Path:
     from torch.utils.cpp_extension import include_paths, library_paths
-    source = _HERE / "ops.cpp"
+    # ops.cpp: the kernels as operators; layer_chain.cpp: a step's layer graphs called from C++.
+    sources = [_HERE / "ops.cpp", _HERE / "layer_chain.cpp"]
     flags = ["-O2", "-shared", "-fPIC", "-std=c++17", "-w"]
     flags += [f"-I{p}" for p in include_paths()]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     links = [f"-L{p}" for p in library_paths()] + ["-ltorch_cpu", "-lc10"]
-    tag = hashlib.sha256(source.read_bytes() + cxx.encode() + " ".join(flags).encode()
+    tag = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + cxx.encode() + " ".join(flags).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     root = kernel_settings().kernel_cache
     built = root / f"ops-{tag}.so"
     if not built.exists():
         root.mkdir(parents=True, exist_ok=True)
         part = built.with_name(f"{built.name}.{os.getpid()}.part")
-        done = subprocess.run([cxx, *flags, "-o", str(part), str(source), *links],
+        done = subprocess.run([cxx, *flags, "-o", str(part), *map(str, sources), *links],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(done.stderr.strip()[-500:] or f"{cxx} exited {done.returncode}")

@@ -20,6 +20,9 @@ from server.model.layers.mlp import MLP
 # ~85 tokens; DeepSeek-V3's 256 large experts: never).
 DENSE_MOE_MAX_MACS = 1 << 24
 
+# Expert stacks built so far, by every MoE (MoE.stack_builds).
+_STACK_BUILDS = 0
+
 
 class MoEGate(nn.Module, UsesProducts):
     """Router: scores every routed expert, keeps ``num_experts_per_tok`` per token.
@@ -224,7 +227,16 @@ class MoE(nn.Module, UsesProducts):
                 m.gate_up = gate_up["weight"][e]
         self._stack_params = self._stack_key = self._stack = None   # the dense stack re-reads
         self._gather = tuple(gate_up[n] for n in names) + tuple(down[n] for n in names)
+        global _STACK_BUILDS
+        _STACK_BUILDS += 1
         return self._gather
+
+    @staticmethod
+    def stack_builds() -> int:
+        """How many times any MoE built its expert stacks: what holds on to stacks across
+        steps without asking ``expert_stacks`` (model/layer_chain.py) drops them when it
+        moves."""
+        return _STACK_BUILDS
 
     def _current_stacks(self) -> tuple[torch.Tensor, ...] | None:
         """The stacks ``expert_stacks`` built, while the experts' weights are still views

@@ -1,0 +1,87 @@
+"""A step's layer graphs called back to back from C++ (model/layer_chain.py): the chain
+runs the very graphs the layer-by-layer path runs, so its hidden state and the cache rows it
+writes are theirs bit for bit; where a layer's call is not a C++ wrapper's, no chain."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.model.batch import DecodeMetadata
+from server.model.layer_chain import available
+
+
+def _graphs(model, tmp_path: Path, q: int, lone: bool) -> dict:
+    """Every layer kind's static graph for ``q``-token windows (C++ wrapper)."""
+    from server.engine.worker import compile_step
+    device = torch.device("cpu")
+    dec = model.static_decoder
+    graphs = {}
+    with torch.inference_mode():
+        for kind, index in dec.layer_kinds().items():
+            if not kind.startswith(("dense", "gmoe")):     # what a window of few tokens takes
+                continue
+            args = compile_step._example(model, index, q, lone, 8, device, True, kind)
+            fn = dec.function(kind, not lone)
+            path = Path(tempfile.mkdtemp(dir=tmp_path)) / "g.bin"
+            graphs[(kind, f"q{q}", lone)], _ = compile_step._load_or_compile(fn, args, path, device, static=True)
+    return graphs
+
+
+def _step(model, seqs: int, q: int, caches: list, start: int) -> torch.Tensor:
+    tables = [[1 + 2 * s, 2 + 2 * s] for s in range(seqs)]
+    meta = DecodeMetadata.build([start + s for s in range(seqs)], q, tables, 8, torch.device("cpu"))
+    ids = torch.arange(seqs * q) % model.config.vocab_size + 3
+    with torch.inference_mode():
+        return model.static_decoder.forward(ids, meta, caches)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not available(), reason="layer_chain.cpp is built with ops.cpp: no kernel library here")
+@pytest.mark.parametrize("seqs", [1, 2], ids=["lone", "batch"])
+def test_a_chain_emits_and_writes_what_the_layers_one_by_one_do(tmp_path, monkeypatch, seqs):
+    from server.engine.worker import compile_step
+    from server.model.loading import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    monkeypatch.setenv(compile_step.CPP_WRAPPER_ENV, "1")    # the serving default (the suite's is 0)
+    model, _ = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=3), dtype=torch.bfloat16)
+    model.eval()
+    dec = model.static_decoder
+    dec.prepare()
+    dec.use_graphs(_graphs(model, tmp_path, 1, seqs == 1))
+    n = model.config.num_hidden_layers
+    caches = [torch.randn(2 * seqs + 2, 8, model.kv_cache_dim).to(torch.bfloat16) for _ in range(n)]
+    first = _step(model, seqs, 1, caches, 5)               # learns each layer's call, makes the chain
+    assert dec.chains.made == 1, dec.chains.reasons
+    outs, layers = {}, []
+    real = dec.run_layer
+    monkeypatch.setattr(dec, "run_layer", lambda i, *a: layers.append(i) or real(i, *a))
+    for chained in (True, False, True):
+        dec.chains.enabled = chained
+        mine = [c.clone() for c in caches]
+        layers.clear()
+        outs.setdefault(chained, []).append((_step(model, seqs, 1, mine, 6), mine))
+        assert layers == ([] if chained else list(range(n)))
+    (a, ca), (b, cb) = outs[True][0], outs[False][0]
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ca, cb))
+    assert torch.equal(outs[True][1][0], a)
+    assert not torch.equal(a, first)                        # another position, other rows
+    assert any(not torch.equal(c, m) for c, m in zip(caches, ca))   # the step wrote its rows
+    # Graphs with Python wrappers: no chain, the layers one by one.
+    dec.use_graphs({})
+    assert dec.chains.made == 1 and not dec.chains._chains
+
+
+@pytest.mark.skipif(not available(), reason="layer_chain.cpp is built with ops.cpp: no kernel library here")
+def test_bad_chain_arguments_raise_and_never_reach_a_wrapper():
+    ops = torch.ops.mtp_native
+    with pytest.raises(RuntimeError, match="no entry point"):
+        ops.chain_add(0, 0, 1, 0, False, 0, [0, 0, -1], [torch.zeros(1)])
+    with pytest.raises(RuntimeError, match="constant 3 of 1"):
+        ops.chain_add(0, 1, 1, 0, False, 0, [0, 3, -1], [torch.zeros(1)])
+    with pytest.raises(RuntimeError, match="output 2 of 1"):
+        ops.chain_add(0, 1, 1, 2, False, 0, [], [])
+    with pytest.raises(RuntimeError, match="no chain 123456"):
+        ops.chain_run(123456, torch.zeros(1), [], [])
