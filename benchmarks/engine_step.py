@@ -99,21 +99,24 @@ def _sync(device: torch.device) -> None:
 
 
 class LayerTimer:
-    """Seconds spent in ``StaticDecoder.run_layer`` (every decoder-layer call of a static
-    step: the compiled graphs where compiled), read per step by ``run``."""
+    """Seconds spent in ``StaticDecoder.run_layer`` and ``run_chain`` (every decoder-layer
+    call of a static step: the compiled graphs where compiled, one by one or chained), read
+    per step by ``run``."""
 
     def __init__(self) -> None:
         from server.model.static_decode import StaticDecoder
         self.seconds = 0.0
-        inner = StaticDecoder.run_layer
+        for name in ("run_layer", "run_chain"):
+            setattr(StaticDecoder, name, self._timed(getattr(StaticDecoder, name)))
 
+    def _timed(self, inner):
         def timed(decoder, *a, **kw):
             t0 = time.perf_counter()
             try:
                 return inner(decoder, *a, **kw)
             finally:
                 self.seconds += time.perf_counter() - t0
-        StaticDecoder.run_layer = timed
+        return timed
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: torch.device,

@@ -418,16 +418,21 @@ class StaticDecoder:
         key = self._chain_key(meta, caches)
         found = self.chains.find(key, MoE.stack_builds()) if key is not None else None
         if found is not None:
-            chain, windowed = found
-            window = (*self._window(meta, windowed), meta.block_tables)
-            flat = [t for i in range(n) for t in cache_tensors(_data(caches[i]))]
-            return m.model.norm(torch.ops.mtp_native.chain_run(chain, x, window, flat))
+            return m.model.norm(self.run_chain(found, x, meta, caches))
         record = [] if key is not None and self.chains.wanted(key) else None
         for i in range(n):
             x = self.run_layer(i, x, meta, _data(caches[i]), record)
         if record is not None:
             self.chains.make(key, record, MoE.stack_builds())
         return m.model.norm(x)
+
+    def run_chain(self, found: tuple[int, bool], x: torch.Tensor, meta: DecodeMetadata,
+                  caches: list) -> torch.Tensor:
+        """Every layer of the main forward through the chain ``found`` (``LayerChains.find``)."""
+        chain, windowed = found
+        window = (*self._window(meta, windowed), meta.block_tables)
+        flat = [t for i in range(self.model.config.num_hidden_layers) for t in cache_tensors(_data(caches[i]))]
+        return torch.ops.mtp_native.chain_run(chain, x, window, flat)
 
     def _chain_key(self, meta: DecodeMetadata, caches: list) -> tuple | None:
         """What decides each layer's graph in a main forward over this window (``_kind_for``,
