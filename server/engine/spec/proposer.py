@@ -34,6 +34,7 @@ from server.engine.batch.metadata import build_metadata
 from server.engine.batch.request_state import RequestState
 from server.engine.batch.window import StepWindow, WindowForm
 from server.engine.sample import sampler
+from server.engine.sample.greedy import greedy_ids
 from server.engine.spec.deferred_kv import DeferredMTPWrites
 from server.engine.spec.policy import SpecPolicy
 from server.model.batch import BatchMetadata, DecodeMetadata
@@ -369,7 +370,7 @@ def run_draft_passes(model, kv_caches: list[torch.Tensor], k: int, first: BatchM
         if c == 0 and draft_mask is not None:
             logits = draft_mask.apply(logits)
         if meta is None:
-            tok, q = logits.argmax(-1), None
+            tok, q = greedy_ids(logits), None
         else:
             tok, q = sampler.sample_rows(logits, meta, sampler.STREAM_DRAFT, context)
         ids.append(tok)

@@ -23,6 +23,7 @@ from server.engine.batch.request_state import RequestState
 from server.engine.batch.window import StepWindow, WindowForm
 from server.engine.protocol import TokenLogprob
 from server.engine.sample import grammar_masks, sampler
+from server.engine.sample.greedy import greedy_ids
 from server.engine.spec.proposer import DraftMask, DraftPasses, DraftResult
 from server.engine.spec.verifier import greedy_accept, verify
 from server.model.batch import DecodeMetadata
@@ -129,7 +130,7 @@ class ModelRunner:
         want_lp = [s.sampling.logprobs for s in states]
         lp = None
         if self._greedy_on_host(states, w, want_lp):
-            sampled = greedy_accept(vlogits.argmax(-1).view(len(states), w.K + 1).tolist(),
+            sampled = greedy_accept(greedy_ids(vlogits).view(len(states), w.K + 1).tolist(),
                                     w.drafts.tolist())
         else:
             tokens, num_acc = self._verify(states, starts, n_new, nd, w, vlogits)
@@ -256,7 +257,7 @@ class ModelRunner:
             # Static window (K + 1 rows per request) and raw-argmax requests: no sampling
             # metadata to build, no padding to scatter.
             nd_t = torch.full((S_,), K, dtype=torch.int64, device=dev)
-            return verify(None, logits.argmax(-1).view(S_, K + 1), w.drafts, None, nd_t, None, None)
+            return verify(None, greedy_ids(logits).view(S_, K + 1), w.drafts, None, nd_t, None, None)
         samp = [sampler.SeqSamplingInput(st.sampling, st.seed, d + 1, s0 + n, st.num_output_tokens,
                                    *st.penalty_context(), st.stop_ids)
                 for st, d, s0, n in zip(states, nd, starts, n_new)]
