@@ -40,10 +40,45 @@ def _step(model, seqs: int, q: int, caches: list, start: int) -> torch.Tensor:
         return model.static_decoder.forward(ids, meta, caches)
 
 
+def _caches(model, seqs: int, form: str) -> list:
+    """A float or int8 latent cache a main layer, random rows."""
+    from server.model.layers.latent_cache import Int8LatentCache
+    c, blocks = model.config, 2 * seqs + 2
+    caches = []
+    for _ in range(c.num_hidden_layers):
+        if form == "float":
+            caches.append(torch.randn(blocks, 8, model.kv_cache_dim).to(torch.bfloat16))
+            continue
+        cache = Int8LatentCache(blocks, 8, c.kv_lora_rank, c.qk_rope_head_dim, torch.bfloat16, torch.device("cpu"))
+        cache.latent.copy_(torch.randint(-127, 128, cache.latent.shape, dtype=torch.int8))
+        cache.scale.uniform_(0.001, 0.02)
+        cache.rope.copy_(torch.randn(cache.rope.shape))
+        caches.append(cache)
+    return caches
+
+
+def _tensors(caches: list) -> list[torch.Tensor]:
+    return [t for c in caches for t in ((c,) if isinstance(c, torch.Tensor) else c.block_tensors())]
+
+
+def _clone(caches: list) -> list:
+    out = []
+    for c in caches:
+        if isinstance(c, torch.Tensor):
+            out.append(c.clone())
+            continue
+        copy = type(c).__new__(type(c))
+        copy.__dict__.update(c.__dict__)
+        copy.latent, copy.scale, copy.rope = c.latent.clone(), c.scale.clone(), c.rope.clone()
+        out.append(copy)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not available(), reason="layer_chain.cpp is built with ops.cpp: no kernel library here")
-@pytest.mark.parametrize("seqs", [1, 2], ids=["lone", "batch"])
-def test_a_chain_emits_and_writes_what_the_layers_one_by_one_do(tmp_path, monkeypatch, seqs):
+@pytest.mark.parametrize("seqs, form", [(1, "float"), (2, "float"), (1, "int8")],
+                         ids=["lone", "batch", "lone-int8-kv"])
+def test_a_chain_emits_and_writes_what_the_layers_one_by_one_do(tmp_path, monkeypatch, seqs, form):
     from server.engine.worker import compile_step
     from server.model.loading import load_checkpoint
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
@@ -54,11 +89,12 @@ def test_a_chain_emits_and_writes_what_the_layers_one_by_one_do(tmp_path, monkey
     model.eval()
     dec = model.static_decoder
     dec.prepare()
+    dec.kv_form = form                                      # the graphs are made for this cache
     graphs = _graphs(model, tmp_path, 1, seqs == 1)
     assert len(graphs) == 1, graphs
     dec.use_graphs(graphs)
     n = model.config.num_hidden_layers
-    caches = [torch.randn(2 * seqs + 2, 8, model.kv_cache_dim).to(torch.bfloat16) for _ in range(n)]
+    caches = _caches(model, seqs, form)
     first = _step(model, seqs, 1, caches, 5)               # learns each layer's call, makes the chain
     assert dec.chains.made == 1, dec.chains.reasons
     outs, layers = {}, []
@@ -66,16 +102,16 @@ def test_a_chain_emits_and_writes_what_the_layers_one_by_one_do(tmp_path, monkey
     monkeypatch.setattr(dec, "run_layer", lambda i, *a: layers.append(i) or real(i, *a))
     for chained in (True, False, True):
         dec.chains.enabled = chained
-        mine = [c.clone() for c in caches]
+        mine = _clone(caches)
         layers.clear()
-        outs.setdefault(chained, []).append((_step(model, seqs, 1, mine, 6), mine))
+        outs.setdefault(chained, []).append((_step(model, seqs, 1, mine, 6), _tensors(mine)))
         assert layers == ([] if chained else list(range(n)))
     (a, ca), (b, cb) = outs[True][0], outs[False][0]
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ca, cb))
     assert torch.equal(outs[True][1][0], a)
     assert not torch.equal(a, first)                        # another position, other rows
-    assert any(not torch.equal(c, m) for c, m in zip(caches, ca))   # the step wrote its rows
-    # Graphs with Python wrappers: no chain, the layers one by one.
+    assert any(not torch.equal(c, m) for c, m in zip(_tensors(caches), ca))   # the step wrote its rows
+    # Other graphs: the chains go with the calls they were made of.
     dec.use_graphs({})
     assert dec.chains.made == 1 and not dec.chains._chains
 
