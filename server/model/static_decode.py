@@ -437,8 +437,7 @@ class StaticDecoder:
     def _chain_key(self, meta: DecodeMetadata, caches: list) -> tuple | None:
         """What decides each layer's graph in a main forward over this window (``_kind_for``,
         ``_graph``): the kind of layer chain it takes.  None where it runs no graphs."""
-        if not self._graphs or not caches or \
-                ("int8" if isinstance(_data(caches[0]), tuple) else "float") != self._graphs_form:
+        if not self._graphs or not caches or kv_form(caches) != self._graphs_form:
             return None
         return meta.query_len, meta.num_seqs == 1, meta.num_seqs * meta.query_len <= self._gather_max_tokens
 
