@@ -20,6 +20,10 @@ DRAFT_HEAD_ENV = "MTP_SERVE_DRAFT_HEAD"         # the MTP drafts' head (engine/s
 # auto: an int8 copy where the head is 16-bit and an int8 kernel of ours serves this CPU;
 # model: the model's own head; int8: an int8 copy wherever an int8 backend runs.
 DRAFT_HEADS = ("auto", "model", "int8")
+DRAFT_LAYER_ENV = "MTP_SERVE_DRAFT_LAYER"       # the MTP layer's weights (engine/spec/draft_layer.py)
+# auto: int8 where the layer is 16-bit and an int8 kernel of ours serves this CPU; model:
+# as loaded; int8: int8 wherever the layer's products are float.  Same values as the head's.
+DRAFT_LAYERS = DRAFT_HEADS
 
 # int_mm: torch._int_mm (oneDNN, VNNI/AMX); int8pack: torch._weight_int8pack_mm (16-bit
 # models); avx2: half_avx2.c's int8 product; vnni: avx512_vnni.c's; float: the exact
@@ -43,6 +47,7 @@ class KernelSettings:
     half_kernel: bool = True
     kernel_cache: Path = Path.home() / ".cache" / "mtp-serve" / "kernels"
     draft_head: str = "auto"
+    draft_layer: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,11 @@ def problems(env: Mapping[str, str]) -> list[Problem]:
         raw = env.get(name, "").strip().lower()
         if raw and raw not in ("auto",) + allowed:
             out.append(Problem(name, raw, "auto, " + ", ".join(allowed), "not a backend"))
-    head = env.get(DRAFT_HEAD_ENV, "").strip().lower()
-    if head and head not in DRAFT_HEADS:
-        out.append(Problem(DRAFT_HEAD_ENV, head, ", ".join(DRAFT_HEADS), "not a draft head"))
+    for name, allowed, what in ((DRAFT_HEAD_ENV, DRAFT_HEADS, "a draft head"),
+                                (DRAFT_LAYER_ENV, DRAFT_LAYERS, "a draft layer form")):
+        raw = env.get(name, "").strip().lower()
+        if raw and raw not in allowed:
+            out.append(Problem(name, raw, ", ".join(allowed), "not " + what))
     kernel = env.get(KERNEL_ENV, "1").strip()
     if kernel not in ("0", "1"):
         out.append(Problem(KERNEL_ENV, kernel, "1 (build half_avx2.c), 0 (never)", "not a switch"))
@@ -87,4 +94,5 @@ def parse(env: Mapping[str, str]) -> KernelSettings:
                           env.get(HALF_ENV, "").strip().lower() or "auto",
                           env.get(KERNEL_ENV, "1").strip() != "0",
                           Path(cache) if cache else KernelSettings.kernel_cache,
-                          env.get(DRAFT_HEAD_ENV, "").strip().lower() or "auto")
+                          env.get(DRAFT_HEAD_ENV, "").strip().lower() or "auto",
+                          env.get(DRAFT_LAYER_ENV, "").strip().lower() or "auto")

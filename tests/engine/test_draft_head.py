@@ -1,7 +1,9 @@
 """An int8 copy of the MTP head for the drafts only (server/engine/spec/draft_head.py,
-``MTP_SERVE_DRAFT_HEAD``): verification keeps the model's own head, so greedy tokens with
-MTP stay those of MTP off and acceptance stays near the model head's; a bad setting is
-refused before anything loads; "auto" leaves float32 heads alone."""
+``MTP_SERVE_DRAFT_HEAD``), and the MTP layer's own products in int8
+(engine/spec/draft_layer.py, ``MTP_SERVE_DRAFT_LAYER``): verification keeps the model's own
+weights, so greedy tokens with MTP stay those of MTP off and acceptance stays near the
+float layer's; a bad setting is refused before anything loads; "auto" leaves float32
+layers alone."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +13,7 @@ from server.config import kernel_env
 from server.engine.protocol import SamplingParams
 from server.model.kernels import settings
 from server.engine.spec import draft_head as dh
+from server.engine.spec import draft_layer as dl
 from server.model.quant.linear import QuantLinear
 from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_tokens
 
@@ -50,6 +53,57 @@ def test_int8_drafts_keep_the_tokens_and_the_acceptance(monkeypatch):
     calls = []
     forward = head.forward
     head.forward = lambda x: (calls.append(x.shape[0]), forward(x))[1]
+    got_int8 = run_tokens(on_int8, requests(ps, GREEDY))
+    assert calls                                    # the drafts took it
+    assert got_model == off and got_int8 == off
+    a_model, a_int8 = on_model.stats().acceptance_rate, on_int8.stats().acceptance_rate
+    assert a_model > 0.5 and abs(a_int8 - a_model) <= 0.05, (a_model, a_int8)
+
+
+# -- the MTP layer's own products in int8 (server/engine/spec/draft_layer.py) -----------------
+
+def _with_layer(monkeypatch, value: str) -> None:
+    chosen = kernel_env.parse({kernel_env.DRAFT_LAYER_ENV: value})
+    monkeypatch.setattr(settings, "kernel_settings", lambda: chosen)
+
+
+def test_a_bad_layer_setting_is_refused_naming_the_variable():
+    found = kernel_env.problems({kernel_env.DRAFT_LAYER_ENV: "int4"})
+    assert [p.variable for p in found] == ["MTP_SERVE_DRAFT_LAYER"]
+    assert "auto, model, int8" in str(found[0])
+    assert kernel_env.parse({}).draft_layer == "auto"
+
+
+def test_auto_model_and_rank_groups_leave_the_layer_as_loaded(monkeypatch):
+    model = high_acceptance_model()
+    for value in ("auto", "model"):
+        _with_layer(monkeypatch, value)
+        assert dl.int8_draft_layers(model) == 0
+    _with_layer(monkeypatch, "int8")
+    assert dl.int8_draft_layers(model, grouped=True) == 0
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_an_int8_draft_layer_keeps_the_tokens_and_the_acceptance(monkeypatch):
+    ps = prompts(6, seed=5)
+    model = high_acceptance_model()
+    off = run_tokens(make_engine(model, 0), requests(ps, GREEDY))
+    on_model = make_engine(model, 1, adaptive_speculation=False)
+    got_model = run_tokens(on_model, requests(ps, GREEDY))
+
+    _with_layer(monkeypatch, "int8")
+    converted = high_acceptance_model()
+    on_int8 = make_engine(converted, 1, adaptive_speculation=False)
+    mtp = converted._mtp(0)
+    assert isinstance(mtp.eh_proj, QuantLinear) and mtp.eh_proj.weight.dtype == torch.int8
+    assert isinstance(mtp.self_attn.q_a_proj, QuantLinear)
+    assert isinstance(mtp.mlp.experts[0].down_proj, QuantLinear)
+    assert not isinstance(mtp.self_attn.kv_b_proj, QuantLinear)      # read as raw matrices
+    assert not isinstance(mtp.shared_head.head, QuantLinear)         # the head has its own switch
+    assert not any(isinstance(m, QuantLinear) for m in converted.model.layers[0].modules())
+    calls = []
+    forward = mtp.eh_proj.forward
+    mtp.eh_proj.forward = lambda x: (calls.append(x.shape[0]), forward(x))[1]
     got_int8 = run_tokens(on_int8, requests(ps, GREEDY))
     assert calls                                    # the drafts took it
     assert got_model == off and got_int8 == off

@@ -16,7 +16,6 @@ never.  It costs half the head's bytes in memory (0.9 GB for DeepSeek-V3's 12928
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
@@ -45,7 +44,8 @@ def wants_int8(head: nn.Module, setting: str, backend: Callable[[], str]) -> boo
 
 
 def int8_head(head: Linear, backend: str) -> QuantLinear:
-    """``head`` [V, H] as a W8A8_DYNAMIC layer: symmetric int8 per output row."""
+    """``head`` [V, H] (any plain linear without a bias) as a W8A8_DYNAMIC layer:
+    symmetric int8 per output row."""
     w = head.weight.detach().float()
     scale = row_scales(w)                                            # [V, 1], as activations'
     q = QuantLinear(head.in_features, head.out_features, "w8a8_dynamic", backend=backend)
@@ -60,18 +60,20 @@ def draft_head(model) -> QuantLinear | None:
     if not getattr(model, "num_mtp_layers", 0):
         return None
     head = model._mtp(0).shared_head.head
-    settings = kernel_env.kernel_settings()
 
-    @functools.cache
     def backend() -> str:
-        # The operator's int8 backend where one is forced ($MTP_SERVE_INT8_BACKEND), else
-        # the fastest measured here (once a process; a W8A8 model's load measured it).
-        if settings.int8_backend != "auto":
-            return settings.int8_backend
-        return fastest_int8_backend(head.weight.device, head.weight.dtype)
+        return int8_backend(head.weight.dtype)
 
-    if not wants_int8(head, settings.draft_head, backend):
+    if not wants_int8(head, kernel_env.kernel_settings().draft_head, backend):
         return None
     log.info("MTP drafts take an int8 copy of the vocabulary head (%s, %.0f MB; verification "
              "keeps the model's own)", backend(), head.weight.numel() / 1e6)
     return int8_head(head, backend())
+
+
+def int8_backend(dtype: torch.dtype) -> str:
+    """The int8 backend of the drafts' weights: the operator's where one is forced
+    ($MTP_SERVE_INT8_BACKEND), else the fastest measured here for a model of ``dtype``
+    (measured once a process, quant/int8.py; a W8A8 model's load measured it)."""
+    forced = kernel_env.kernel_settings().int8_backend
+    return forced if forced != "auto" else fastest_int8_backend("cpu", dtype)

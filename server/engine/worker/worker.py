@@ -39,6 +39,7 @@ from server.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerInf
 from server.engine.runtime import lookahead_slots
 from server.engine.sample import grammar
 from server.engine.spec.draft_head import draft_head
+from server.engine.spec.draft_layer import int8_draft_layers
 from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.engine.spec.prediction import WINDOW_GAIN, PredictedDrafts, window_drafts
 from server.engine.spec.proposer import MTPProposer, NoProposer
@@ -82,6 +83,9 @@ class Worker:
         self._draft_failures: dict[str, str] = {}     # request id -> why, failed next step
         self.device = torch.device(cfg.device)
         k = num_spec_tokens
+        if k:
+            # Before anything stacks or packs the layer's weights (engine/spec/draft_layer.py).
+            int8_draft_layers(model, grouped=group is not None)
         self.chained = max(0, k - 1)          # positions MTP's chained passes write past a window
         spec = self._allocate_kv(model, cfg, k)
         self.kv_transfer = KVTransfer(
