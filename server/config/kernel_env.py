@@ -24,6 +24,10 @@ DRAFT_LAYER_ENV = "MTP_SERVE_DRAFT_LAYER"       # the MTP layer's weights (engin
 # auto: int8 where the layer is 16-bit and an int8 kernel of ours serves this CPU; model:
 # as loaded; int8: int8 wherever the layer's products are float.  Same values as the head's.
 DRAFT_LAYERS = DRAFT_HEADS
+GREEDY_HEAD_ENV = "MTP_SERVE_GREEDY_HEAD"       # greedy steps' head (engine/sample/screened_head.py)
+# auto: screen through an int8 copy where the argmax stays exact and the int8 kernel is
+# ours; model: always the whole head.
+GREEDY_HEADS = ("auto", "model")
 
 # int_mm: torch._int_mm (oneDNN, VNNI/AMX); int8pack: torch._weight_int8pack_mm (16-bit
 # models); avx2: half_avx2.c's int8 product; vnni: avx512_vnni.c's; float: the exact
@@ -48,6 +52,7 @@ class KernelSettings:
     kernel_cache: Path = Path.home() / ".cache" / "mtp-serve" / "kernels"
     draft_head: str = "auto"
     draft_layer: str = "auto"
+    greedy_head: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ def problems(env: Mapping[str, str]) -> list[Problem]:
         if raw and raw not in ("auto",) + allowed:
             out.append(Problem(name, raw, "auto, " + ", ".join(allowed), "not a backend"))
     for name, allowed, what in ((DRAFT_HEAD_ENV, DRAFT_HEADS, "a draft head"),
-                                (DRAFT_LAYER_ENV, DRAFT_LAYERS, "a draft layer form")):
+                                (DRAFT_LAYER_ENV, DRAFT_LAYERS, "a draft layer form"),
+                                (GREEDY_HEAD_ENV, GREEDY_HEADS, "a greedy head")):
         raw = env.get(name, "").strip().lower()
         if raw and raw not in allowed:
             out.append(Problem(name, raw, ", ".join(allowed), "not " + what))
@@ -95,4 +101,5 @@ def parse(env: Mapping[str, str]) -> KernelSettings:
                           env.get(KERNEL_ENV, "1").strip() != "0",
                           Path(cache) if cache else KernelSettings.kernel_cache,
                           env.get(DRAFT_HEAD_ENV, "").strip().lower() or "auto",
-                          env.get(DRAFT_LAYER_ENV, "").strip().lower() or "auto")
+                          env.get(DRAFT_LAYER_ENV, "").strip().lower() or "auto",
+                          env.get(GREEDY_HEAD_ENV, "").strip().lower() or "auto")

@@ -74,8 +74,13 @@ def test_a_bad_layer_setting_is_refused_naming_the_variable():
     assert kernel_env.parse({}).draft_layer == "auto"
 
 
+def _fresh_model():
+    """Not the helpers' cached model: the conversion is in place."""
+    return high_acceptance_model.__wrapped__()
+
+
 def test_auto_model_and_rank_groups_leave_the_layer_as_loaded(monkeypatch):
-    model = high_acceptance_model()
+    model = _fresh_model()
     for value in ("auto", "model"):
         _with_layer(monkeypatch, value)
         assert dl.int8_draft_layers(model) == 0
@@ -92,7 +97,7 @@ def test_an_int8_draft_layer_keeps_the_tokens_and_the_acceptance(monkeypatch):
     got_model = run_tokens(on_model, requests(ps, GREEDY))
 
     _with_layer(monkeypatch, "int8")
-    converted = high_acceptance_model()
+    converted = _fresh_model()
     on_int8 = make_engine(converted, 1, adaptive_speculation=False)
     mtp = converted._mtp(0)
     assert isinstance(mtp.eh_proj, QuantLinear) and mtp.eh_proj.weight.dtype == torch.int8

@@ -24,6 +24,7 @@ from server.engine.batch.window import StepWindow, WindowForm
 from server.engine.protocol import TokenLogprob
 from server.engine.sample import grammar_masks, sampler
 from server.engine.sample.greedy import greedy_ids
+from server.engine.sample.screened_head import ScreenedHead
 from server.engine.spec.proposer import DraftMask, DraftPasses, DraftResult
 from server.engine.spec.verifier import greedy_accept, verify
 from server.model.batch import DecodeMetadata
@@ -45,8 +46,11 @@ class VerifiedStep:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, proposer,
-                 device: torch.device | str = "cpu", static_decode: bool = False) -> None:
+                 device: torch.device | str = "cpu", static_decode: bool = False,
+                 screen: ScreenedHead | None = None) -> None:
         self.model = model
+        # Greedy host-verified windows' ids without the whole head (sample/screened_head.py).
+        self.screen = screen
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.proposer = proposer
@@ -89,9 +93,10 @@ class ModelRunner:
 
         hidden = self.model.forward(w.input_ids, w.meta, self.kv_caches)   # [T, H]
         rows = hidden if w.logits_indices is None else hidden[w.logits_indices]
-        logits = self.model.compute_logits(rows)                           # [R, V]
+        ids = self._screened_ids(states, w, rows)
+        logits = self.model.compute_logits(rows) if ids is None else None    # [R, V]
         prompt_lp = self._prompt_logprobs(states, starts, w.cu, hidden)
-        sampled, logprobs = self._sample(states, starts, n_new, nd, w, logits)
+        sampled, logprobs = self._sample(states, starts, n_new, nd, w, logits, ids)
 
         # ---- drafts for the next step (stay on the device) -----------------------------
         draft_mask = None
@@ -114,10 +119,25 @@ class ModelRunner:
             return decode, [i for i in range(len(n_new)) if n_new[i] != 1]
         return None
 
-    def _sample(self, states, starts, n_new, nd, w: StepWindow, logits: torch.Tensor
+    def _screened_ids(self, states, w: StepWindow, rows: torch.Tensor) -> torch.Tensor | None:
+        """Every row's greedy id through the screened head, where the step verifies on the
+        host with raw argmaxes alone (``_greedy_on_host``, no grammar); else None."""
+        if (self.screen is None or any(s.matcher is not None for s in states)
+                or not self._greedy_on_host(states, w, [s.sampling.logprobs for s in states])):
+            return None
+        return self.screen.ids(rows)
+
+    def _sample(self, states, starts, n_new, nd, w: StepWindow, logits: torch.Tensor | None,
+                ids: torch.Tensor | None = None
                 ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """Verify every window: each request's accepted drafts and final token (after THE
-        host sync of the step), and their logprobs where asked."""
+        host sync of the step), and their logprobs where asked.  ``ids``: every row's
+        greedy id already (``_screened_ids``; ``logits`` then None)."""
+        want_lp = [s.sampling.logprobs for s in states]
+        if ids is not None:
+            sampled = greedy_accept(ids.view(len(states), w.K + 1).tolist(), w.drafts.tolist())
+            return sampled, self._logprobs(sampled, [d + 1 for d in nd], want_lp, None,
+                                           [s.sampling.top_logprobs for s in states])
         # Grammar masks on every verified row (sample/grammar_masks.py); logprobs stay the
         # raw model's.
         matchers = [s.matcher for s in states]
@@ -127,7 +147,6 @@ class ModelRunner:
             rows, bitmask = grammar_masks.window_masks(
                 matchers, [h[:d] for h, d in zip(held, nd)], self.masks_words)
             vlogits = self.masks.apply(logits, torch.tensor(rows, device=logits.device), bitmask)
-        want_lp = [s.sampling.logprobs for s in states]
         lp = None
         if self._greedy_on_host(states, w, want_lp):
             sampled = greedy_accept(greedy_ids(vlogits).view(len(states), w.K + 1).tolist(),

@@ -40,6 +40,7 @@ from server.engine.runtime import lookahead_slots
 from server.engine.sample import grammar
 from server.engine.spec.draft_head import draft_head
 from server.engine.spec.draft_layer import int8_draft_layers
+from server.engine.sample.screened_head import screened_head
 from server.engine.spec.policy import AdaptiveK, FixedK, SpecPolicy
 from server.engine.spec.prediction import WINDOW_GAIN, PredictedDrafts, window_drafts
 from server.engine.spec.proposer import MTPProposer, NoProposer
@@ -103,16 +104,18 @@ class Worker:
             pack_weights(model)                 # the step's weights in one stream (loading/arena.py)
         self.graphs = StepGraphs(model, cfg, self.device, self.static_decode, 1 + k)
         mtp: MTPProposer | NoProposer = NoProposer()
+        drafts_head = draft_head(model) if k else None
         if k:
             if policy is None:
                 policy = AdaptiveK(k) if cfg.adaptive_speculation else FixedK(k)
             mtp = MTPProposer(model, self.kv_caches, cfg.block_size, policy, self.device,
-                              self.static_decode, draft_head(model),
+                              self.static_decode, drafts_head,
                               defer_kv_writes=self.group is None)
         # Requests' predictions (OpenAI Predicted Outputs) draft in front of MTP.
         self.proposer = PredictedDrafts(mtp, self._prediction_drafts(model, cfg))
         self.runner = ModelRunner(model, self.kv_caches, cfg.block_size, self.proposer, self.device,
-                                  self.static_decode)
+                                  self.static_decode,
+                                  screened_head(model, drafts_head, grouped=group is not None))
         # Compiled grammars (sample/grammar.py); the API layer compiles into it before submitting
         # when this worker runs in its process, so the engine thread only copies.
         self.grammars = grammar.GrammarBook(cfg.tokenizer_dir, model.config.vocab_size)

@@ -108,6 +108,13 @@ class Avx512Products(Products):
             out += bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
+    def columns_exact(self, weight: torch.Tensor, rows: int) -> bool:
+        # avx512_bf16.c's bf16_mm: every path (few rows, blocks, the tail columns) runs each
+        # output's chain over K alike (see ``dot`` there); past KERNEL_ROWS oneDNN's GEMM.
+        return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.is_contiguous() and 0 < rows <= KERNEL_ROWS
+                and (ops_ready() or kernel_library("avx512_bf16") is not None))
+
     def experts(self, xs, counts, gate_up, down):
         return bf16_experts(xs, counts, gate_up, down)
 

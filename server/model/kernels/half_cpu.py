@@ -102,6 +102,13 @@ class HalfCpuProducts(Products):
             return float32_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def columns_exact(self, weight: torch.Tensor, rows: int) -> bool:
+        # half_avx2.c's half_mm_bf16: pair_rows' two chains an output at any M (weight_block
+        # says so); float16 takes block_f16, not screened.
+        return (self.uses_kernel and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.is_contiguous() and rows > 0
+                and self.kernel is not None)
+
     def experts(self, xs: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor | None:
         if torch.compiler.is_compiling():

@@ -39,6 +39,14 @@ class Products:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def columns_exact(self, weight: torch.Tensor, rows: int) -> bool:
+        """Whether ``linear`` of ``rows`` rows through ``weight``, eager, gives every output
+        the value it has whichever other weight rows share the call (one chain over K an
+        output): a product of a few of the weight's rows then reproduces those outputs
+        bit for bit (engine/sample/screened_head.py).  torch's own GEMMs promise no such
+        thing (their blocking and threading follow the shape)."""
+        return False
+
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The MoE router's scores before their activation: x [T, H] . weight [E, H]^T in
         float32 (routing runs in float32)."""

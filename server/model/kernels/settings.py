@@ -8,6 +8,7 @@ import os
 from server.config.kernel_env import (
     DRAFT_HEAD_ENV,
     DRAFT_LAYER_ENV,
+    GREEDY_HEAD_ENV,
     HALF_BACKENDS,
     HALF_ENV,
     INT8_BACKENDS,
@@ -19,7 +20,7 @@ from server.config.kernel_env import (
     parse,
 )
 
-__all__ = ["DRAFT_HEAD_ENV", "DRAFT_LAYER_ENV", "HALF_BACKENDS", "HALF_ENV", "INT8_BACKENDS", "INT8_ENV", "KERNEL_CACHE_ENV",
+__all__ = ["DRAFT_HEAD_ENV", "DRAFT_LAYER_ENV", "GREEDY_HEAD_ENV", "HALF_BACKENDS", "HALF_ENV", "INT8_BACKENDS", "INT8_ENV", "KERNEL_CACHE_ENV",
            "KERNEL_ENV", "KernelSettingError", "KernelSettings", "kernel_settings", "parse"]
 
 
