@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -519,15 +520,64 @@ def expected_experts(n_experts: int, per_token: int, tokens: int) -> float:
     return n_experts * (1 - (1 - per_token / n_experts) ** tokens)
 
 
-def _split_bytes(raw: dict, rows: list, tokens: int) -> tuple[float, float]:
-    """(main model bytes, one MTP pass's bytes) read for ``tokens`` tokens."""
+@functools.lru_cache(maxsize=None)
+def _served_forms(dtype: str) -> tuple[bool, bool, bool]:
+    import torch
+    from server.engine.sample.screened_head import screened_setting
+    from server.engine.spec.draft_head import FAST_INT8, int8_backend
+    from server.model.kernels import settings, select
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if half is None:
+        return False, False, False
+    chosen = settings.kernel_settings()
+    fast = int8_backend(half) in FAST_INT8
+    probe = torch.empty(8, 8, dtype=half)
+    screened = (screened_setting() != "model" and half == torch.bfloat16 and fast
+                and select.model_products(half, "cpu").columns_exact(probe, 1))
+    drafts = lambda setting: setting == "int8" or (setting == "auto" and fast)
+    return screened, drafts(chosen.draft_head), drafts(chosen.draft_layer)
+
+
+def served_forms(config) -> dict:
+    """The weights a served greedy step on this machine reads in another form than the
+    checkpoint stores them, as the server's settings and this CPU decide (the ``auto``
+    rules): the main head screened through its int8 copy for up to ``screen_rows`` rows
+    (engine/sample/screened_head.py; the candidates' few rows left out), the MTP drafts'
+    int8 head (engine/spec/draft_head.py) and int8 layer (engine/spec/draft_layer.py).
+    Counting the stored bytes instead overstated what a step streams."""
+    from server.engine.sample.screened_head import MAX_ROWS
+    raw, _ = weight_table(config)
+    screened, head, layer = _served_forms(str(raw.get("torch_dtype") or "float32"))
+    return {"screened_head": screened, "screen_rows": MAX_ROWS, "draft_head_int8": head,
+            "draft_layer_int8": layer}
+
+
+def _served_size(name: str, size: float, n: int, forms: dict | None, rows: int) -> float:
+    """Bytes an element of parameter ``name`` takes as served (``served_forms``)."""
+    if not forms or size < 2:
+        return size
+    if name == "lm_head.weight":
+        return 1 if forms["screened_head"] and rows <= forms["screen_rows"] else size
+    if not name.startswith("model.layers.") or int(name.split(".")[2]) < n:
+        return size
+    if name.endswith("shared_head.head.weight"):
+        return 1 if forms["draft_head_int8"] else size
+    if name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight"):
+        return 1 if forms["draft_layer_int8"] else size
+    return size
+
+
+def _split_bytes(raw: dict, rows: list, tokens: int, forms: dict | None = None
+                 ) -> tuple[float, float]:
+    """(main model bytes, one MTP pass's bytes) read for ``tokens`` tokens (``forms``:
+    ``served_forms``, or None for the stored dtypes)."""
     n = int(raw["num_hidden_layers"])
     hidden = int(raw["hidden_size"])
     e, k = int(raw.get("n_routed_experts") or 0), int(raw.get("num_experts_per_tok") or 0)
     experts = expected_experts(e, k, tokens)
     main = mtp = 0.0
     for name, numel, size in rows:
-        b = numel * size
+        b = numel * _served_size(name, size, n, forms, tokens)
         if name.endswith("embed_tokens.weight"):
             b = tokens * hidden * size                     # rows looked up, not the table
         elif ".mlp.experts." in name:
@@ -541,7 +591,7 @@ def _split_bytes(raw: dict, rows: list, tokens: int) -> tuple[float, float]:
 
 
 def active_weight_bytes(config, tokens: int = 1, draft_passes: int = 0,
-                        draft_tokens: int | None = None) -> int:
+                        draft_tokens: int | None = None, served: bool = True) -> int:
     """Weight bytes one step reads for ``tokens`` tokens of the main model (a batch of
     ``tokens`` sequences, or verify windows), plus ``draft_passes`` MTP passes over
     ``draft_tokens`` tokens each (default ``tokens``): the embedding rows, every layer's
@@ -549,18 +599,21 @@ def active_weight_bytes(config, tokens: int = 1, draft_passes: int = 0,
     final norm and lm_head; for an MTP pass the MTP layer (eh_proj, its block, its head,
     read again although it is lm_head).  Routed experts: top-k for one token; for t tokens
     the expected distinct experts under uniform routing, E * (1 - (1 - k/E)^t).  In the
-    checkpoint's dtype (``weight_table``); ``config`` as ``weight_table`` takes it."""
+    checkpoint's dtype (``weight_table``), but for what a served greedy step reads in
+    another form where ``served`` (``served_forms``); ``config`` as ``weight_table`` takes it."""
     raw, rows = weight_table(config)
-    main, _ = _split_bytes(raw, rows, tokens)
-    mtp = _split_bytes(raw, rows, draft_tokens or tokens)[1] if draft_passes else 0.0
+    forms = served_forms(config) if served else None
+    main, _ = _split_bytes(raw, rows, tokens, forms)
+    mtp = _split_bytes(raw, rows, draft_tokens or tokens, forms)[1] if draft_passes else 0.0
     return int(main + draft_passes * mtp)
 
 
-def step_weight_bytes(config, batch: int = 1, k: int = 0) -> int:
+def step_weight_bytes(config, batch: int = 1, k: int = 0, served: bool = True) -> int:
     """Weight bytes of one decode step of ``batch`` sequences with MTP k: the main model
     over batch x (1 + k) verify tokens, then k MTP passes over ``batch`` tokens (a lower
     bound: a pass after accepted drafts may run more positions)."""
-    return active_weight_bytes(config, tokens=batch * (1 + k), draft_passes=k, draft_tokens=batch)
+    return active_weight_bytes(config, tokens=batch * (1 + k), draft_passes=k, draft_tokens=batch,
+                               served=served)
 
 
 # --------------------------------------------------------------------------- reports

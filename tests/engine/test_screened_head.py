@@ -111,6 +111,7 @@ def test_rows_that_cannot_be_screened_read_the_whole_head():
     x[1, 3] = float("inf")
     assert screen.ids(x) is None
     assert screen.ids(x.float()) is None                       # not the head's dtype
+    assert screen.ids(_rows(sh.MAX_ROWS + 1, 200, 7)) is None   # past the rows it pays for
     torch_head = _head(backend, 4099, 200, seed=4)
     torch_head.products = select.products_named("torch")       # oneDNN: not exact by column
     assert sh.ScreenedHead(torch_head, int8_head(torch_head, "float")).ids(_rows(1, 200, 6)) is None
