@@ -197,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="benchmark a running daemon instead of starting three")
     ap.add_argument("--metrics-url", help="its /metrics URL (with --url)")
     ap.add_argument("--compare", choices=("mtp", "async", "quant", "kv", "compile", "kvpool", "tp", "pd",
-                                          "structured", "process", "parallel", "prediction"),
+                                          "structured", "process", "parallel", "prediction", "greedy"),
                     default="mtp",
-                    help="mtp: MTP off / k=1 / k=2 and transformers; async: MTP k=1 with "
+                    help="mtp: MTP off / k=1 / k=2 and transformers; greedy: MTP off with the "
+                         "whole head vs the screened one (MTP_SERVE_GREEDY_HEAD); async: MTP k=1 with "
                          "asynchronous scheduling off vs on; quant: MTP k=1 on the float "
                          "checkpoint vs --quantized; kv: MTP k=1 with a float vs an int8 KV cache")
     ap.add_argument("--quantized", type=Path, help="an int8 checkpoint (with --compare quant)")
@@ -266,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                         ("t-k1", 1, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "0"}),
                         ("p-off", 0, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "1"}),
                         ("p-k1", 1, False, None, False, {"MTP_SERVE_ENGINE_PROCESS": "1"})),
+            # MTP off reading the whole head vs screening it (engine/sample/screened_head.py)
+            "greedy": (("whole", 0, False, None, False, {"MTP_SERVE_GREEDY_HEAD": "model"}),
+                       ("screened", 0, False, None, False, {"MTP_SERVE_GREEDY_HEAD": "auto"})),
             "mtp": (("off", 0, False, None, False), ("k1", 1, False, None, False),
                     ("k2", 2, False, None, False))}[args.compare]
     if args.compare == "mtp":
