@@ -172,3 +172,22 @@ def test_served_greedy_tokens_are_the_whole_heads(k, monkeypatch):
     sampled = requests(prompts(2, seed=3, vocab=500), SamplingParams(max_tokens=6, temperature=0.8, seed=1))
     run_tokens(screened, sampled)
     assert screen.calls == calls
+
+
+def test_the_native_operators_refuse_bad_arguments():
+    if not native.ops_ready():
+        pytest.skip("ops.cpp is not built here")
+    op = torch.ops.mtp_native
+    sums = torch.zeros(2, 16, dtype=torch.int32)
+    stats = torch.ones(2, 4)
+    col = torch.ones(16)
+    with pytest.raises(RuntimeError, match="sums"):
+        op.screen_candidates(sums.float(), stats, col, col, col, 0.0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="stats"):
+        op.screen_candidates(sums, torch.ones(3, 4), col, col, col, 0.0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="column vectors"):
+        op.screen_candidates(sums, stats, torch.ones(15), col, col, 0.0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="screen_rows"):
+        op.screen_rows(torch.ones(2, 16, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="screen_rows"):
+        op.screen_rows(torch.ones(16, 2, dtype=torch.bfloat16).t())

@@ -54,6 +54,8 @@ MAX_CANDIDATE_SHARE = 1 / 16  # more than this of the vocabulary: read the whole
 # what it saves does not (the 0.5b model, alternating in one process on the 2-core Zen 4:
 # batch 1 MTP off 1.11x, k=1 1.09x, batch 8 off 1.03x, batch 8 k=1 (16 rows) 0.98x).
 MAX_ROWS = 8
+NORM_ROWS = 4096              # weight rows a slice when the norms are taken at load
+TINY = 1e-30                  # an absolute floor under every bound (flushed denormals)
 
 
 class ScreenedHead:
@@ -63,11 +65,15 @@ class ScreenedHead:
     def __init__(self, head: Linear, int8: QuantLinear) -> None:
         self.head = head
         self.q, self.scale, self.backend = int8.weight, int8.weight_scale, int8.backend
-        with torch.no_grad():
-            w = head.weight.detach().double()
-            d = w - self.q.double() * self.scale.double()[:, None]
-            self.d_norm = d.norm(dim=1).float() * SLACK                  # |d_j|
-            self.w_norm = w.norm(dim=1).float() * SLACK                  # |w_j|
+        d_norm, w_norm = [], []
+        with torch.no_grad():                  # in double, a slice at a time (a V x H copy is GBs)
+            for r in range(0, head.out_features, NORM_ROWS):
+                w = head.weight[r:r + NORM_ROWS].detach().double()
+                d = w - self.q[r:r + NORM_ROWS].double() * self.scale[r:r + NORM_ROWS].double()[:, None]
+                d_norm.append(d.norm(dim=1))
+                w_norm.append(w.norm(dim=1))
+        self.d_norm = torch.cat(d_norm).float() * SLACK                  # |d_j|
+        self.w_norm = torch.cat(w_norm).float() * SLACK                  # |w_j|
         k = head.in_features
         self.chain = (k / 8 + 64) * FLOAT_EPS                            # f_j - t_j, per |x||w_j|
         self.max_candidates = max(1, int(head.out_features * MAX_CANDIDATE_SHARE))
@@ -107,7 +113,7 @@ class ScreenedHead:
         # |L_j - l^_j| <= (1 + 2^-8)(E_j + g_j) + 2^-8 |l^_j|, E_j + g_j = a |d_j| + b |w_j|
         a, b = hat_norm[:, None], (r_norm + self.chain * x_norm)[:, None]
         bound = torch.addcmul(b * self.w_norm, a, self.d_norm).mul_(c_bound)
-        bound.add_(screened.abs(), alpha=c_abs)
+        bound.add_(screened.abs(), alpha=c_abs).add_(TINY)
         floor = (screened - bound).amax(dim=1, keepdim=True)             # [M, 1]
         return screened.add_(bound).ge_(floor).any(dim=0).nonzero().flatten()  # ascending
 

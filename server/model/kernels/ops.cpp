@@ -611,24 +611,24 @@ std::tuple<at::Tensor, at::Tensor> screen_rows(const at::Tensor& x) {
 /* The screened head's candidates (engine/sample/screened_head.py): with each row's
  * ``screen_rows`` stats (s, |s q|, |x - s q|, |x|), a = |s q| and b = |x - s q| + chain |x|,
  * the screened logit l = sums[m, j] * col_scale[j] * s and its bound B = (b w_norm[j] +
- * a d_norm[j]) c_bound + |l| c_abs; the columns j where, for some row m, l + B reaches the
+ * a d_norm[j]) c_bound + |l| c_abs + 1e-30; the columns j where, for some row m, l + B reaches the
  * row's largest l - B, ascending.  Two SSE2 passes over the sums (each recomputing l and
  * B, nothing [M, V] stored), where torch's ~12 operations on [M, V] took ~0.3 ms at V =
  * 32000 and the scalar loops ~0.12. */
 struct ScreenRow {
-  __m128 rs, a, b, cb, ca, sign;
+  __m128 rs, a, b, cb, ca, sign, tiny;   // tiny: an absolute floor (flushed denormals)
   const float *cs, *dn, *wn;
   // l and B of columns j .. j + 3 of the row's int32 sums
   inline void at(const int32_t* row, int64_t j, __m128& l, __m128& B) const {
     l = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))),
                               _mm_loadu_ps(cs + j)), rs);
     __m128 e = _mm_add_ps(_mm_mul_ps(b, _mm_loadu_ps(wn + j)), _mm_mul_ps(a, _mm_loadu_ps(dn + j)));
-    B = _mm_add_ps(_mm_mul_ps(e, cb), _mm_mul_ps(_mm_andnot_ps(sign, l), ca));
+    B = _mm_add_ps(_mm_add_ps(_mm_mul_ps(e, cb), _mm_mul_ps(_mm_andnot_ps(sign, l), ca)), tiny);
   }
   inline void one(const int32_t* row, int64_t j, float& l, float& B) const {
     l = static_cast<float>(row[j]) * cs[j] * _mm_cvtss_f32(rs);
     float e = _mm_cvtss_f32(b) * wn[j] + _mm_cvtss_f32(a) * dn[j];
-    B = e * _mm_cvtss_f32(cb) + std::fabs(l) * _mm_cvtss_f32(ca);
+    B = e * _mm_cvtss_f32(cb) + std::fabs(l) * _mm_cvtss_f32(ca) + _mm_cvtss_f32(tiny);
   }
 };
 
@@ -652,7 +652,7 @@ at::Tensor screen_candidates(const at::Tensor& sums, const at::Tensor& stats,
     rows[m] = ScreenRow{_mm_set1_ps(st[m * 4]), _mm_set1_ps(st[m * 4 + 1]),
                         _mm_set1_ps(st[m * 4 + 2] + static_cast<float>(chain) * st[m * 4 + 3]),
                         _mm_set1_ps(static_cast<float>(c_bound)), _mm_set1_ps(static_cast<float>(c_abs)),
-                        _mm_set1_ps(-0.0f), col_scale.data_ptr<float>(), d_norm.data_ptr<float>(),
+                        _mm_set1_ps(-0.0f), _mm_set1_ps(1e-30f), col_scale.data_ptr<float>(), d_norm.data_ptr<float>(),
                         w_norm.data_ptr<float>()};
   const int64_t V8 = V & ~int64_t{7}, V4 = V & ~int64_t{3};
   std::vector<float> floor(M);
