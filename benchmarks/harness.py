@@ -524,7 +524,7 @@ def expected_experts(n_experts: int, per_token: int, tokens: int) -> float:
 def _served_forms(dtype: str) -> tuple[bool, bool, bool]:
     import torch
     from server.engine.sample.screened_head import screened_setting
-    from server.engine.spec.draft_head import FAST_INT8, int8_backend
+    from server.model.quant.int8_copy import FAST_INT8, int8_backend
     from server.model.kernels import settings, select
     half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if half is None:

@@ -15,7 +15,7 @@ import torch
 from server.config import kernel_env
 from server.engine.protocol import SamplingParams
 from server.engine.sample import screened_head as sh
-from server.engine.spec.draft_head import int8_head
+from server.model.quant.int8_copy import int8_copy
 from server.model.kernels import native, select, settings
 from server.model.kernels.choice import KERNEL_OF
 from server.model.layers.linear import Linear
@@ -68,7 +68,7 @@ def test_screened_ids_are_the_whole_heads_argmax_bit_for_bit(backend, int8_backe
     checked = screened = 0
     for v, k in ((4099, 200), (6007, 1536)):
         head = _head(backend, v, k, seed=v)
-        screen = sh.ScreenedHead(head, int8_head(head, int8_backend))
+        screen = sh.ScreenedHead(head, int8_copy(head, int8_backend))
         for m in (1, 2, 3, 5, 8):
             for seed in range(4):
                 x = _rows(m, k, seed=100 * m + seed, scale=(0.5, 1.0, 3.0, 10.0)[seed])
@@ -89,7 +89,7 @@ def test_ties_go_to_the_first_index():
     if backend is None:
         pytest.skip("no 16-bit backend exact by column runs here")
     head = _head(backend, 4099, 200, seed=3)
-    screen = sh.ScreenedHead(head, int8_head(head, "float"))
+    screen = sh.ScreenedHead(head, int8_copy(head, "float"))
     x = head.weight[[3, 5]].float().mul(50).to(torch.bfloat16)   # rows 3 = 7, 5 = last
     full = head(x).float()
     assert full[0, 3] == full[0, 7] and full[1, 5] == full[1, 4098]
@@ -102,7 +102,7 @@ def test_rows_that_cannot_be_screened_read_the_whole_head():
     if backend is None:
         pytest.skip("no 16-bit backend exact by column runs here")
     head = _head(backend, 4099, 200, seed=4)
-    screen = sh.ScreenedHead(head, int8_head(head, "float"))
+    screen = sh.ScreenedHead(head, int8_copy(head, "float"))
     assert screen.ids(torch.zeros(2, 200, dtype=torch.bfloat16)) is None      # all tied
     assert screen.fallbacks == 1
     x = _rows(2, 200, 5)
@@ -114,7 +114,7 @@ def test_rows_that_cannot_be_screened_read_the_whole_head():
     assert screen.ids(_rows(sh.MAX_ROWS + 1, 200, 7)) is None   # past the rows it pays for
     torch_head = _head(backend, 4099, 200, seed=4)
     torch_head.products = select.products_named("torch")       # oneDNN: not exact by column
-    assert sh.ScreenedHead(torch_head, int8_head(torch_head, "float")).ids(_rows(1, 200, 6)) is None
+    assert sh.ScreenedHead(torch_head, int8_copy(torch_head, "float")).ids(_rows(1, 200, 6)) is None
 
 
 def test_the_native_rows_and_candidates_agree_with_their_torch_forms():

@@ -42,6 +42,7 @@ from server.model.kernels import settings as kernel_env
 from server.model.kernels.native import ops_ready
 from server.model.layers.linear import Linear
 from server.model.quant.int8 import int8_matmul, quantize_rows, row_scales
+from server.model.quant.int8_copy import FAST_INT8, int8_backend, int8_copy
 from server.model.quant.linear import QuantLinear
 
 log = logging.getLogger("server.model")
@@ -144,7 +145,6 @@ def screened_head(model, draft_int8: QuantLinear | None = None,
     ``draft_int8``: the MTP drafts' int8 head copy (engine/spec/draft_head.py), taken
     instead of a second copy where it is the same weight.  ``grouped``: one rank of a group
     (its head is a shard or is not a plain layer): None."""
-    from server.engine.spec.draft_head import FAST_INT8, int8_backend, int8_head
     head = getattr(model, "lm_head", None)
     if (grouped or screened_setting() == "model" or type(head) is not Linear
             or head.bias is not None or head.weight.dtype != torch.bfloat16
@@ -154,7 +154,7 @@ def screened_head(model, draft_int8: QuantLinear | None = None,
         return None
     same = (draft_int8 is not None and getattr(model, "num_mtp_layers", 0)
             and model._mtp(0).shared_head.head.weight is head.weight)
-    int8 = draft_int8 if same else int8_head(head, int8_backend(head.weight.dtype))
+    int8 = draft_int8 if same else int8_copy(head, int8_backend(head.weight.dtype))
     log.info("greedy steps screen the vocabulary head through an int8 copy (%s%s) and "
              "multiply only the candidates' rows exactly", int8.backend,
              ", the drafts' own" if same else f", {head.weight.numel() / 1e6:.0f} MB")

@@ -24,12 +24,10 @@ from torch import nn
 
 from server.model.kernels import settings as kernel_env
 from server.model.layers.linear import Linear
-from server.model.quant.int8 import fastest_int8_backend, quantize_rows, row_scales
+from server.model.quant.int8_copy import FAST_INT8, int8_backend, int8_copy
 from server.model.quant.linear import QuantLinear
 
 log = logging.getLogger("server.model")
-
-FAST_INT8 = ("vnni", "avx2")        # int8 backends that stream the weight a byte a value
 
 
 def wants_int8(head: nn.Module, setting: str, backend: Callable[[], str]) -> bool:
@@ -41,17 +39,6 @@ def wants_int8(head: nn.Module, setting: str, backend: Callable[[], str]) -> boo
     if setting == "int8":
         return head.weight.is_floating_point()
     return head.weight.dtype in (torch.bfloat16, torch.float16) and backend() in FAST_INT8
-
-
-def int8_head(head: Linear, backend: str) -> QuantLinear:
-    """``head`` [V, H] (any plain linear without a bias) as a W8A8_DYNAMIC layer:
-    symmetric int8 per output row."""
-    w = head.weight.detach().float()
-    scale = row_scales(w)                                            # [V, 1], as activations'
-    q = QuantLinear(head.in_features, head.out_features, "w8a8_dynamic", backend=backend)
-    q.weight.data = quantize_rows(w, scale).to(torch.int8).contiguous()
-    q.weight_scale.data = scale.squeeze(1)
-    return q.eval()
 
 
 def draft_head(model) -> QuantLinear | None:
@@ -68,12 +55,4 @@ def draft_head(model) -> QuantLinear | None:
         return None
     log.info("MTP drafts take an int8 copy of the vocabulary head (%s, %.0f MB; verification "
              "keeps the model's own)", backend(), head.weight.numel() / 1e6)
-    return int8_head(head, backend())
-
-
-def int8_backend(dtype: torch.dtype) -> str:
-    """The int8 backend of the drafts' weights: the operator's where one is forced
-    ($MTP_SERVE_INT8_BACKEND), else the fastest measured here for a model of ``dtype``
-    (measured once a process, quant/int8.py; a W8A8 model's load measured it)."""
-    forced = kernel_env.kernel_settings().int8_backend
-    return forced if forced != "auto" else fastest_int8_backend("cpu", dtype)
+    return int8_copy(head, backend())

@@ -25,7 +25,7 @@ from torch import nn
 
 from server.model.kernels import settings as kernel_env
 from server.model.layers.linear import Linear
-from server.engine.spec.draft_head import FAST_INT8, int8_head, int8_backend
+from server.model.quant.int8_copy import FAST_INT8, int8_backend, int8_copy
 
 log = logging.getLogger("server.model")
 
@@ -71,7 +71,7 @@ def int8_draft_layers(model, grouped: bool = False) -> int:
         for name in names:
             parent, _, attr = name.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer
-            setattr(owner, attr, int8_head(getattr(owner, attr), backend))
+            setattr(owner, attr, int8_copy(getattr(owner, attr), backend))
         done += len(names)
     if done:
         log.info("MTP layers' %d linears run int8 (%s) for the drafts; verification keeps "
