@@ -524,18 +524,17 @@ def expected_experts(n_experts: int, per_token: int, tokens: int) -> float:
 def _served_forms(dtype: str) -> tuple[bool, bool, bool]:
     import torch
     from server.engine.sample.screened_head import screened_setting
-    from server.model.quant.int8_copy import FAST_INT8, int8_backend
+    from server.model.quant.int8_copy import fast_int8, takes_int8_copy
     from server.model.kernels import settings, select
     half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if half is None:
         return False, False, False
     chosen = settings.kernel_settings()
-    fast = int8_backend(half) in FAST_INT8
     probe = torch.empty(8, 8, dtype=half)
-    screened = (screened_setting() != "model" and half == torch.bfloat16 and fast
+    screened = (screened_setting() != "model" and half == torch.bfloat16 and fast_int8(half)
                 and select.model_products(half, "cpu").columns_exact(probe, 1))
-    drafts = lambda setting: setting == "int8" or (setting == "auto" and fast)
-    return screened, drafts(chosen.draft_head), drafts(chosen.draft_layer)
+    return (screened, takes_int8_copy(chosen.draft_head, {half}),
+            takes_int8_copy(chosen.draft_layer, {half}))
 
 
 def served_forms(config) -> dict:

@@ -92,3 +92,12 @@ def run_rank_processes(target, args_of_rank, world: int, timeout: float = 60.0) 
         if p.is_alive():
             p.kill()
     return codes
+
+
+def force_kernel_setting(monkeypatch, variable: str, value: str) -> None:
+    """This process's kernel settings (server/config/kernel_env.py) as if ``variable`` held
+    ``value``, for the test (monkeypatch undoes it)."""
+    from server.config import kernel_env
+    from server.model.kernels import settings
+    chosen = kernel_env.parse({variable: value})
+    monkeypatch.setattr(settings, "kernel_settings", lambda: chosen)

@@ -6,23 +6,21 @@ float layer's; a bad setting is refused before anything loads; "auto" leaves flo
 layers alone."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from server.config import kernel_env
 from server.engine.protocol import SamplingParams
-from server.model.kernels import settings
 from server.engine.spec import draft_head as dh
 from server.engine.spec import draft_layer as dl
 from server.model.quant.linear import QuantLinear
-from tests.engine.helpers import high_acceptance_model, make_engine, prompts, requests, run_tokens
+from tests.engine.helpers import (force_kernel_setting, high_acceptance_model, make_engine, prompts,
+                                  requests, run_tokens)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
 def _with(monkeypatch, value: str) -> None:
-    chosen = kernel_env.parse({kernel_env.DRAFT_HEAD_ENV: value})
-    monkeypatch.setattr(settings, "kernel_settings", lambda: chosen)
+    force_kernel_setting(monkeypatch, kernel_env.DRAFT_HEAD_ENV, value)
 
 
 def test_a_bad_setting_is_refused_naming_the_variable():
@@ -63,8 +61,7 @@ def test_int8_drafts_keep_the_tokens_and_the_acceptance(monkeypatch):
 # -- the MTP layer's own products in int8 (server/engine/spec/draft_layer.py) -----------------
 
 def _with_layer(monkeypatch, value: str) -> None:
-    chosen = kernel_env.parse({kernel_env.DRAFT_LAYER_ENV: value})
-    monkeypatch.setattr(settings, "kernel_settings", lambda: chosen)
+    force_kernel_setting(monkeypatch, kernel_env.DRAFT_LAYER_ENV, value)
 
 
 def test_a_bad_layer_setting_is_refused_naming_the_variable():

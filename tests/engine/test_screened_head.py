@@ -16,12 +16,12 @@ from server.config import kernel_env
 from server.engine.protocol import SamplingParams
 from server.engine.sample import screened_head as sh
 from server.model.quant.int8_copy import int8_copy
-from server.model.kernels import native, select, settings
+from server.model.kernels import native, select
 from server.model.kernels.choice import KERNEL_OF
 from server.model.layers.linear import Linear
 from server.model.loading import load_checkpoint
 from server.testing.tiny_checkpoint import make_tiny_checkpoint
-from tests.engine.helpers import _TMP, make_engine, prompts, requests, run_tokens
+from tests.engine.helpers import _TMP, force_kernel_setting, make_engine, prompts, requests, run_tokens
 
 EXACT = ("avx512", "avx2")          # 16-bit backends whose products are exact by column
 INT8 = ("vnni", "avx2")             # our int8 kernels (the exact float path: the tie test)
@@ -84,11 +84,17 @@ def test_screened_ids_are_the_whole_heads_argmax_bit_for_bit(backend, int8_backe
     assert screened >= 0.5 * checked, (screened, checked)
 
 
-def test_ties_go_to_the_first_index():
+@pytest.fixture
+def exact_backend() -> str:
+    """A 16-bit backend exact by column that runs here."""
     backend = next((b for b in EXACT if _runs(b)), None)
     if backend is None:
         pytest.skip("no 16-bit backend exact by column runs here")
-    head = _head(backend, 4099, 200, seed=3)
+    return backend
+
+
+def test_ties_go_to_the_first_index(exact_backend):
+    head = _head(exact_backend, 4099, 200, seed=3)
     screen = sh.ScreenedHead(head, int8_copy(head, "float"))
     x = head.weight[[3, 5]].float().mul(50).to(torch.bfloat16)   # rows 3 = 7, 5 = last
     full = head(x).float()
@@ -97,11 +103,8 @@ def test_ties_go_to_the_first_index():
     assert screen.ids(x).tolist() == [3, 5]
 
 
-def test_rows_that_cannot_be_screened_read_the_whole_head():
-    backend = next((b for b in EXACT if _runs(b)), None)
-    if backend is None:
-        pytest.skip("no 16-bit backend exact by column runs here")
-    head = _head(backend, 4099, 200, seed=4)
+def test_rows_that_cannot_be_screened_read_the_whole_head(exact_backend):
+    head = _head(exact_backend, 4099, 200, seed=4)
     screen = sh.ScreenedHead(head, int8_copy(head, "float"))
     assert screen.ids(torch.zeros(2, 200, dtype=torch.bfloat16)) is None      # all tied
     assert screen.fallbacks == 1
@@ -112,7 +115,7 @@ def test_rows_that_cannot_be_screened_read_the_whole_head():
     assert screen.ids(x) is None
     assert screen.ids(x.float()) is None                       # not the head's dtype
     assert screen.ids(_rows(sh.MAX_ROWS + 1, 200, 7)) is None   # past the rows it pays for
-    torch_head = _head(backend, 4099, 200, seed=4)
+    torch_head = _head(exact_backend, 4099, 200, seed=4)
     torch_head.products = select.products_named("torch")       # oneDNN: not exact by column
     assert sh.ScreenedHead(torch_head, int8_copy(torch_head, "float")).ids(_rows(1, 200, 6)) is None
 
@@ -138,8 +141,7 @@ def _checkpoint() -> str:
 
 
 def _with(monkeypatch, value: str) -> None:
-    chosen = kernel_env.parse({kernel_env.GREEDY_HEAD_ENV: value})
-    monkeypatch.setattr(settings, "kernel_settings", lambda: chosen)
+    force_kernel_setting(monkeypatch, kernel_env.GREEDY_HEAD_ENV, value)
 
 
 def test_a_bad_setting_is_refused_naming_the_variable():

@@ -42,7 +42,7 @@ from server.model.kernels import settings as kernel_env
 from server.model.kernels.native import ops_ready
 from server.model.layers.linear import Linear
 from server.model.quant.int8 import int8_matmul, quantize_rows, row_scales
-from server.model.quant.int8_copy import FAST_INT8, int8_backend, int8_copy
+from server.model.quant.int8_copy import fast_int8, int8_backend, int8_copy
 from server.model.quant.linear import QuantLinear
 
 log = logging.getLogger("server.model")
@@ -150,7 +150,7 @@ def screened_head(model, draft_int8: QuantLinear | None = None,
             or head.bias is not None or head.weight.dtype != torch.bfloat16
             or head.weight.device.type != "cpu"
             or not head.products.columns_exact(head.weight, 1)
-            or int8_backend(head.weight.dtype) not in FAST_INT8):
+            or not fast_int8(head.weight.dtype)):
         return None
     same = (draft_int8 is not None and getattr(model, "num_mtp_layers", 0)
             and model._mtp(0).shared_head.head.weight is head.weight)

@@ -17,28 +17,23 @@ never.  It costs half the head's bytes in memory (0.9 GB for DeepSeek-V3's 12928
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from server.model.kernels import settings as kernel_env
 from server.model.layers.linear import Linear
-from server.model.quant.int8_copy import FAST_INT8, int8_backend, int8_copy
+from server.model.quant.int8_copy import int8_backend, int8_copy, takes_int8_copy
 from server.model.quant.linear import QuantLinear
 
 log = logging.getLogger("server.model")
 
 
-def wants_int8(head: nn.Module, setting: str, backend: Callable[[], str]) -> bool:
+def wants_int8(head: nn.Module, setting: str) -> bool:
     """Whether the drafts take an int8 copy of ``head`` under ``setting`` (auto, model,
-    int8); ``backend()`` names this process's int8 backend, asked only where "auto" on a
-    16-bit head depends on it (it may measure)."""
-    if setting == "model" or type(head) is not Linear or head.weight.device.type != "cpu":
-        return False
-    if setting == "int8":
-        return head.weight.is_floating_point()
-    return head.weight.dtype in (torch.bfloat16, torch.float16) and backend() in FAST_INT8
+    int8): a plain float layer on the CPU, as ``takes_int8_copy`` rules."""
+    return (type(head) is Linear and head.weight.device.type == "cpu"
+            and head.weight.is_floating_point()
+            and takes_int8_copy(setting, {head.weight.dtype}))
 
 
 def draft_head(model) -> QuantLinear | None:
@@ -47,12 +42,9 @@ def draft_head(model) -> QuantLinear | None:
     if not getattr(model, "num_mtp_layers", 0):
         return None
     head = model._mtp(0).shared_head.head
-
-    def backend() -> str:
-        return int8_backend(head.weight.dtype)
-
-    if not wants_int8(head, kernel_env.kernel_settings().draft_head, backend):
+    if not wants_int8(head, kernel_env.kernel_settings().draft_head):
         return None
+    backend = int8_backend(head.weight.dtype)
     log.info("MTP drafts take an int8 copy of the vocabulary head (%s, %.0f MB; verification "
-             "keeps the model's own)", backend(), head.weight.numel() / 1e6)
-    return int8_copy(head, backend())
+             "keeps the model's own)", backend, head.weight.numel() / 1e6)
+    return int8_copy(head, backend)

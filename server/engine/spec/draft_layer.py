@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 
 from server.model.kernels import settings as kernel_env
 from server.model.layers.linear import Linear
-from server.model.quant.int8_copy import FAST_INT8, int8_backend, int8_copy
+from server.model.quant.int8_copy import int8_backend, int8_copy, takes_int8_copy
 
 log = logging.getLogger("server.model")
 
@@ -38,17 +37,6 @@ def int8_linears(layer: nn.Module) -> list[str]:
             if type(m) is Linear and m.weight.is_floating_point() and not m.weight.is_meta
             and m.weight.device.type == "cpu" and m.bias is None and not name.endswith(KEPT_FLOAT)
             and not name.startswith("shared_head.")]
-
-
-def wants_int8_layer(names: list[str], dtypes: set[torch.dtype], setting: str,
-                     backend) -> bool:
-    """Whether the layer's ``names`` (weights of ``dtypes``) become int8 under ``setting``;
-    ``backend()`` is asked only where "auto" depends on it (it may measure)."""
-    if setting == "model" or not names:
-        return False
-    if setting == "int8":
-        return True
-    return dtypes <= {torch.bfloat16, torch.float16} and backend() in FAST_INT8
 
 
 def int8_draft_layers(model, grouped: bool = False) -> int:
@@ -64,10 +52,9 @@ def int8_draft_layers(model, grouped: bool = False) -> int:
     for layer in layers:
         names = int8_linears(layer)
         dtypes = {layer.get_submodule(n).weight.dtype for n in names}
-        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else min(dtypes, key=str, default=None)
-        if not wants_int8_layer(names, dtypes, setting, lambda: int8_backend(dtype)):
+        if not takes_int8_copy(setting, dtypes):
             continue
-        backend = int8_backend(dtype)
+        backend = int8_backend(min(dtypes, key=str))
         for name in names:
             parent, _, attr = name.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer

@@ -11,6 +11,7 @@ from server.model.quant.int8 import fastest_int8_backend, quantize_rows, row_sca
 from server.model.quant.linear import QuantLinear
 
 FAST_INT8 = ("vnni", "avx2")        # int8 backends that stream the weight a byte a value
+HALF = (torch.bfloat16, torch.float16)
 
 
 def int8_copy(linear: nn.Linear, backend: str) -> QuantLinear:
@@ -22,6 +23,21 @@ def int8_copy(linear: nn.Linear, backend: str) -> QuantLinear:
     q.weight.data = quantize_rows(w, scale).to(torch.int8).contiguous()
     q.weight_scale.data = scale.squeeze(1)
     return q.eval()
+
+
+def fast_int8(dtype: torch.dtype) -> bool:
+    """Whether this process's int8 backend for a model of ``dtype`` is one of our kernels,
+    which stream an int8 weight at a byte a value (may measure, once a process)."""
+    return int8_backend(dtype) in FAST_INT8
+
+
+def takes_int8_copy(setting: str, dtypes: set[torch.dtype]) -> bool:
+    """Whether float weights of ``dtypes`` take int8 copies under a draft-weights setting:
+    "model" never, "int8" always, "auto" where they are 16-bit and ``fast_int8`` (asked only
+    then: it may measure)."""
+    if setting == "model" or not dtypes:
+        return False
+    return setting == "int8" or (dtypes <= set(HALF) and fast_int8(min(dtypes, key=str)))
 
 
 def int8_backend(dtype: torch.dtype) -> str:
