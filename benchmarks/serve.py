@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_daemon(t, keep_logs=failed)
 
     table = {name: {c: harness.medians(runs) for c, runs in per.items()} for name, per in raw.items()}
+    paired_ratios(table, raw, targets[0].name if targets else "off")
     ttft200 = {name: statistics.median(v) for name, v in ttft_raw.items()}
     prefill_s = None
     if not args.url:
@@ -379,6 +380,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def paired_ratios(table: dict, raw: dict, baseline: str) -> None:
+    """Each row's tokens/s over the baseline's, rep by rep (``vs_baseline_rounds``).
+
+    Why: a rep's bursts of every configuration run back to back at one concurrency, so
+    they meet the same level of a host whose read bandwidth flips between ~30 and ~55 GB/s
+    within minutes; the ratio of two medians can pair a fast rep of one with a slow rep
+    of the other (0.87x and 1.05x for the same daemons in two runs)."""
+    base = raw.get(baseline) or {}
+    for name, per in raw.items():
+        for c, runs in per.items():
+            rates = [r.get("output_tok_s") or 0.0 for r in runs]
+            ref = [r.get("output_tok_s") or 0.0 for r in base.get(c, [])]
+            table[name][c]["vs_baseline_rounds"] = (harness.round_ratios(rates, ref) or None
+                                                    if name != baseline else None)
 
 
 def sample_answer(target: Target, model: str, messages: list[dict], max_tokens: int = 16) -> str:
@@ -491,12 +508,14 @@ def print_table(rep: dict) -> None:
     base = res.get(rep.get("baseline", "off"))
     print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
           f"max_tokens: {rep['max_tokens']}{' (ignore_eos)' if rep.get('ignore_eos') else ' (stop at EOS)'}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
-    print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x ' + rep.get('baseline', 'off'):>6} {'req/s':>6} {'TTFT p50':>9} "
+    print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x ' + rep.get('baseline', 'off'):>6} {'paired':>6} {'req/s':>6} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}  steps at k=0/1/2")
     for name, per in res.items():
         for c, r in per.items():
             ratio = r["output_tok_s"] / base[c]["output_tok_s"] if base and base[c]["output_tok_s"] else None
+            rounds = r.get("vs_baseline_rounds")
             print(f"{name:<6} {c:>4} {_fmt(r['output_tok_s']):>8} {_fmt(ratio, '.2f'):>6} "
+                  f"{_fmt(rounds and rounds['median'], '.2f'):>6} "
                   f"{_fmt(r['req_s'], '.2f'):>6} {_fmt(r['ttft_median'] * 1e3, '.0f'):>7}ms "
                   f"{_fmt(r['ttft_p99'] * 1e3, '.0f'):>7}ms "
                   f"{_fmt(r['tpot_median'] and r['tpot_median'] * 1e3, '.1f'):>7}ms "

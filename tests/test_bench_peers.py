@@ -285,6 +285,20 @@ def test_serve_row_share():
     assert "decode_share" not in sh
 
 
+
+def test_serve_paired_ratios_pair_each_rep():
+    """Rep by rep against the baseline's burst of the same rep and concurrency: a slow rep
+    of one daemon is never set against a fast rep of the other, as the medians' ratio is."""
+    raw = {"off": {8: [{"output_tok_s": 200.0}, {"output_tok_s": 300.0}, {"output_tok_s": 210.0}]},
+           "k1": {8: [{"output_tok_s": 190.0}, {"output_tok_s": 330.0}, {"output_tok_s": 231.0}]}}
+    table = {name: {8: harness.medians(runs)} for name, per in raw.items() for runs in per.values()}
+    serve.paired_ratios(table, raw, "off")
+    assert table["off"][8]["vs_baseline_rounds"] is None
+    rounds = table["k1"][8]["vs_baseline_rounds"]
+    assert rounds["median"] == pytest.approx(1.1) and rounds["min"] == pytest.approx(0.95)
+    assert table["k1"][8]["output_tok_s"] / table["off"][8]["output_tok_s"] == pytest.approx(231 / 210)
+
+
 def test_peers_json_is_plain(tmp_path):
     """What --json writes round-trips (a report saved outside docs/bench)."""
     rows = peers.summarize({("ours", "bf16", "off", "decode b1"): [{"tok_s": 30.0, "tok_per_step": 1.0}]},
