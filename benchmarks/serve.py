@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                          "model's context less 64 + --max-tokens)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="run every request to max_tokens (past the model's answer) instead of stopping at EOS")
+    ap.add_argument("--spread-max-tokens", action="store_true",
+                    help="each request's max_tokens spread over max_tokens/2 .. 3 x max_tokens/2 "
+                         "(harness.spread_max_tokens), so requests' ends drift apart as answers' do")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers reference rows")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--model", type=Path, default=None,
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="each daemon's KV pool in GiB (npuMemSize; default 1 with --model/--realistic, "
                          "else the config's)")
     args = ap.parse_args(argv)
+    if args.spread_max_tokens and args.compare == "mtp" and not (args.no_peer or args.url):
+        ap.error("--spread-max-tokens: add --no-peer (the transformers rows run fixed lengths)")
     if args.realistic:
         if args.model:
             ap.error("--realistic picks its own model; drop --model")
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = burst_size(c, args.quick, args.requests)
                 for t in targets:        # alternate so drift hits every configuration
                     raw[t.name][c].append(asyncio.run(burst(t, model, prompts, c, n, max_tokens,
-                                                                args.ignore_eos)))
+                                                                args.ignore_eos, args.spread_max_tokens)))
                     prog.step(f"{t.name} c={c}")
             for t in targets:
                 r = asyncio.run(burst(t, model, [ttft_prompt], 1, 3, 4))
@@ -364,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill_s = prefill_forward_seconds(weights, ttft_prompt_tokens or 200)
 
     report = {**harness.report_header(baseline=targets[0].name if targets else "off", threads=args.threads),
-              "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos, "reps": reps,
+              "prompt_set": prompt_set["version"], "max_tokens": max_tokens, "ignore_eos": args.ignore_eos,
+              "spread_max_tokens": args.spread_max_tokens, "reps": reps,
               "results": table, "runtime": runtimes, "ttft_200_prompt_s": ttft200, "transformers_tok_s": peer.medians() if peer else {},
               "prefill_forward_200_s": prefill_s, "ttft_prompt_tokens": ttft_prompt_tokens,
               "start_s": {t.name: round(t.start_s, 1) for t in targets if t.daemon is not None},
@@ -507,7 +513,8 @@ def print_table(rep: dict) -> None:
     res = rep["results"]
     base = res.get(rep.get("baseline", "off"))
     print(f"\nmachine: {rep['machine']}   date: {rep['date']}   prompts: {rep['prompt_set']}   "
-          f"max_tokens: {rep['max_tokens']}{' (ignore_eos)' if rep.get('ignore_eos') else ' (stop at EOS)'}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
+          f"max_tokens: {rep['max_tokens']}{' spread' if rep.get('spread_max_tokens') else ''}"
+          f"{' (ignore_eos)' if rep.get('ignore_eos') else ' (stop at EOS)'}   reps: {rep['reps']} (medians)   threads: {rep.get('threads')}")
     print(f"{'config':<6} {'conc':>4} {'tok/s':>8} {'x ' + rep.get('baseline', 'off'):>6} {'paired':>6} {'req/s':>6} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7} {'acc.len':>7}  steps at k=0/1/2")
     for name, per in res.items():

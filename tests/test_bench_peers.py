@@ -13,6 +13,7 @@ Nothing here downloads, builds or times anything (the build is ``--build``, by h
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,12 @@ def test_int8_heads_are_read_from_the_checkpoint_and_named_in_the_rows(tmp_path)
     row = {"side": "ours", "weights": "int8", "mode": "off"}
     assert peers.row_label(row) == "ours W8A8_DYNAMIC, MTP off"
     assert peers.row_label({**row, "int8_head": True}) == "ours W8A8_DYNAMIC, int8 head, MTP off"
+
+
+def test_spread_max_tokens_average_the_fixed_length_and_drift_apart():
+    """Spread lengths keep a burst's work (their mean is max_tokens over a cycle) while no
+    eight neighbours end together."""
+    lens = [harness.spread_max_tokens(64, i) for i in range(65)]
+    assert min(lens) == 32 and max(lens) == 96 and statistics.fmean(lens) == 64
+    assert len(set(lens[:8])) == 8
+    assert harness.spread_max_tokens(1, 5) >= 1
