@@ -286,7 +286,6 @@ def test_serve_row_share():
     assert "decode_share" not in sh
 
 
-
 def test_serve_paired_ratios_pair_each_rep():
     """Rep by rep against the baseline's burst of the same rep and concurrency: a slow rep
     of one daemon is never set against a fast rep of the other, as the medians' ratio is."""
