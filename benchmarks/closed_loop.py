@@ -35,7 +35,7 @@ def request_lengths(spec: str):
     if "-" not in spec:
         return lambda i: int(spec)
     lo, hi = (int(x) for x in spec.split("-"))
-    return lambda i: lo + (i * 37) % (hi - lo + 1)
+    return lambda i: harness.spread_length(lo, hi, i)
 
 
 def serve_round(eng, prompts: list[list[int]], concurrency: int, total: int, lengths,

@@ -270,9 +270,16 @@ async def burst_of(target: Target, concurrency: int, num_requests: int, request:
     }
 
 
+def spread_length(lo: int, hi: int, i: int) -> int:
+    """Request i's length spread over lo .. hi: lo + (37 i mod (hi - lo + 1)), a fixed
+    sequence (the same for every mode, daemon and round) whose mean over a cycle is the
+    range's middle."""
+    return lo + (i * 37) % (hi - lo + 1)
+
+
 def spread_max_tokens(max_tokens: int, i: int) -> int:
-    """Request i's max_tokens when a burst's lengths are spread: max_tokens / 2 to 3 x
-    max_tokens / 2 (a mean of max_tokens), the same sequence for every daemon.
+    """Request i's max_tokens when a burst's lengths are spread: ``spread_length`` over
+    max_tokens / 2 .. 3 x max_tokens / 2 (the closed loop's ``--lengths 32-96`` for 64).
 
     Why: with --ignore-eos every request of a burst ran exactly max_tokens, so at
     concurrency 8 all eight ended on one step and their successors were prefilled in one
@@ -280,8 +287,9 @@ def spread_max_tokens(max_tokens: int, i: int) -> int:
     for some) are prefilled one at a time, each a step that reads every expert.  Lockstep
     made MTP off 1.4x faster at concurrency 8 on the 0.5b model than the same burst with
     spread lengths, and MTP, whose first window breaks the lockstep, look worse than it
-    serves."""
-    return max(1, max_tokens // 2 + (i * 37) % (max_tokens + 1))
+    serves (benchmarks.closed_loop showed it at engine level)."""
+    half = max_tokens // 2
+    return spread_length(max(1, half), half + max_tokens, i)
 
 
 async def burst(target: Target, model: str, prompts: list[list[dict]], concurrency: int,
