@@ -209,3 +209,20 @@ def _importer_raising(exc):
             raise exc
         return real(name, *args, **kwargs)
     return fake
+
+
+@pytest.mark.parametrize("variable, bad, allowed, setting", [
+    ("MTP_SERVE_DRAFT_HEAD", "fp4", "auto, model, int8", "draft_head"),
+    ("MTP_SERVE_DRAFT_LAYER", "int4", "auto, model, int8", "draft_layer"),
+    ("MTP_SERVE_GREEDY_HEAD", "int8", "auto, model", None),
+])
+def test_a_bad_kernel_setting_is_refused_naming_the_variable(variable, bad, allowed, setting):
+    """The draft head, the draft layer and the greedy head's settings
+    (server/config/kernel_env.py): a value outside their list is refused before anything
+    loads, naming the variable and the values it takes; unset is "auto"."""
+    from server.config import kernel_env
+    found = kernel_env.problems({variable: bad})
+    assert [p.variable for p in found] == [variable]
+    assert allowed in str(found[0])
+    if setting is not None:
+        assert getattr(kernel_env.parse({}), setting) == "auto"

@@ -2,8 +2,8 @@
 ``MTP_SERVE_DRAFT_HEAD``), and the MTP layer's own products in int8
 (engine/spec/draft_layer.py, ``MTP_SERVE_DRAFT_LAYER``): verification keeps the model's own
 weights, so greedy tokens with MTP stay those of MTP off and acceptance stays near the
-float layer's; a bad setting is refused before anything loads; "auto" leaves float32
-layers alone."""
+float layer's; "auto" leaves float32 layers alone.  A bad setting's refusal:
+tests/config/test_env_and_cli.py."""
 from __future__ import annotations
 
 import torch
@@ -19,22 +19,11 @@ from tests.engine.helpers import (force_kernel_setting, high_acceptance_model, m
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
-def _with(monkeypatch, value: str) -> None:
-    force_kernel_setting(monkeypatch, kernel_env.DRAFT_HEAD_ENV, value)
-
-
-def test_a_bad_setting_is_refused_naming_the_variable():
-    found = kernel_env.problems({kernel_env.DRAFT_HEAD_ENV: "fp4"})
-    assert [p.variable for p in found] == ["MTP_SERVE_DRAFT_HEAD"]
-    assert "auto, model, int8" in str(found[0])
-    assert kernel_env.parse({}).draft_head == "auto"
-
-
 def test_auto_and_model_leave_a_float32_head_alone(monkeypatch):
     model = high_acceptance_model()
     assert model._mtp(0).shared_head.head.weight.dtype == torch.float32
     for value in ("auto", "model"):
-        _with(monkeypatch, value)
+        force_kernel_setting(monkeypatch, kernel_env.DRAFT_HEAD_ENV, value)
         assert dh.draft_head(model) is None
 
 
@@ -44,7 +33,7 @@ def test_int8_drafts_keep_the_tokens_and_the_acceptance(monkeypatch):
     off = run_tokens(make_engine(model, 0), requests(ps, GREEDY))
     on_model = make_engine(model, 1, adaptive_speculation=False)
     got_model = run_tokens(on_model, requests(ps, GREEDY))
-    _with(monkeypatch, "int8")
+    force_kernel_setting(monkeypatch, kernel_env.DRAFT_HEAD_ENV, "int8")
     on_int8 = make_engine(model, 1, adaptive_speculation=False)
     head = on_int8.worker.proposer.inner.draft_head
     assert isinstance(head, QuantLinear) and head.weight.dtype == torch.int8
@@ -60,17 +49,6 @@ def test_int8_drafts_keep_the_tokens_and_the_acceptance(monkeypatch):
 
 # -- the MTP layer's own products in int8 (server/engine/spec/draft_layer.py) -----------------
 
-def _with_layer(monkeypatch, value: str) -> None:
-    force_kernel_setting(monkeypatch, kernel_env.DRAFT_LAYER_ENV, value)
-
-
-def test_a_bad_layer_setting_is_refused_naming_the_variable():
-    found = kernel_env.problems({kernel_env.DRAFT_LAYER_ENV: "int4"})
-    assert [p.variable for p in found] == ["MTP_SERVE_DRAFT_LAYER"]
-    assert "auto, model, int8" in str(found[0])
-    assert kernel_env.parse({}).draft_layer == "auto"
-
-
 def _fresh_model():
     """Not the helpers' cached model: the conversion is in place."""
     return high_acceptance_model.__wrapped__()
@@ -79,9 +57,9 @@ def _fresh_model():
 def test_auto_model_and_rank_groups_leave_the_layer_as_loaded(monkeypatch):
     model = _fresh_model()
     for value in ("auto", "model"):
-        _with_layer(monkeypatch, value)
+        force_kernel_setting(monkeypatch, kernel_env.DRAFT_LAYER_ENV, value)
         assert dl.int8_draft_layers(model) == 0
-    _with_layer(monkeypatch, "int8")
+    force_kernel_setting(monkeypatch, kernel_env.DRAFT_LAYER_ENV, "int8")
     assert dl.int8_draft_layers(model, grouped=True) == 0
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
@@ -93,7 +71,7 @@ def test_an_int8_draft_layer_keeps_the_tokens_and_the_acceptance(monkeypatch):
     on_model = make_engine(model, 1, adaptive_speculation=False)
     got_model = run_tokens(on_model, requests(ps, GREEDY))
 
-    _with_layer(monkeypatch, "int8")
+    force_kernel_setting(monkeypatch, kernel_env.DRAFT_LAYER_ENV, "int8")
     converted = _fresh_model()
     on_int8 = make_engine(converted, 1, adaptive_speculation=False)
     mtp = converted._mtp(0)
