@@ -548,16 +548,14 @@ def expected_experts(n_experts: int, per_token: int, tokens: int) -> float:
 @functools.lru_cache(maxsize=None)
 def _served_forms(dtype: str) -> tuple[bool, bool, bool]:
     import torch
-    from server.engine.sample.screened_head import screened_setting
-    from server.model.quant.int8_copy import fast_int8, takes_int8_copy
+    from server.engine.sample.screened_head import screens
+    from server.model.quant.int8_copy import takes_int8_copy
     from server.model.kernels import settings, select
     half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if half is None:
         return False, False, False
     chosen = settings.kernel_settings()
-    probe = torch.empty(8, 8, dtype=half)
-    screened = (screened_setting() != "model" and half == torch.bfloat16 and fast_int8(half)
-                and select.model_products(half, "cpu").columns_exact(probe, 1))
+    screened = screens(torch.empty(8, 8, dtype=half), select.model_products(half, "cpu"))
     return (screened, takes_int8_copy(chosen.draft_head, {half}),
             takes_int8_copy(chosen.draft_layer, {half}))
 

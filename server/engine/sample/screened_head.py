@@ -139,6 +139,15 @@ def screened_setting() -> str:
     return kernel_env.kernel_settings().greedy_head
 
 
+def screens(weight: torch.Tensor, products) -> bool:
+    """Whether greedy steps screen a plain head of ``weight`` multiplied by ``products``
+    under ``MTP_SERVE_GREEDY_HEAD`` on this CPU (the "auto" rule; benchmarks.harness counts
+    the bytes a served step reads by it too)."""
+    return (screened_setting() != "model" and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and products.columns_exact(weight, 1)
+            and fast_int8(weight.dtype))
+
+
 def screened_head(model, draft_int8: QuantLinear | None = None,
                   grouped: bool = False) -> ScreenedHead | None:
     """The screen of ``model.lm_head`` under ``MTP_SERVE_GREEDY_HEAD``, or None.
@@ -146,11 +155,8 @@ def screened_head(model, draft_int8: QuantLinear | None = None,
     instead of a second copy where it is the same weight.  ``grouped``: one rank of a group
     (its head is a shard or is not a plain layer): None."""
     head = getattr(model, "lm_head", None)
-    if (grouped or screened_setting() == "model" or type(head) is not Linear
-            or head.bias is not None or head.weight.dtype != torch.bfloat16
-            or head.weight.device.type != "cpu"
-            or not head.products.columns_exact(head.weight, 1)
-            or not fast_int8(head.weight.dtype)):
+    if (grouped or type(head) is not Linear or head.bias is not None
+            or not screens(head.weight, head.products)):
         return None
     same = (draft_int8 is not None and getattr(model, "num_mtp_layers", 0)
             and model._mtp(0).shared_head.head.weight is head.weight)
