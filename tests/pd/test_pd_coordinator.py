@@ -183,6 +183,7 @@ class Fake:
         self.model = model                         # its weights' fingerprint
         self.business_status: int | None = None    # answer business requests with this
         self.retry_after: str | None = None        # ... with this Retry-After
+        self.unwell = False                        # /health answers 503 while set
         self.die_mid_stream = False
         self.role_posts: list[dict] = []
         self.releases: list[dict] = []
@@ -193,7 +194,7 @@ class Fake:
             Route("/v1/chat/completions", self.business, methods=["POST"]),
             Route("/v1/completions", self.business, methods=["POST"]),
             Route("/v1/models", lambda r: JSONResponse({"data": [{"id": MODEL_NAME}]})),
-            Route("/health", lambda r: Response(status_code=200 if self.role else 503)),
+            Route("/health", lambda r: Response(status_code=200 if self.role and not self.unwell else 503)),
             Route("/v1/status", self.status),
             Route("/v1/role/{role}", self.assign, methods=["POST"]),
             Route("/v1/kv/release", self.release, methods=["POST"])])
@@ -451,8 +452,10 @@ def test_a_full_prefill_instance_stays_in_rotation(make_set):
     p.business_status = None
     r = httpx.post(s.base + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 200, r.text
-    # A 503 that does not say when (stopping) is down until the health loop sees it well.
-    p.business_status, p.retry_after = 503, None
+    # A 503 that does not say when (stopping) is down until the health loop sees it well
+    # (its health says unwell meanwhile: a health round every 0.2 s could otherwise mark
+    # it up again before the assertion on a slow host).
+    p.business_status, p.retry_after, p.unwell = 503, None, True
     httpx.post(s.base + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert not s.coord.cfg.prefill[0].up
 
