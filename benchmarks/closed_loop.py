@@ -10,7 +10,10 @@ prompts in the checkpoint's chat template), the modes' order reversed every othe
 round's tokens/s over MTP off's of the same round is the figure; ``--lengths 32-96`` gives
 each request its own length (mean 64), so that MTP off's requests drift apart as real ones do.
 
-Modes: off, k1 / k2 (adaptive speculation, the daemon's default), f1 / f2 (fixed k).
+Modes: off, k1 / k2 (adaptive speculation, the daemon's default), f1 / f2 (fixed k); any
+of them with ``+sb``: with MindIE's supportSelectBatch (a step prefills only, or decodes
+only, by its trade-off of ``--select-batch`` prefillTimeMsPerReq / decodeTimeMsPerReq), so
+replacements that arrive steps apart can be prefilled together.
 
 Usage (from the repository root; the checkpoint from benchmarks.models):
   python -m benchmarks.closed_loop --concurrency 8 --modes off,k1,k2 --rounds 8 --lengths 32-96
@@ -27,6 +30,13 @@ from benchmarks import harness
 from benchmarks.models import model_dir
 
 MODES = {"off": (0, True), "k1": (1, True), "k2": (2, True), "f1": (1, False), "f2": (2, False)}
+SELECT_BATCH = "+sb"
+
+
+def mode_settings(mode: str) -> tuple[int, bool, bool] | None:
+    """(k, adaptive, supportSelectBatch) of a mode name; None for an unknown one."""
+    base, sb = (mode[:-len(SELECT_BATCH)], True) if mode.endswith(SELECT_BATCH) else (mode, False)
+    return (*MODES[base], sb) if base in MODES else None
 
 
 def request_lengths(spec: str):
@@ -71,12 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=16, help="requests a round and mode")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--lengths", default="64", help="tokens a request: N, or LO-HI")
+    ap.add_argument("--select-batch", default="150/50",
+                    help="prefillTimeMsPerReq/decodeTimeMsPerReq of the +sb modes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        ap.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    if unknown := [m for m in modes if mode_settings(m) is None]:
+        ap.error(f"unknown modes {unknown}; known: {', '.join(MODES)}, each also with {SELECT_BATCH}")
+    try:
+        prefill_ms, decode_ms = (int(v) for v in args.select_batch.split("/"))
+    except ValueError:
+        ap.error(f"--select-batch takes PREFILL_MS/DECODE_MS, not {args.select_batch!r}")
     if not (args.weights / "config.json").is_file():
         ap.error(f"no checkpoint at {args.weights}: python -m benchmarks.models --size 0.5b")
     import torch
@@ -89,11 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = request_lengths(args.lengths)
     engines = {}
     for m in modes:
-        k, adaptive = MODES[m]
+        k, adaptive, select = mode_settings(m)
         cfg = EngineConfig(block_size=16, num_blocks=800, num_speculative_tokens=k,
                            max_queue_delay_us=0, max_batch_size=max(8, args.concurrency),
                            max_seq_len=2048, compile="on", compile_wait=True,
-                           adaptive_speculation=adaptive)
+                           adaptive_speculation=adaptive, support_select_batch=select,
+                           prefill_time_ms_per_req=prefill_ms, decode_time_ms_per_req=decode_ms)
         engines[m] = LLMEngine(model, cfg, eos_token_ids=set())
     t0 = time.perf_counter()
     for m in modes:                                  # warm-up, not in the rounds
@@ -122,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
               f"(rounds {ratio['min']:.2f}-{ratio['max']:.2f})  steps at k=0/1/2 {ks}")
     harness.save_report(harness.report_header(
         weights=harness.shown_path(args.weights), concurrency=args.concurrency,
-        lengths=args.lengths, requests=args.requests, rounds=args.rounds, threads=args.threads,
+        lengths=args.lengths, select_batch=args.select_batch, requests=args.requests,
+        rounds=args.rounds, threads=args.threads,
         warm_up_s=round(warm_s, 1), results=results), args.json)
 
 

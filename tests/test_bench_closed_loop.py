@@ -33,3 +33,10 @@ def test_the_loop_replaces_each_request_as_it_ends_until_all_are_served():
     rate = closed_loop.serve_round(eng, prompts(4, seed=2), 3, 7, lengths, "t")
     assert rate > 0 and not eng.has_unfinished()
     assert emitted == {f"t-{i}": lengths(i) for i in range(7)}
+
+
+def test_a_modes_name_says_its_k_policy_and_select_batch():
+    assert closed_loop.mode_settings("off") == (0, True, False)
+    assert closed_loop.mode_settings("f2") == (2, False, False)
+    assert closed_loop.mode_settings("k1+sb") == (1, True, True)
+    assert closed_loop.mode_settings("k3") is None and closed_loop.mode_settings("+sb") is None
