@@ -244,13 +244,21 @@ def test_head_rows_are_each_heads_product():
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
     if native.native_ops():
         # Grouped by head (bf16_heads), past the few-row path too: each (token, head) row's
-        # value is bf16_rows' for it alone, at any number of tokens.
+        # value is bf16_rows' for it alone, at any number of tokens up to 64.
         x = torch.randn(9, 4, 40, generator=g).to(torch.bfloat16)
         heads = torch.arange(4).repeat(9)
         rows = torch.ops.mtp_native.bf16_rows(x.reshape(36, 40), heads, w).view(9, 4, 24)
         assert torch.equal(torch.ops.mtp_native.bf16_heads(x, w), rows)
         for t in (1, 2, 4):                                 # the few-row path
             assert torch.equal(torch.ops.mtp_native.bf16_heads(x[:t].contiguous(), w), rows[:t])
+        # A prompt's rows (past 64) go to oneDNN's batched GEMM: its values, in float32.
+        x = torch.randn(65, 4, 40, generator=g).to(torch.bfloat16)
+        got = torch.ops.mtp_native.bf16_heads(x, w)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).float())
+        torch.testing.assert_close(got, torch.einsum("thk,hnk->thn", x.float(), w.float()), atol=0.1, rtol=0.02)
+        assert torch.equal(torch.ops.mtp_native.bf16_heads(x[:64].contiguous(), w),
+                           torch.ops.mtp_native.bf16_rows(x[:64].reshape(256, 40), torch.arange(4).repeat(64), w).view(64, 4, 24))
         with pytest.raises(RuntimeError, match="bf16_heads: x is"):
             torch.ops.mtp_native.bf16_heads(x[:, :3].contiguous(), w)
 

@@ -153,7 +153,12 @@ class MoE(nn.Module, UsesProducts):
                         outs.append(run(j, xs[start:start + n]))
                         start += n
                 ys = torch.cat(outs)
-            ys = ys * weights.reshape(-1)[mine, None]            # float32 weighting
+            w = weights.reshape(-1)[mine, None]                  # float32 weighting
+            # Widened, then weighted in place where no gradient is wanted: the same numbers
+            # (bf16 -> float32 is exact), where a bf16 x float32 product broadcast by row ran
+            # a slow mixed-type loop: a 256-token prompt's [1024, 1536] took 0.8-2.8 ms a
+            # layer, widened and weighted in place 0.2.
+            ys = ys.float().mul_(w) if not torch.is_grad_enabled() else ys * w
             out.index_add_(0, token_of, ys.float())
         out = out.to(x.dtype)
         if self.shared_experts is not None and self.shared_after_combine:
