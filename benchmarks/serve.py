@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where --realistic finds or builds its checkpoint (default .cache/bench-models)")
     ap.add_argument("--modes", default="off,k1,k2",
                     help="with --compare mtp: which of off,k1,k2 to start (default all three)")
+    ap.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
+                    help="with --compare mtp: MINDIE_ASYNC_SCHEDULING_ENABLE of every daemon; both: "
+                         "each mode twice, sync then async (\"off-async\", ...)")
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per burst (default: 3 x the concurrency, at least 12; 8 with --quick)")
     ap.add_argument("--daemon-compile", choices=("background", "wait", "off"), default=None,
@@ -282,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if not modes or set(modes) - {"off", "k1", "k2"}:
             ap.error("--modes: a comma-separated subset of off,k1,k2")
         plan = tuple(p for p in plan if p[0] in modes)
+        plan = async_plan(plan, args.async_scheduling)
     import torch
     torch.set_num_threads(args.threads)                # the reference rows run in this process
     reps = args.reps or (1 if args.quick else 3)
@@ -386,6 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def async_plan(plan: tuple, scheduling: str) -> tuple:
+    """The mtp plan's daemons with asynchronous scheduling off, on (names unchanged), or
+    both: each mode sync and then "<mode>-async", so the paired ratios set them side by
+    side in one run."""
+    with_async = lambda p, name: (name, p[1], True, *p[3:])          # noqa: E731
+    if scheduling == "on":
+        return tuple(with_async(p, p[0]) for p in plan)
+    if scheduling == "both":
+        return tuple(p for q in plan for p in (q, with_async(q, f"{q[0]}-async")))
+    return plan
 
 
 def paired_ratios(table: dict, raw: dict, baseline: str) -> None:

@@ -337,3 +337,12 @@ def test_spread_max_tokens_average_the_fixed_length_and_drift_apart():
     assert min(lens) == 32 and max(lens) == 96 and statistics.fmean(lens) == 64
     assert len(set(lens[:8])) == 8
     assert harness.spread_max_tokens(1, 5) >= 1
+
+
+def test_serve_async_plan_turns_every_daemon_async_or_adds_an_async_twin():
+    from benchmarks import serve
+    plan = (("off", 0, False, None, False), ("k2", 2, False, None, False))
+    assert serve.async_plan(plan, "off") == plan
+    assert serve.async_plan(plan, "on") == (("off", 0, True, None, False), ("k2", 2, True, None, False))
+    assert [p[:3] for p in serve.async_plan(plan, "both")] == [
+        ("off", 0, False), ("off-async", 0, True), ("k2", 2, False), ("k2-async", 2, True)]
