@@ -23,11 +23,12 @@ resident size stays at its peak instead, as under a caching allocator.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
-from typing import Any
+from typing import Any, Iterator
 
 # What a worker process or a rank imports anyway: loaded once, in the fork server.
 # ``server`` first: its warning filter must be in place before torch imports.
@@ -46,6 +47,25 @@ def child_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)     # read when the server first starts
     return ctx
+
+
+@contextlib.contextmanager
+def tensors_shared_by_name() -> Iterator[None]:
+    """Tensors pickled for a child while this lasts are shared as named shared-memory
+    files, not as file descriptors.  Why: torch shares a storage with a child through one
+    descriptor each, and the fork server sends all of a child's descriptors in one message
+    of at most 256 (multiprocessing.forkserver.MAXFDS_TO_SEND): a worker process handed a
+    model of more storages (the 0.5b bench model has 639, a full DeepSeek-V3 thousands)
+    failed to start with "too many fds", so asynchronous scheduling could not serve a
+    real model.  By name, a storage costs no descriptor; torch's shm manager unlinks the
+    files once no process holds them."""
+    import torch.multiprocessing as mp
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
 
 
 def keep_freed_pages() -> bool:

@@ -221,3 +221,24 @@ def test_worker_thread_executor_identical_too(k):
     ref, got = both(model, k, lambda e: run_staggered(e, reqs, every=1), max_batch_size=16,
                     async_executor="thread")
     assert got == ref
+
+
+def test_a_worker_process_takes_a_model_of_more_storages_than_a_message_has_descriptors():
+    """A model of 1159 storages (30 tiny layers; the 0.5b bench model has 639) handed, as
+    loaded, to the worker process: each storage once took a file descriptor of the fork
+    server's one message (at most 256), and the worker never started ("too many fds").
+    (A worker packs the weights into one storage: a model an engine served before has few.)"""
+    from server.model.loading import load_checkpoint
+    from server.testing.tiny_checkpoint import make_tiny_checkpoint
+    path = make_tiny_checkpoint(f"{tempfile.mkdtemp()}/deep", seed=0, num_hidden_layers=30)
+    reqs = lambda: requests(prompts(3), SamplingParams(max_tokens=8, temperature=0.0))  # noqa: E731
+    outs = []
+    for on in (True, False):
+        model = load_checkpoint(path)[0].eval()
+        tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) > 256
+        eng = make_engine(model, 1, async_scheduling=on, async_executor="process")
+        assert (eng.worker is None) is on
+        outs.append(run_tokens(eng, reqs()))
+        eng.shutdown()
+    assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0].values())

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from server.engine.child import child_context, init_child
+from server.engine.child import child_context, init_child, tensors_shared_by_name
 from server.engine.config import START_TIMEOUT_S, EngineConfig
 from server.engine.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -147,7 +147,8 @@ class ProcessExecutor:
                            args=(model, cfg, num_spec_tokens, policy,
                                  torch.get_num_threads(), logging.getLogger().level,
                                  requests_rx, results_tx), kwargs={"environ": dict(os.environ)})
-        proc.start()
+        with tensors_shared_by_name():         # the model: a descriptor a storage otherwise
+            proc.start()
         requests_rx.close()
         results_tx.close()
         self._attach(requests, results, [proc])
