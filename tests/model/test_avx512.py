@@ -251,14 +251,19 @@ def test_head_rows_are_each_heads_product():
         assert torch.equal(torch.ops.mtp_native.bf16_heads(x, w), rows)
         for t in (1, 2, 4):                                 # the few-row path
             assert torch.equal(torch.ops.mtp_native.bf16_heads(x[:t].contiguous(), w), rows[:t])
-        # A prompt's rows (past 64) go to oneDNN's batched GEMM: its values, in float32.
+        # Past 64 rows, a prompt's products (bf16_heads_wide: the products' own outside
+        # decode graphs) are oneDNN's batched GEMM; a decode window's (bf16_heads, what
+        # Avx512Window traces) stay the kernel's, each row bf16_rows' at any size.
         x = torch.randn(65, 4, 40, generator=g).to(torch.bfloat16)
-        got = torch.ops.mtp_native.bf16_heads(x, w)
-        assert got.dtype == torch.float32
-        assert torch.equal(got, torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).float())
-        torch.testing.assert_close(got, torch.einsum("thk,hnk->thn", x.float(), w.float()), atol=0.1, rtol=0.02)
-        assert torch.equal(torch.ops.mtp_native.bf16_heads(x[:64].contiguous(), w),
-                           torch.ops.mtp_native.bf16_rows(x[:64].reshape(256, 40), torch.arange(4).repeat(64), w).view(64, 4, 24))
+        rows = torch.ops.mtp_native.bf16_rows(x.reshape(260, 40), torch.arange(4).repeat(65), w).view(65, 4, 24)
+        assert torch.equal(torch.ops.mtp_native.bf16_heads(x, w), rows)
+        wide = torch.ops.mtp_native.bf16_heads_wide(x, w)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide, torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).float())
+        torch.testing.assert_close(wide, rows, atol=0.1, rtol=0.02)
+        assert torch.equal(torch.ops.mtp_native.bf16_heads_wide(x[:64].contiguous(), w), rows[:64])
+        assert torch.equal(avx512.Avx512Window()._heads(x, w), rows)
+        assert torch.equal(avx512.Avx512Products()._heads(x, w), wide)
         with pytest.raises(RuntimeError, match="bf16_heads: x is"):
             torch.ops.mtp_native.bf16_heads(x[:, :3].contiguous(), w)
 

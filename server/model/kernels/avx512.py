@@ -152,11 +152,17 @@ class Avx512Products(Products):
         rows by head (bf16_heads: each head's weight read once a step, where bf16_rows
         read it once a token: 7% of a batch-8 step); the Python one takes bf16_rows."""
         if ops_ready():
-            return torch.ops.mtp_native.bf16_heads(x.to(torch.bfloat16).contiguous(), w).to(x.dtype)
+            return self._heads(x.to(torch.bfloat16).contiguous(), w).to(x.dtype)
         t, nh, k = x.shape
         heads = torch.arange(nh, device=x.device).repeat(t)
         out = torch.ops.mtp_serve.bf16_rows(x.reshape(t * nh, k).to(torch.bfloat16).contiguous(), heads, w)
         return out.view(t, nh, -1).to(x.dtype)
+
+    @staticmethod
+    def _heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Past 64 rows oneDNN's (ops.cpp bf16_heads_wide): a prompt's, and an eager
+        window's as its projections past KERNEL_ROWS."""
+        return torch.ops.mtp_native.bf16_heads_wide(x, w)
 
     def column_major(self, dtype: torch.dtype) -> bool:
         return dtype == torch.float32            # our kernel reads bf16 weights by rows
@@ -179,6 +185,11 @@ class Avx512Window(Avx512Products):
         op = torch.ops.mtp_native.bf16_mm if ops_ready() else torch.ops.mtp_serve.bf16_mm
         out = op(rows, weight).view(*x.shape[:-1], weight.shape[0])
         return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    @staticmethod
+    def _heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The kernel at any number of rows: a window's rows alike whatever its size."""
+        return torch.ops.mtp_native.bf16_heads(x, w)
 
     def router_logits(self, x, weight):
         """Traced, ``window_router_logits``: a token's scores alike alone and in a window."""

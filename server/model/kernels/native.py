@@ -237,7 +237,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"mtp_native::{name}")(
             lambda x, weights, idx, gate_up, gate_up_scale, down, down_scale: x.new_empty(
                 x.shape[0], gate_up.shape[2], dtype=torch.float32))
-    for name in ("bf16_heads", "half_heads"):
+    for name in ("bf16_heads", "bf16_heads_wide", "half_heads"):
         torch.library.register_fake(f"mtp_native::{name}")(
             lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.float32))
     torch.library.register_fake("mtp_native::bf16_attend")(

@@ -288,27 +288,31 @@ at::Tensor heads_product(const at::Tensor& x, const at::Tensor& w, const char* n
   return at::empty({x.size(0), x.size(1), w.size(1)}, x.options().dtype(at::kFloat));
 }
 
-// Rows past which bf16_heads hands the product to oneDNN's bf16 batched GEMM, as
-// avx512.py's KERNEL_ROWS does for the projections.  Why: a prompt's rows (the compiled
-// prefill graphs call this operator for every length) make the product arithmetic, with
-// the weights in cache, and at K = 128 (W_UK) each output is 4 VDPBF16PS and a horizontal
-// sum: on the 2-core Zen 4 the kernel took 1.95 ms for 256 rows of the 0.5b model's 12
-// heads, oneDNN 0.89 (W_UV, K = 384: 1.09 against 0.79); at 8-16 rows the kernel is faster
-// or even (a batch's decode window streams the weights).  Past it a row's values are
-// oneDNN's, as past KERNEL_ROWS for the projections.
-constexpr int64_t kHeadsKernelRows = 64;
-
 at::Tensor bf16_heads(const at::Tensor& x, const at::Tensor& w) {
   need(reinterpret_cast<const void*>(kernels.bf16_heads), "bf16_heads");
   auto y = heads_product(x, w, "bf16_heads");
-  if (x.size(0) > kHeadsKernelRows) {
-    // [nH, T, K] . [nH, K, N] -> [nH, T, N], back to [T, nH, N].
-    y.copy_(at::bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1));
-    return y;
-  }
   if (x.size(0) > 0)
     kernels.bf16_heads(x.data_ptr(), x.size(0), x.size(1), x.size(2), w.data_ptr(), w.size(1), y.data_ptr(),
                        at::get_num_threads());
+  return y;
+}
+
+// Rows past which bf16_heads_wide hands the product to oneDNN's bf16 batched GEMM, as
+// avx512.py's KERNEL_ROWS does for the eager projections.  Why: a prompt's rows (the
+// compiled prefill graphs call it for every length) make the product arithmetic, with the
+// weights in cache, and at K = 128 (W_UK) each output is 4 VDPBF16PS and a horizontal sum:
+// on the 2-core Zen 4 the kernel took 1.95 ms for 256 rows of the 0.5b model's 12 heads,
+// oneDNN 0.89 (W_UV, K = 384: 1.09 against 0.79).  Decode windows' graphs call bf16_heads,
+// the kernel at any rows: a row's values then do not depend on the window's size, which
+// keeps MTP's verify windows exact at every batch.
+constexpr int64_t kHeadsKernelRows = 64;
+
+at::Tensor bf16_heads_wide(const at::Tensor& x, const at::Tensor& w) {
+  if (x.size(0) <= kHeadsKernelRows)
+    return bf16_heads(x, w);
+  auto y = heads_product(x, w, "bf16_heads_wide");
+  // [nH, T, K] . [nH, K, N] -> [nH, T, N], back to [T, nH, N].
+  y.copy_(at::bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1));
   return y;
 }
 
@@ -760,6 +764,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_native, m) {
         "float scale, int kvr) -> Tensor");
   m.def("bf16_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor down) -> Tensor");
   m.def("bf16_heads(Tensor x, Tensor w) -> Tensor");
+  m.def("bf16_heads_wide(Tensor x, Tensor w) -> Tensor");
   m.def("i8_mm(Tensor x, Tensor w) -> Tensor");
   m.def("i8_rows(Tensor x, Tensor expert, Tensor w) -> Tensor");
   m.def("i8_moe(Tensor x, Tensor weights, Tensor idx, Tensor gate_up, Tensor gate_up_scale, Tensor down, "
@@ -789,6 +794,7 @@ TORCH_LIBRARY_IMPL(mtp_native, CPU, m) {
   m.impl("bf16_attend_paged_i8", &bf16_attend_paged_i8);
   m.impl("bf16_moe", &bf16_moe);
   m.impl("bf16_heads", &bf16_heads);
+  m.impl("bf16_heads_wide", &bf16_heads_wide);
   m.impl("i8_mm", &i8_mm);
   m.impl("i8_rows", &i8_rows);
   m.impl("i8_moe", &i8_moe);
