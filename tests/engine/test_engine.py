@@ -349,21 +349,29 @@ def test_async_engine_streams_aborts_and_drains():
 
 
 # ---- configuration -------------------------------------------------------------------------
-def test_from_config_reads_the_shipped_config(tmp_path):
+def _shipped_config(tmp_path, **env: str) -> tuple[dict, object]:
+    """conf/config.json on a tiny checkpoint with a 1 GiB pool: (the document, its AppConfig
+    under ``env``).  The suite's compile switch (off) goes with it: "auto" would compile the
+    tiny model's graphs in the background, minutes of a core that nothing reads."""
     import json
     from pathlib import Path
 
     from server.config import parse_config
-    from server.engine.config import engine_config_from_app
     from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=0)
     doc = json.loads(Path("conf/config.json").read_text())
     doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(ckpt)
     doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["npuMemSize"] = 1
-    # The suite's compile switch (off): "auto" would compile the tiny model's graphs in the
-    # background, minutes of a core that nothing reads.
-    app = parse_config(doc, base_dir=tmp_path, env={"MTP_SERVE_COMPILE": os.environ["MTP_SERVE_COMPILE"]})
+    env = {"MTP_SERVE_COMPILE": os.environ["MTP_SERVE_COMPILE"], **env}
+    return doc, parse_config(doc, base_dir=tmp_path, env=env)
+
+
+def test_from_config_reads_the_shipped_config(tmp_path):
+    from server.config import parse_config
+    from server.engine.config import engine_config_from_app
+
+    doc, app = _shipped_config(tmp_path)
     cfg = engine_config_from_app(app)
     sched = app.schedule
     assert cfg.block_size == sched.cache_block_size and cfg.max_batch_size == sched.max_batch_size
@@ -396,21 +404,12 @@ def test_an_engine_whose_worker_is_a_process_lets_its_loaded_model_go(tmp_path, 
     """With asynchronous scheduling on a CPU the worker process keeps its own copy of the
     weights; the engine's process frees the one it loaded (a model's cycles wait for a full
     collection otherwise: the 0.5b model's 1.1 GB stayed mapped beside the worker's)."""
-    import json
     import weakref
-    from pathlib import Path
 
-    from server.config import parse_config
     from server.engine.front import async_engine
     from server.model import loading
-    from server.testing.tiny_checkpoint import make_tiny_checkpoint
 
-    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=0)
-    doc = json.loads(Path("conf/config.json").read_text())
-    doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(ckpt)
-    doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["npuMemSize"] = 1
-    app = parse_config(doc, base_dir=tmp_path, env={"MTP_SERVE_COMPILE": os.environ["MTP_SERVE_COMPILE"],
-                                                   "MINDIE_ASYNC_SCHEDULING_ENABLE": "1"})
+    _, app = _shipped_config(tmp_path, MINDIE_ASYNC_SCHEDULING_ENABLE="1")
     loaded = []
     real = loading.load_checkpoint
 

@@ -159,7 +159,7 @@ class MoE(nn.Module, UsesProducts):
             # a slow mixed-type loop: a 256-token prompt's [1024, 1536] took 0.8-2.8 ms a
             # layer, widened and weighted in place 0.2.
             ys = ys.float().mul_(w) if not torch.is_grad_enabled() else ys * w
-            out.index_add_(0, token_of, ys.float())
+            out.index_add_(0, token_of, ys)
         out = out.to(x.dtype)
         if self.shared_experts is not None and self.shared_after_combine:
             return (self.combine(out) + self.shared_experts(x)).reshape(shape)
